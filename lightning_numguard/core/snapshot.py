@@ -1,0 +1,193 @@
+"""Verified-finite copies of the training state, restored in place, bitwise.
+
+A :class:`Snapshot` holds deep copies (never aliases) of
+
+* a module's ``state_dict`` (parameters and buffers),
+* every optimizer's ``state_dict``,
+* any number of *stateful* objects (LR schedulers, the AMP scaler, metric states, numpy's
+  RNG…) given as :class:`Stateful` adapters,
+* the torch (CPU and CUDA) and Python RNG states.
+
+Copies go to the host by default (pinned memory and non-blocking copies when the source is on
+CUDA, so the copy is ordered on the stream before the optimizer step that follows) or stay on
+the device (``where="device"``). A new capture reuses the previous snapshot's storage when the
+shapes match, so taking one costs a copy, not an allocation.
+
+:func:`restore` copies back in place: parameters keep their identity (the optimizer still
+points to them), optimizer state is loaded from a *fresh* clone each time (``load_state_dict``
+keeps same-device tensors by reference, so restoring the same snapshot twice would otherwise
+share storage with the live state).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["Snapshot", "Stateful", "capture", "clone_tree", "restore", "rng_state", "set_rng_state"]
+
+
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict(state)``."""
+
+    def state_dict(self) -> Any: ...  # pragma: no cover
+
+    def load_state_dict(self, state: Any) -> Any: ...  # pragma: no cover
+
+
+def clone_tree(
+    obj: Any, device: torch.device | str | None = None, pin: bool = False, into: Any = None
+) -> Any:
+    """Deep-copy a nested structure, cloning every tensor (to ``device`` when given).
+
+    ``into`` is an earlier result of ``clone_tree`` with the same structure: tensors whose
+    shape, dtype and device match are overwritten in place instead of reallocated.
+    """
+    if isinstance(obj, torch.Tensor):
+        src = obj.detach()
+        target_device = torch.device(device) if device is not None else src.device
+        if (
+            isinstance(into, torch.Tensor)
+            and into.shape == src.shape
+            and into.dtype == src.dtype
+            and into.device == target_device
+        ):
+            into.copy_(src, non_blocking=src.device.type == "cuda")
+            return into
+        if target_device == src.device:
+            return src.clone()
+        out = torch.empty(
+            src.shape, dtype=src.dtype, device=target_device, pin_memory=pin and target_device.type == "cpu"
+        )
+        out.copy_(src, non_blocking=src.device.type == "cuda" and pin)
+        return out
+    if isinstance(obj, dict):
+        sub = into if isinstance(into, dict) else {}
+        return type(obj)((k, clone_tree(v, device, pin, sub.get(k))) for k, v in obj.items())
+    if isinstance(obj, list):
+        sub_l = into if isinstance(into, list) and len(into) == len(obj) else [None] * len(obj)
+        return [clone_tree(v, device, pin, s) for v, s in zip(obj, sub_l)]
+    if isinstance(obj, tuple):
+        sub_t = into if isinstance(into, tuple) and len(into) == len(obj) else (None,) * len(obj)
+        items = [clone_tree(v, device, pin, s) for v, s in zip(obj, sub_t)]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    return copy.deepcopy(obj)
+
+
+def tree_nbytes(obj: Any) -> int:
+    """Bytes held by the tensors of a nested structure."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tree_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tree_nbytes(v) for v in obj)
+    return 0
+
+
+def rng_state() -> dict[str, Any]:
+    """The torch CPU, CUDA (when initialised) and Python RNG states."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class Snapshot:
+    """A verified-finite copy of the training state at the end of global step ``step - 1``."""
+
+    step: int
+    model: dict[str, Any]
+    optimizers: list[Any]
+    stateful: dict[str, Any] = field(default_factory=dict)
+    rng: dict[str, Any] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor storage this snapshot holds."""
+        return tree_nbytes(self.model) + tree_nbytes(self.optimizers) + tree_nbytes(self.stateful)
+
+
+def capture(
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    stateful: Mapping[str, Stateful] | None = None,
+    *,
+    step: int,
+    where: Literal["host", "device"] = "host",
+    rng: dict[str, Any] | None = None,
+    model_state: Mapping[str, Any] | None = None,
+    stateful_state: Mapping[str, Any] | None = None,
+    reuse: Snapshot | None = None,
+) -> Snapshot:
+    """Copy the training state (no verification: the caller checks the live tensors first).
+
+    Args:
+        model: the module whose ``state_dict`` is copied.
+        optimizers: the optimizers whose ``state_dict`` is copied.
+        stateful: named objects (schedulers, scaler, metric adapters) copied via ``state_dict``.
+        step: the global step the state belongs to.
+        where: ``"host"`` (pinned when CUDA is used) or ``"device"``.
+        rng: an RNG state captured earlier (:func:`rng_state`); ``None`` captures it now.
+        model_state: entries overriding ``model.state_dict()`` (e.g. buffers copied at the
+            start of the step, before the forward pass changed them).
+        stateful_state: states overriding ``stateful[name].state_dict()``, likewise.
+        reuse: an older snapshot whose storage may be overwritten.
+    """
+    device = "cpu" if where == "host" else None
+    pin = where == "host" and torch.cuda.is_available()
+    sd = dict(model.state_dict())
+    if model_state:
+        sd.update(model_state)
+    states = {name: obj.state_dict() for name, obj in (stateful or {}).items()}
+    if stateful_state:
+        states.update({k: v for k, v in stateful_state.items() if k in states})
+    return Snapshot(
+        step=step,
+        model=clone_tree(sd, device, pin, reuse.model if reuse else None),
+        optimizers=clone_tree(
+            [o.state_dict() for o in optimizers], device, pin, reuse.optimizers if reuse else None
+        ),
+        stateful=clone_tree(states, device, pin, reuse.stateful if reuse else None),
+        rng=copy.deepcopy(rng) if rng is not None else rng_state(),
+    )
+
+
+def restore(
+    snapshot: Snapshot,
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    stateful: Mapping[str, Stateful] | None = None,
+    *,
+    restore_rng: bool = True,
+    skip_stateful: Sequence[str] = (),
+) -> None:
+    """Put ``snapshot`` back in place; afterwards every tensor equals the snapshot bitwise."""
+    model.load_state_dict(snapshot.model, strict=True)  # copies into the live tensors in place
+    if len(optimizers) != len(snapshot.optimizers):
+        raise ValueError(
+            f"the snapshot holds {len(snapshot.optimizers)} optimizer states but {len(optimizers)} "
+            "optimizers are live; were optimizers re-created after the snapshot?"
+        )
+    for opt, state in zip(optimizers, snapshot.optimizers):
+        opt.load_state_dict(clone_tree(state))
+    for name, obj in (stateful or {}).items():
+        if name in snapshot.stateful and name not in skip_stateful:
+            obj.load_state_dict(clone_tree(snapshot.stateful[name]))
+    if restore_rng and snapshot.rng is not None:
+        set_rng_state(snapshot.rng)

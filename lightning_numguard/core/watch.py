@@ -1,0 +1,177 @@
+"""Forward hooks that record each module's output range on the device, without syncing."""
+
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_numguard.core.tree import floating_leaves
+
+__all__ = ["OutputWatch", "select_modules"]
+
+
+def select_modules(
+    root: nn.Module, include: Sequence[str] = ("*",), exclude: Sequence[str] = ()
+) -> list[tuple[str, nn.Module]]:
+    """The ``(qualified_name, module)`` pairs of ``root`` matching ``include`` and not ``exclude``.
+
+    Patterns are :mod:`fnmatch` globs on qualified names (``"encoder.*"``, ``"*.norm"``); the root
+    itself is named ``""`` and is never watched (its output is the loss-side of the step).
+    """
+    chosen = []
+    for name, module in root.named_modules():
+        if not name:
+            continue
+        if any(fnmatch.fnmatchcase(name, p) for p in include) and not any(
+            fnmatch.fnmatchcase(name, p) for p in exclude
+        ):
+            chosen.append((name, module))
+    return chosen
+
+
+class _Hook:
+    """A forward (pre-)hook bound weakly to its watch.
+
+    ``copy.deepcopy(model)`` (EMA, SWA) copies hooks along with the model; the weak
+    reference is shared, not copied, and the ``id`` check makes the copy's hooks inert.
+    """
+
+    __slots__ = ("module_id", "pre", "slot", "watch")
+
+    def __init__(self, watch: OutputWatch, slot: int, module_id: int, pre: bool) -> None:
+        self.watch = weakref.ref(watch)
+        self.slot = slot
+        self.module_id = module_id
+        self.pre = pre
+
+    def __call__(self, module: nn.Module, args: Any, output: Any = None) -> None:
+        watch = self.watch()
+        if watch is None or id(module) != self.module_id:
+            return
+        if self.pre:
+            watch._enter(self.slot)
+        else:
+            watch._exit(self.slot, output)
+
+
+class OutputWatch:
+    """Records, per forward call of each watched module, the min and max of its floating outputs.
+
+    Nothing is read back: :meth:`slot_flags` turns the records into one float32 vector with a
+    1.0 for every module slot that produced a non-finite output, and :meth:`first_bad` (which
+    syncs; use after a hit) names the first module in execution order.
+
+    A module's output that is the very tensor already recorded (a ``Sequential`` returning its
+    last child's output) is not reduced twice.
+
+    Args:
+        root: the module whose submodules are watched.
+        include: glob patterns of qualified names to watch.
+        exclude: glob patterns of qualified names not to watch.
+        on_enter: called with the qualified name of each module as its forward starts and with
+            the enclosing module's name (or ``None``) as it ends; used by the op guard to say
+            which module called an op. ``None`` registers no pre-hooks.
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        include: Sequence[str] = ("*",),
+        exclude: Sequence[str] = (),
+        on_enter: Callable[[str | None], None] | None = None,
+    ) -> None:
+        modules = select_modules(root, include, exclude)
+        self.names: list[str] = [n for n, _ in modules]
+        self._modules = [weakref.ref(m) for _, m in modules]
+        self._on_enter = on_enter
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._stack: list[int] = []
+        self._last_out: torch.Tensor | None = None
+        self.records: list[tuple[int, torch.Tensor]] = []
+        self.enabled = True
+
+    def attach(self) -> None:
+        """Register the hooks (idempotent). Do it before the first compiled forward."""
+        if self._handles:
+            return
+        for slot, ref in enumerate(self._modules):
+            module = ref()
+            if module is None:
+                continue
+            self._handles.append(module.register_forward_hook(_Hook(self, slot, id(module), pre=False)))
+            if self._on_enter is not None:
+                self._handles.append(
+                    module.register_forward_pre_hook(_Hook(self, slot, id(module), pre=True))
+                )
+
+    def detach(self) -> None:
+        """Remove every hook this watch registered."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.reset()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def reset(self) -> None:
+        """Forget the records of the current step."""
+        self.records.clear()
+        self._stack.clear()
+        self._last_out = None
+
+    def _enter(self, slot: int) -> None:
+        self._stack.append(slot)
+        if self._on_enter is not None:
+            self._on_enter(self.names[slot])
+
+    def _exit(self, slot: int, output: Any) -> None:
+        if self._on_enter is not None and self._stack:
+            self._stack.pop()
+            self._on_enter(self.names[self._stack[-1]] if self._stack else None)
+        if not self.enabled or not torch.is_grad_enabled():
+            return
+        if isinstance(output, torch.Tensor):
+            if output is self._last_out or not output.is_floating_point() or output.numel() == 0:
+                return
+            self._last_out = output
+            lo, hi = torch.aminmax(output.detach())
+            self.records.append((slot, torch.stack([lo, hi])))
+            return
+        for _, t in floating_leaves(output, "out"):
+            if t.numel():
+                lo, hi = torch.aminmax(t.detach())
+                self.records.append((slot, torch.stack([lo, hi])))
+
+    def slot_flags(self, device: torch.device) -> torch.Tensor:
+        """0-d float32: 1.0 if any recorded output was non-finite (no sync)."""
+        if not self.records:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        values = torch.stack([r.to(device=device, dtype=torch.float32) for _, r in self.records])
+        return (~torch.isfinite(values)).any().to(torch.float32)
+
+    def first_bad(self) -> list[tuple[str, float, float]]:
+        """Modules whose output went non-finite, first in execution order, with (min, max). **Syncs.**"""
+        if not self.records:
+            return []
+        device = self.records[0][1].device
+        values = torch.stack([r.to(device=device, dtype=torch.float32) for _, r in self.records]).tolist()
+        seen: set[int] = set()
+        bad = []
+        for (slot, _), (lo, hi) in zip(self.records, values):
+            if slot in seen:
+                continue
+            if not (_finite(lo) and _finite(hi)):
+                seen.add(slot)
+                bad.append((self.names[slot], lo, hi))
+        return bad
+
+
+def _finite(x: float) -> bool:
+    return x == x and x not in (float("inf"), float("-inf"))

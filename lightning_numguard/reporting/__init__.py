@@ -1,0 +1,1 @@
+"""Everything the guard writes: messages, events.jsonl, TensorBoard and other loggers."""

@@ -1,0 +1,600 @@
+"""Explain a failed run: an ``events.jsonl`` incident report, or the likely cause in a plain log.
+
+Pure functions, shared by ``numguard explain`` and anything else that wants the same text:
+
+- :func:`load_events` reads ``events.jsonl`` leniently (corrupt lines become *problems*);
+- :func:`format_report` turns events into a readable incident report;
+- :func:`explain_log` matches a log or traceback of an unguarded run against
+  :data:`~lightning_numguard.reporting.catalogue.CATALOGUE`;
+- :func:`explain` / :func:`explain_path` decide which of the two a path is and return the
+  report with its exit code.
+
+Exit codes (also the CLI's)::
+
+    0  EXIT_OK         a report was written, or a known cause was found
+    1  EXIT_NO_CAUSE   the input was read but no known cause was recognised
+    2  EXIT_ERROR      the path is missing, unreadable, binary or holds nothing parseable
+
+Nothing here prints; the CLI does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+import textwrap
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from lightning_numguard.reporting.catalogue import ACTIONS, CATALOGUE, Pattern, kind_hint, op_hint
+
+__all__ = [
+    "EVENTS_FILENAME",
+    "EXIT_ERROR",
+    "EXIT_NO_CAUSE",
+    "EXIT_OK",
+    "Explanation",
+    "Match",
+    "explain",
+    "explain_log",
+    "explain_path",
+    "find_events_files",
+    "first_culprit",
+    "format_log_report",
+    "format_report",
+    "load_events",
+    "summarize_events",
+]
+
+EXIT_OK = 0
+EXIT_NO_CAUSE = 1
+EXIT_ERROR = 2
+
+EVENTS_FILENAME = "events.jsonl"
+
+_REQUIRED: Mapping[str, type] = {
+    "kind": str,
+    "step": int,
+    "epoch": int,
+    "batch_idx": int,
+    "rank": int,
+    "where": list,
+    "action": str,
+    "message": str,
+}
+_SHOWN_EXTRAS = ("time", "details", "replay")
+_MAX_QUOTE = 240
+_WIDTH = 100
+_MAX_WHERE = 48
+_BINARY_PROBE = 8192
+
+Event = dict[str, Any]
+
+
+# --------------------------------------------------------------------------- events.jsonl
+
+
+def load_events(path: str | os.PathLike[str]) -> tuple[list[Event], list[str]]:
+    """Read an ``events.jsonl`` file, keeping every valid event and noting every bad line.
+
+    Args:
+        path: the file.
+
+    Returns:
+        ``(events, problems)``: the valid events in file order, and one note per skipped line
+        (``"line 4: not valid JSON (...)"``, ``"line 7: 'step' must be an int, got str"``, a
+        line that is not UTF-8). Blank lines are neither.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    events: list[Event] = []
+    problems: list[str] = []
+    with open(path, "rb") as stream:
+        for line_no, raw in enumerate(stream, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                problems.append(f"line {line_no}: not UTF-8 text ({exc.reason} at byte {exc.start})")
+                continue
+            if not line.strip():
+                continue
+            event, problem = _parse_event(line)
+            if event is not None:
+                events.append(event)
+            else:
+                problems.append(f"line {line_no}: {problem}")
+    return events, problems
+
+
+def _parse_event(line: str) -> tuple[Event | None, str]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, f"not valid JSON ({exc.msg})"
+    if not isinstance(obj, dict):
+        return None, f"not a JSON object (got {type(obj).__name__})"
+    for key, expected in _REQUIRED.items():
+        if key not in obj:
+            return None, f"missing required key {key!r}"
+        value = obj[key]
+        # bool is an int subclass, but `"step": true` is corrupt, not step 1.
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            return None, f"{key!r} must be {_type_name(expected)}, got {type(value).__name__}"
+    if not all(isinstance(name, str) for name in obj["where"]):
+        return None, "'where' must be a list of strings"
+    return obj, ""
+
+
+def _type_name(expected: type) -> str:
+    return {int: "an int", str: "a string", list: "a list"}.get(expected, expected.__name__)
+
+
+def first_culprit(events: Sequence[Event]) -> Event | None:
+    """The root cause: the first recorded event of the earliest step.
+
+    Events of one step are recorded in causal order (inputs, parameters, module outputs, ops,
+    loss, gradients), so the first one of the earliest step is where the trouble began.
+    """
+    if not events:
+        return None
+    earliest = min(event["step"] for event in events)
+    return next(event for event in events if event["step"] == earliest)
+
+
+def summarize_events(
+    events: Sequence[Event], source: str | os.PathLike[str], problems: Sequence[str] = ()
+) -> dict[str, Any]:
+    """A machine-readable summary of an incident file (what ``numguard explain --json`` prints).
+
+    Args:
+        events: the valid events, in file order.
+        source: the ``events.jsonl`` they came from.
+        problems: the notes on skipped lines, from :func:`load_events`.
+
+    Returns:
+        A JSON-serialisable dict: ``events_file``, ``incidents``, ``steps`` (sorted distinct
+        steps), ``first_step``/``last_step``, ``ranks``, ``kinds`` and ``actions`` (counts),
+        ``first_culprit`` (the event, with its ``hint``), ``hints`` (per kind present) and
+        ``skipped_lines``.
+    """
+    steps = sorted({event["step"] for event in events})
+    kinds = Counter(event["kind"] for event in events)
+    culprit = first_culprit(events)
+    return {
+        "input": "events",
+        "events_file": str(source),
+        "incidents": len(events),
+        "steps": steps,
+        "first_step": steps[0] if steps else None,
+        "last_step": steps[-1] if steps else None,
+        "ranks": sorted({event["rank"] for event in events}),
+        "kinds": dict(kinds),
+        "actions": _action_counts(events),
+        "first_culprit": None if culprit is None else {**culprit, "hint": _event_hint(culprit)},
+        "hints": {kind: kind_hint(kind) for kind in kinds},
+        "skipped_lines": list(problems),
+    }
+
+
+def _action_counts(events: Sequence[Event]) -> dict[str, int]:
+    counts = Counter(event["action"] for event in events)
+    # The four actions always appear (a zero says something too); "none" and unknown ones when used.
+    shown = [action for action in ACTIONS if action != "none" or counts[action]]
+    shown += sorted(action for action in counts if action not in ACTIONS)
+    return {action: counts[action] for action in shown}
+
+
+def _replay(event: Event) -> Any:
+    """The event's ``replay`` record: top level, or inside ``details`` as the callback may nest it."""
+    details = event.get("details")
+    if "replay" not in event and isinstance(details, Mapping):
+        return details.get("replay")
+    return event.get("replay")
+
+
+def _event_hint(event: Event) -> str:
+    replay = _replay(event)
+    if isinstance(replay, Mapping) and isinstance(replay.get("op"), str):
+        specific = op_hint(replay["op"])
+        if specific is not None:
+            return f"{replay['op']}: {specific}"
+    return kind_hint(event["kind"])
+
+
+def format_report(
+    events: Sequence[Event],
+    source: str | os.PathLike[str],
+    problems: Sequence[str] = (),
+    *,
+    others: Sequence[str | os.PathLike[str]] = (),
+) -> str:
+    """A readable incident report of the events of one run.
+
+    Args:
+        events: the valid events, in file order (as :func:`load_events` returns them).
+        source: the ``events.jsonl`` they came from, named in the header.
+        problems: the notes on skipped lines, listed under the header.
+        others: other ``events.jsonl`` files that were found but not used (older ones in the
+            same folder), listed under the file name.
+
+    Returns:
+        The report: header (file, incidents, steps, ranks), the first culprit with its message
+        and hint, a timeline (one line per event, extras indented below), the actions taken and
+        one hint per kind. ``"no incidents recorded"`` when there are no events.
+    """
+    lines = ["numguard incident report", f"  file:       {source}"]
+    if others:
+        lines.append(f"              (the newest of {len(others) + 1} {EVENTS_FILENAME} files; not used:)")
+        lines.extend(f"              {other}" for other in others)
+    if problems:
+        lines.append(f"  skipped:    {len(problems)} corrupt line(s)")
+        lines.extend(f"              {problem}" for problem in problems)
+    if not events:
+        lines += ["", "no incidents recorded"]
+        return "\n".join(lines)
+
+    summary = summarize_events(events, source, problems)
+    steps: list[int] = summary["steps"]
+    span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+    lines.append(f"  incidents:  {len(events)} in {len(steps)} step(s) ({span})")
+    lines.append(f"  ranks:      {', '.join(map(str, summary['ranks']))}")
+
+    culprit = first_culprit(events)
+    assert culprit is not None  # events is not empty
+    lines += [
+        "",
+        f"First culprit: {culprit['kind']} at {_where(culprit, limit=None)}",
+        f"  step {culprit['step']}, epoch {culprit['epoch']}, batch {culprit['batch_idx']}, "
+        f"rank {culprit['rank']}; action: {culprit['action']}",
+        _wrap("  message: ", culprit["message"]),
+        *_extras(culprit, indent="  "),
+        _wrap("  hint:    ", _event_hint(culprit)),
+        "",
+        "Timeline (in recorded order; '>' marks the first culprit)",
+    ]
+    header = ("step", "epoch/batch", "rank", "kind", "where", "action")
+    rows = [
+        (
+            str(event["step"]),
+            f"{event['epoch']}/{event['batch_idx']}",
+            str(event["rank"]),
+            event["kind"],
+            _where(event, limit=_MAX_WHERE),
+            event["action"],
+        )
+        for event in events
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines.append("    " + _columns(header, widths))
+    for event, row in zip(events, rows, strict=True):
+        marker = "  > " if event is culprit else "    "
+        lines.append(marker + _columns(row, widths))
+        lines.extend(_extras(event, indent="        "))
+
+    counts = ", ".join(f"{action} {count}" for action, count in summary["actions"].items())
+    lines += ["", f"Actions taken: {counts}", "", "Hints"]
+    for kind, count in summary["kinds"].items():
+        lines.append(_wrap(f"  {kind} ({count}): ", kind_hint(kind), indent="    "))
+    return "\n".join(lines)
+
+
+def _wrap(label: str, text: str, *, indent: str | None = None) -> str:
+    """``label`` + ``text``, wrapped at ``_WIDTH`` with continuation lines aligned under the text."""
+    subsequent = " " * len(label) if indent is None else indent
+    return textwrap.fill(
+        text, _WIDTH, initial_indent=label, subsequent_indent=subsequent, break_on_hyphens=False
+    )
+
+
+def _columns(cells: Sequence[str], widths: Sequence[int]) -> str:
+    return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths, strict=True)).rstrip()
+
+
+def _where(event: Event, *, limit: int | None) -> str:
+    text = ", ".join(event["where"]) or "-"
+    if limit is not None and len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text
+
+
+def _extras(event: Event, *, indent: str) -> list[str]:
+    """Lines for the optional keys of an event: time, details, replay, then any unknown key."""
+    lines: list[str] = []
+    if "time" in event:
+        lines.append(f"{indent}time:    {_format_time(event['time'])}")
+    details = event.get("details")
+    replay = _replay(event)
+    if isinstance(details, Mapping):
+        details = {key: value for key, value in details.items() if value is not replay}
+    if isinstance(details, Mapping) and details:
+        lines.append(f"{indent}details: {_key_values(details)}")
+    elif details not in (None, {}):
+        lines.append(f"{indent}details: {_scalar(details)}")
+    if isinstance(replay, Mapping) and replay:
+        parts = [f"module {replay['module']}"] if "module" in replay else []
+        parts += [f"op {replay['op']}"] if "op" in replay else []
+        rest = {key: value for key, value in replay.items() if key not in ("module", "op")}
+        parts += [_key_values(rest)] if rest else []
+        lines.append(f"{indent}replay:  {', '.join(parts)}")
+    elif replay not in (None, {}):
+        lines.append(f"{indent}replay:  {_scalar(replay)}")
+    for key in sorted(set(event) - set(_REQUIRED) - set(_SHOWN_EXTRAS)):
+        lines.append(f"{indent}{key}: {_scalar(event[key])}")
+    return lines
+
+
+def _format_time(value: Any) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return datetime.fromtimestamp(value, tz=timezone.utc).isoformat(timespec="seconds")
+        except (OverflowError, OSError, ValueError):
+            return str(value)
+    return str(value)
+
+
+def _key_values(mapping: Mapping[str, Any]) -> str:
+    return ", ".join(f"{key}={_scalar(value)}" for key, value in mapping.items())
+
+
+def _scalar(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+# --------------------------------------------------------------------------- text logs
+
+
+@dataclass(frozen=True)
+class Match:
+    """One catalogue entry found in a log.
+
+    Attributes:
+        pattern: the catalogue entry.
+        line_no: the 1-based number of the first line it matched.
+        line: that line, stripped (and shortened when very long).
+        count: how many lines it matched in all.
+        groups: the named groups of the first match (``op`` for anomaly mode, ...).
+    """
+
+    pattern: Pattern
+    line_no: int
+    line: str
+    count: int = 1
+    groups: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The catalogue entry's name."""
+        return self.pattern.name
+
+    @property
+    def cause(self) -> str:
+        """The likely cause, with the matched details (op, parameter, ...) filled in."""
+        return _fill(self.pattern.cause, self.groups)
+
+    @property
+    def fix(self) -> str:
+        """The fix, with an op-specific hint when the match names a known op."""
+        fix = _fill(self.pattern.fix, self.groups)
+        specific = op_hint(self.groups["op"]) if "op" in self.groups else None
+        return fix if specific is None else f"{specific} {fix}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable view, for ``--json``."""
+        return {
+            "name": self.name,
+            "line_no": self.line_no,
+            "line": self.line,
+            "count": self.count,
+            "groups": dict(self.groups),
+            "cause": self.cause,
+            "fix": self.fix,
+            "hint_kind": self.pattern.hint_kind,
+            "follow_on": self.pattern.follow_on,
+        }
+
+
+class _Keep(dict[str, str]):
+    def __missing__(self, key: str) -> str:
+        return "{" + key + "}"
+
+
+def _fill(template: str, groups: Mapping[str, str]) -> str:
+    return string.Formatter().vformat(template, (), _Keep(groups))
+
+
+def explain_log(text: str | Iterable[str], catalogue: Sequence[Pattern] = CATALOGUE) -> list[Match]:
+    """Find every known failure signature in a log or traceback.
+
+    Each line is attributed to the first catalogue entry that matches it (the catalogue is in
+    severity order, most specific first). Every entry found is reported once, at its first line.
+
+    Args:
+        text: the log, as one string or as lines.
+        catalogue: the entries to look for.
+
+    Returns:
+        The matches ordered by the line where each first appears, follow-on errors (cuBLAS,
+        cuDNN, a generic device-side assert) after every real cause: the first match is the
+        likely root cause. Empty when nothing is recognised.
+
+    Example:
+        >>> [m.name for m in explain_log("RuntimeError: all elements of input should be between 0 and 1")]
+        ['bce_input_range']
+    """
+    lines = text.splitlines() if isinstance(text, str) else text
+    first: dict[str, Match] = {}
+    counts: Counter[str] = Counter()
+    for line_no, line in enumerate(lines, start=1):
+        for pattern in catalogue:
+            found = pattern.regex.search(line)
+            if found is None:
+                continue
+            counts[pattern.name] += 1
+            if pattern.name not in first:
+                groups = {key: value for key, value in found.groupdict().items() if value is not None}
+                first[pattern.name] = Match(pattern, line_no, _quote(line), 1, groups)
+            break
+    matches = [
+        Match(match.pattern, match.line_no, match.line, counts[name], match.groups)
+        for name, match in first.items()
+    ]
+    return sorted(matches, key=lambda match: (match.pattern.follow_on, match.line_no))
+
+
+def _quote(line: str) -> str:
+    line = line.strip()
+    return line if len(line) <= _MAX_QUOTE else line[: _MAX_QUOTE - 3] + "..."
+
+
+def format_log_report(matches: Sequence[Match], source: str | os.PathLike[str]) -> str:
+    """A readable report of the matches :func:`explain_log` found in ``source``.
+
+    Returns:
+        The likely cause first (quoted line, cause, fix, the guard's incident kind), then every
+        other match in order; ``"no known cause found in SOURCE"`` when there is none.
+    """
+    if not matches:
+        return f"no known cause found in {source}"
+    lines = [f"numguard explain: {source}", ""]
+    for index, match in enumerate(matches):
+        title = "Likely cause:" if index == 0 else f"{index + 1}."
+        if index == 1:
+            lines += ["Also found (in order of first appearance):", ""]
+        times = f", {match.count} matching lines" if match.count > 1 else ""
+        kind = match.pattern.hint_kind
+        lines += [
+            f"{title} {match.name} (line {match.line_no}{times})",
+            f"  > {match.line}",
+            _wrap("  cause: ", match.cause),
+            _wrap("  fix:   ", match.fix),
+            _wrap("  guard: ", f"NumGuardCallback records this as {kind}: {kind_hint(kind)}"),
+            "",
+        ]
+    return "\n".join(lines).rstrip()
+
+
+# --------------------------------------------------------------------------- paths
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The outcome of explaining one path.
+
+    Attributes:
+        text: the human report (or, for ``exit_code == EXIT_ERROR``, the error message).
+        exit_code: ``EXIT_OK``, ``EXIT_NO_CAUSE`` or ``EXIT_ERROR``.
+        summary: the machine-readable form (``--json``).
+    """
+
+    text: str
+    exit_code: int
+    summary: dict[str, Any]
+
+
+def find_events_files(folder: str | os.PathLike[str]) -> list[Path]:
+    """Every ``events.jsonl`` under ``folder`` (recursively), newest first."""
+    found = [path for path in Path(folder).rglob(EVENTS_FILENAME) if path.is_file()]
+    return sorted(found, key=lambda path: (path.stat().st_mtime, str(path)), reverse=True)
+
+
+def explain(path: str | os.PathLike[str]) -> Explanation:
+    """Explain a run from its ``events.jsonl``, a folder holding one, or a plain log.
+
+    A folder is searched recursively for ``events.jsonl`` (the newest is used and named). A
+    file is an events file when it is called ``events.jsonl`` or most of its non-empty lines
+    are JSON objects with a ``kind`` key; any other file is a log, matched against the
+    catalogue.
+
+    Args:
+        path: the file or folder.
+
+    Returns:
+        The report, its exit code and its summary; never raises for a bad path (that is an
+        ``EXIT_ERROR`` explanation whose text names the path and the problem).
+    """
+    target = Path(path)
+    if not target.exists():
+        return _error(target, "no such file or directory")
+    others: list[Path] = []
+    if target.is_dir():
+        try:
+            candidates = find_events_files(target)
+        except OSError as exc:
+            return _error(target, f"cannot search the folder ({exc.strerror or exc})")
+        if not candidates:
+            return _error(target, f"no {EVENTS_FILENAME} found in this folder or below it")
+        target, others = candidates[0], candidates[1:]
+    try:
+        head = _read_head(target)
+    except OSError as exc:
+        return _error(target, f"cannot read it ({exc.strerror or exc})")
+    if b"\x00" in head:
+        return _error(target, "binary file, not an events.jsonl or a text log")
+    try:
+        if target.name == EVENTS_FILENAME or _looks_like_events(target):
+            return _explain_events(target, others)
+        return _explain_text(target)
+    except OSError as exc:
+        return _error(target, f"cannot read it ({exc.strerror or exc})")
+
+
+def explain_path(path: str | os.PathLike[str]) -> tuple[str, int]:
+    """:func:`explain`, as ``(text, exit_code)``; with ``EXIT_ERROR`` the text is the error message."""
+    result = explain(path)
+    return result.text, result.exit_code
+
+
+def _error(path: Path, problem: str) -> Explanation:
+    message = f"numguard explain: {path}: {problem}"
+    return Explanation(message, EXIT_ERROR, {"input": "error", "path": str(path), "error": problem})
+
+
+def _read_head(path: Path) -> bytes:
+    with open(path, "rb") as stream:
+        return stream.read(_BINARY_PROBE)
+
+
+def _looks_like_events(path: Path) -> bool:
+    """Whether most non-empty lines (of the first 200) are JSON objects with a ``kind`` key."""
+    seen = events = 0
+    with open(path, encoding="utf-8", errors="replace") as stream:
+        for line in stream:
+            if not line.strip():
+                continue
+            seen += 1
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                obj = None
+            events += isinstance(obj, dict) and "kind" in obj
+            if seen >= 200:
+                break
+    return events > 0 and 2 * events >= seen
+
+
+def _explain_events(path: Path, others: Sequence[Path]) -> Explanation:
+    events, problems = load_events(path)
+    if not events and problems:
+        listed = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
+        return _error(path, f"no valid event in {len(problems)} non-empty line(s): {listed}")
+    summary = summarize_events(events, path, problems)
+    summary["other_events_files"] = [str(other) for other in others]
+    return Explanation(format_report(events, path, problems, others=others), EXIT_OK, summary)
+
+
+def _explain_text(path: Path) -> Explanation:
+    with open(path, encoding="utf-8", errors="replace") as stream:
+        matches = explain_log(line.rstrip("\r\n") for line in stream)
+    summary: dict[str, Any] = {
+        "input": "log",
+        "path": str(path),
+        "likely_cause": matches[0].name if matches else None,
+        "matches": [match.to_dict() for match in matches],
+    }
+    return Explanation(format_log_report(matches, path), EXIT_OK if matches else EXIT_NO_CAUSE, summary)

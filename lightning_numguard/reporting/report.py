@@ -1,0 +1,79 @@
+"""Writes incidents to ``events.jsonl``, to every logger of the trainer, and as warnings.
+
+Only global rank 0 writes files and loggers; every rank keeps the same ``events`` list.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.loggers import TensorBoardLogger
+
+from lightning_numguard.core.events import JsonlWriter
+from lightning_numguard.errors import NumGuardWarning
+
+__all__ = ["Reporter", "logger_step"]
+
+log = logging.getLogger(__name__)
+
+
+def logger_step(trainer: pl.Trainer) -> int:
+    """The step Lightning's own loggers use (``self.log`` values line up with it).
+
+    This is the one place that reads a private trainer attribute: Lightning's
+    ``LearningRateMonitor`` and ``DeviceStatsMonitor`` log at the same step, and there is no
+    public accessor for it.
+    """
+    try:
+        return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+    except AttributeError:  # pragma: no cover - future Lightning
+        return int(trainer.global_step)
+
+
+class Reporter:
+    """Fans events out to ``events.jsonl``, loggers and once-per-place warnings."""
+
+    def __init__(self, dirpath: Path, warn: bool = True) -> None:
+        self.dirpath = dirpath
+        self.writer = JsonlWriter(dirpath / "events.jsonl")
+        self._warned: set[tuple[str, str]] = set()
+        self.warn = warn
+
+    def emit(self, trainer: pl.Trainer, events: list[dict[str, Any]], counters: dict[str, int]) -> None:
+        """Record ``events`` (already in causal order) and the running ``counters``."""
+        if not events:
+            return
+        for event in events:
+            key = (event["kind"], event["where"][0] if event["where"] else "")
+            if self.warn and key not in self._warned:
+                self._warned.add(key)
+                if trainer.is_global_zero:
+                    warnings.warn(f"NumGuard: {event['message']}", NumGuardWarning, stacklevel=2)
+            log.info("numguard %s at step %s: %s", event["kind"], event["step"], event["message"])
+        if not trainer.is_global_zero:
+            return
+        self.writer.write(events)
+        step = int(events[-1]["step"])
+        scalars = {f"numguard/{k}": float(v) for k, v in counters.items()}
+        text = "\n\n".join(
+            f"**{e['kind']}** (step {e['step']}, rank {e['rank']}, action `{e['action']}`): {e['message']}"
+            for e in events
+        )
+        for lg in trainer.loggers:
+            try:
+                lg.log_metrics(scalars, step=step)
+                if isinstance(lg, TensorBoardLogger):
+                    lg.experiment.add_text("numguard/events", text, global_step=step)
+                    lg.experiment.flush()
+                else:
+                    lg.save()
+            except Exception as err:  # a broken logger must not kill training
+                log.warning("numguard could not write to logger %s: %s", type(lg).__name__, err)
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self.writer.close()

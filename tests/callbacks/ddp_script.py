@@ -1,0 +1,72 @@
+"""Run by test_ddp.py in a subprocess: real DDP (gloo, 2 CPU processes), a fault on one rank only.
+
+Usage: python ddp_script.py OUT_DIR SITE FAULT_RANK ACTION
+Each rank writes OUT_DIR/rank{r}.json with its events, counters and a digest of its weights.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_numguard import NumGuardCallback  # noqa: E402
+from tests.helpers import FaultData, FaultModel  # noqa: E402
+
+
+class Report(pl.Callback):
+    def __init__(self, out: Path, guard: NumGuardCallback) -> None:
+        self.out, self.guard = out, guard
+
+    def on_train_end(self, trainer, pl_module):
+        # parameters only: BatchNorm buffers legitimately differ per rank (each sees its own data)
+        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        gathered = trainer.strategy.all_gather(flat)
+        (self.out / f"rank{trainer.global_rank}.json").write_text(
+            json.dumps(
+                {
+                    "events": self.guard.events,
+                    "counters": self.guard.counters,
+                    "finite": bool(torch.isfinite(flat).all()),
+                    "same_as_rank0": bool(torch.equal(gathered[0], gathered[trainer.global_rank])),
+                    "global_step": trainer.global_step,
+                }
+            )
+        )
+
+
+def main() -> None:
+    out, site, fault_rank, action = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    warnings.simplefilter("ignore")
+    pl.seed_everything(0, verbose=False)
+    guard = NumGuardCallback(action=action, dirpath=str(out / "ng"))
+    model = FaultModel(site=None if site == "input" else site, step=2, rank=fault_rank)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[guard, Report(out, guard)],
+    )
+    rank = trainer.global_rank
+    # each rank trains on its own 40 samples; batch 2 of the faulty rank holds NaN
+    data = FaultData(n=80, site="input")
+    data.bad = set(range(rank * 40 + 16, rank * 40 + 24)) if site == "input" and rank == fault_rank else set()
+    shard = torch.utils.data.Subset(data, list(range(rank * 40, rank * 40 + 40)))
+    trainer.fit(model, DataLoader(shard, batch_size=8, shuffle=False))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""warn / skip / halt on real Trainers with faults injected at a chosen step and site."""
+
+from __future__ import annotations
+
+import glob
+import inspect
+import os
+
+import pytest
+import torch
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+
+from lightning_numguard import NonFiniteError, NumGuardCallback, NumGuardConfigError
+from lightning_numguard.errors import NumGuardWarning
+from tests.helpers import SITES, FaultData, FaultModel, all_finite, loader, trainer
+
+EXPECTED_FIRST = {
+    "input": ("nonfinite_input", "batch['x']"),
+    "masked": ("suspicious_input", "batch['x']"),
+    "output": ("nonfinite_output", "body.1"),
+    "loss": ("nonfinite_loss", "loss"),
+    "grad": ("nonfinite_grad", "head.weight"),
+    "param": ("nonfinite_param", "body.0.weight"),
+    "buffer": ("nonfinite_param", "body.2.running_var"),
+}
+
+
+def fit(tmp_path, site, action, step=3, max_steps=8, extra=(), guard_kwargs=None, **kw):
+    guard = NumGuardCallback(action=action, dirpath=str(tmp_path / "ng"), **(guard_kwargs or {}))
+    model = FaultModel(site=site, step=step)
+    t = trainer(tmp_path, [guard, *extra], max_steps=max_steps, **kw)
+    t.fit(model, loader(FaultData(bad_batch=step, site=site or "none")))
+    return guard, model, t
+
+
+def ckpt_files(folder):
+    return sorted(glob.glob(os.path.join(folder, "**", "*.ckpt"), recursive=True))
+
+
+@pytest.mark.parametrize("site", sorted(EXPECTED_FIRST))
+def test_warn_names_the_first_culprit(tmp_path, site):
+    with pytest.warns(NumGuardWarning, match="NumGuard: "):
+        guard, _, t = fit(tmp_path, site, "warn", max_steps=5)
+    kind, where = EXPECTED_FIRST[site]
+    first = guard.events[0]
+    assert (first["kind"], first["where"][0]) == (kind, where)
+    assert first["step"] == 3 and first["batch_idx"] == 3 and first["rank"] == 0
+    assert first["action"] == "warn"
+    assert t.global_step == 5
+
+
+def test_no_events_on_a_clean_run(tmp_path):
+    guard, model, _ = fit(tmp_path, None, "rollback")
+    assert guard.events == []
+    assert guard.counters["incidents"] == 0
+    assert all_finite(model.state_dict())
+
+
+@pytest.mark.parametrize("site", ["input", "output", "loss", "grad"])
+def test_skip_makes_the_step_a_bitwise_no_op(tmp_path, site):
+    class Capture(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:
+                self.before = {k: v.clone() for k, v in pl_module.state_dict().items()}
+                opt = trainer.optimizers[0]
+                self.opt_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 4:
+                self.after = {k: v.clone() for k, v in pl_module.state_dict().items()}
+                opt = trainer.optimizers[0]
+                self.opt_after = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+
+    cap = Capture()
+    with pytest.warns(NumGuardWarning):
+        guard, model, _ = fit(tmp_path, site, "skip", extra=[cap])
+    assert guard.counters["skipped_steps"] == 1
+    assert cap.before.keys() == cap.after.keys()
+    for key in cap.before:  # weights and BatchNorm buffers, bitwise
+        assert torch.equal(cap.before[key], cap.after[key]), key
+    for pid, state in cap.opt_before.items():  # AdamW moments and step count did not move
+        for k, v in state.items():
+            assert torch.equal(v, cap.opt_after[pid][k]), k
+    assert all_finite(model.state_dict())
+    assert {e["action"] for e in guard.events} == {"skip"}
+
+
+def test_skip_escalates_to_rollback_when_the_weights_are_no_longer_finite(tmp_path):
+    with pytest.warns(NumGuardWarning):
+        guard, model, _ = fit(tmp_path, "param", "skip")
+    assert guard.events[0]["kind"] == "nonfinite_param"
+    assert guard.events[0]["action"] == "rollback"
+    assert guard.counters["rollbacks"] == 1
+    assert all_finite(model.state_dict())
+
+
+@pytest.mark.parametrize("site", ["input", "param", "opt_state"])
+def test_halt_saves_the_last_finite_state_and_no_callback_saves_poison(tmp_path, site):
+    ckpt_dir = tmp_path / "ckpts"
+    saver = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1, save_top_k=-1)
+    on_exc = OnExceptionCheckpoint(dirpath=str(tmp_path / "exc"))
+    with pytest.warns(NumGuardWarning):
+        guard, model, t = fit(tmp_path, site, "halt", extra=[saver, on_exc], enable_checkpointing=True)
+    assert t.should_stop
+    assert t.global_step < 8
+    last = tmp_path / "ng" / "last_finite.ckpt"
+    assert last.exists() and not (tmp_path / "ng" / "last_finite.ckpt.tmp").exists()
+    files = ckpt_files(str(tmp_path))
+    assert len(files) >= 3
+    for f in files:
+        ckpt = torch.load(f, weights_only=False)
+        assert all_finite(ckpt["state_dict"]), f
+        assert all_finite(ckpt["optimizer_states"]), f
+    assert all_finite(model.state_dict())
+    assert any(e["action"] == "halt" for e in guard.events)
+    # the saved state resumes with a normal Trainer and loads as a LightningModule
+    FaultModel.load_from_checkpoint(last)
+    t2 = trainer(tmp_path / "resume", [NumGuardCallback(dirpath=str(tmp_path / "ng2"))], max_steps=8)
+    t2.fit(FaultModel(), loader(FaultData()), ckpt_path=str(last))
+    assert t2.global_step == 8
+
+
+def test_halt_raises_when_min_steps_would_keep_lightning_going(tmp_path):
+    with pytest.warns(NumGuardWarning), pytest.raises(NonFiniteError, match="halted training at step 3"):
+        fit(tmp_path, "input", "halt", min_steps=6)
+    assert (tmp_path / "ng" / "last_finite.ckpt").exists()
+    ckpt = torch.load(tmp_path / "ng" / "last_finite.ckpt", weights_only=False)
+    assert all_finite(ckpt["state_dict"])
+
+
+def test_on_save_checkpoint_never_writes_poisoned_weights(tmp_path):
+    # Adam's state goes NaN at step 3; the update makes the weights NaN; ModelCheckpoint saves at the
+    # end of that step, before the next step's read could see it.
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1)
+    with pytest.warns(NumGuardWarning):
+        guard, model, _ = fit(tmp_path, "opt_state", "rollback", extra=[saver], enable_checkpointing=True)
+    for f in ckpt_files(str(tmp_path / "ckpts")):
+        assert all_finite(torch.load(f, weights_only=False)["state_dict"]), f
+    assert any(e["where"] == ["checkpoint"] for e in guard.events)
+    assert all_finite(model.state_dict())
+
+
+def test_optimizer_state_check_catches_poisoned_moments_before_the_step(tmp_path):
+    checks = ["inputs", "outputs", "loss", "grads", "params", "optimizer_state"]
+    with pytest.warns(NumGuardWarning):
+        guard, model, _ = fit(tmp_path, "opt_state", "rollback", guard_kwargs={"check": checks})
+    first = guard.events[0]
+    assert first["kind"] == "nonfinite_param" and first["step"] == 3
+    assert first["where"][0].endswith(".exp_avg_sq")
+    assert all_finite(model.state_dict())
+
+
+SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy", "__index__")
+
+
+def test_at_most_one_host_sync_per_training_step(tmp_path, monkeypatch):
+    """Counts synchronising calls whose caller is the guard's code during the training steps."""
+    package = os.path.dirname(inspect.getfile(NumGuardCallback)).rsplit(os.sep, 1)[0]
+    counts = {"in_step": 0, "steps": 0}
+    in_step = {"on": False}
+
+    class Window(Callback):
+        def on_train_batch_start(self, *a):
+            in_step["on"] = True
+            counts["steps"] += 1
+
+        def on_train_batch_end(self, *a):
+            in_step["on"] = False
+
+    originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
+
+    def counting(name):
+        orig = originals[name]
+
+        def wrapper(self, *args, **kwargs):
+            caller = inspect.currentframe().f_back
+            if in_step["on"] and caller.f_code.co_filename.startswith(package):
+                counts["in_step"] += 1
+            return orig(self, *args, **kwargs)
+
+        return wrapper
+
+    for name in SYNC_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    # the guard first, so its on_train_batch_end runs before the window closes
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=2)
+    model = FaultModel()
+    t = trainer(tmp_path, [Window(), guard], max_steps=8)
+    t.callbacks = [c for c in t.callbacks if c is not guard] + [guard]
+    t.fit(model, loader(FaultData()))
+    monkeypatch.undo()
+    assert counts["steps"] == 8
+    assert counts["in_step"] == 8  # exactly one read per step, snapshot steps included
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"action": "explode"}, r"`action` must be one of \['warn', 'skip', 'rollback', 'halt'\], got 'explode'"),
+        ({"check": ["inputs", "weights"]}, r"`check` must be one of .*got 'weights'"),
+        ({"check": "inputs"}, r"`check` must be a list of strings"),
+        ({"max_abs_input": -1.0}, r"`max_abs_input` must be a positive number or None, got -1.0"),
+        ({"max_abs_input": "big"}, r"`max_abs_input` must be a positive number or None, got 'big'"),
+        ({"check_optimizer_coverage": "loud"}, r"`check_optimizer_coverage` must be one of \['off', 'warn', 'error'\]"),
+        ({"snapshot_every_n_steps": 0}, r"`snapshot_every_n_steps` must be an integer >= 1, got 0"),
+        ({"snapshot_every_n_steps": 2.5}, r"`snapshot_every_n_steps` must be an integer >= 1, got 2.5"),
+        ({"snapshot_device": "gpu"}, r"`snapshot_device` must be one of \['host', 'device'\], got 'gpu'"),
+        ({"max_rollbacks": -1}, r"`max_rollbacks` must be an integer >= 0, got -1"),
+        ({"skip_batches_after_rollback": True}, r"`skip_batches_after_rollback` must be an integer >= 0, got True"),
+        ({"lr_backoff": 0.0}, r"`lr_backoff` must be a number in \(0, 1\], got 0.0"),
+        ({"lr_backoff": 1.5}, r"`lr_backoff` must be a number in \(0, 1\], got 1.5"),
+        ({"retry_transient": "yes"}, r"`retry_transient` must be True or False, got 'yes'"),
+        ({"quarantine": 1}, r"`quarantine` must be True or False, got 1"),
+        ({"replay": None}, r"`replay` must be True or False, got None"),
+        ({"watch_modules": "encoder.*"}, r"`watch_modules` must be a list of glob patterns"),
+        ({"ignore_modules": [1]}, r"`ignore_modules` must be a list of glob patterns"),
+        ({"dirpath": 3}, r"`dirpath` must be a path or None, got 3"),
+    ],
+)
+def test_bad_configuration_names_the_argument(kwargs, match):
+    with pytest.raises(NumGuardConfigError, match=match) as err:
+        NumGuardCallback(**kwargs)
+    assert isinstance(err.value, ValueError)
+
+
+def test_coverage_reports_frozen_layers_once_and_can_raise(tmp_path):
+    class Frozen(FaultModel):
+        def configure_optimizers(self):
+            self.body[0].requires_grad_(False)
+            return torch.optim.Adam(self.parameters())  # the RCAN mistake
+
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"))
+    with pytest.warns(NumGuardWarning, match=r"frozen parameters .* handed to an optimizer: `body.0.weight`"):
+        trainer(tmp_path, [guard], max_steps=3).fit(Frozen(), loader(FaultData()))
+    coverage = [e for e in guard.events if e["kind"] == "optimizer_coverage"]
+    assert len(coverage) == 1 and coverage[0]["where"] == ["body.0.weight", "body.0.bias"]
+    assert coverage[0]["action"] == "none"
+
+    strict = NumGuardCallback(dirpath=str(tmp_path / "ng2"), check_optimizer_coverage="error")
+    with pytest.warns(NumGuardWarning), pytest.raises(Exception, match="frozen parameters"):
+        trainer(tmp_path, [strict], max_steps=3).fit(Frozen(), loader(FaultData()))
+    off = NumGuardCallback(dirpath=str(tmp_path / "ng3"), check_optimizer_coverage="off")
+    trainer(tmp_path, [off], max_steps=3).fit(Frozen(), loader(FaultData()))
+    assert off.events == []
+
+
+def test_coverage_reports_params_that_never_get_a_gradient(tmp_path):
+    class Unused(FaultModel):
+        def __init__(self):
+            super().__init__()
+            self.unused = torch.nn.Linear(2, 2)
+
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"))
+    with pytest.warns(NumGuardWarning, match="received no gradient"):
+        trainer(tmp_path, [guard], max_steps=3).fit(Unused(), loader(FaultData()))
+    (event,) = [e for e in guard.events if e["kind"] == "optimizer_coverage"]
+    assert event["where"] == ["unused.weight", "unused.bias"]
+
+
+def test_large_finite_gradients_are_not_incidents(tmp_path):
+    class Huge(FaultModel):
+        def _grad_hook(self, grad):
+            return grad * 0 + 1e30 if self.global_step == 2 else grad
+
+    guard = NumGuardCallback(action="skip", dirpath=str(tmp_path / "ng"))
+    trainer(tmp_path, [guard], max_steps=4).fit(Huge(), loader(FaultData()))
+    assert guard.events == []
+
+
+def test_gradient_accumulation_attributes_the_bad_micro_batch(tmp_path):
+    with pytest.warns(NumGuardWarning):
+        guard, model, t = fit(tmp_path, "input", "rollback", step=1, max_steps=4, accumulate_grad_batches=2)
+    # batch 1 (poisoned by FaultData(bad_batch=1)) is the second micro-batch of step 0
+    first = guard.events[0]
+    assert first["kind"] == "nonfinite_input"
+    assert first["step"] == 0
+    assert guard.counters["rollbacks"] == 1
+    assert all_finite(model.state_dict())
+    assert t.global_step == 4

@@ -1,0 +1,55 @@
+"""Real DDP: two gloo processes on the CPU, a fault on one rank only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("ddp_script.py")
+
+
+def run_ddp(tmp_path: Path, site: str, fault_rank: int, action: str) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
+    env["MASTER_PORT"] = str(20000 + (os.getpid() % 20000))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), site, str(fault_rank), action],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.ddp
+def test_input_fault_on_rank_1_rolls_back_every_rank_together(tmp_path):
+    ranks = run_ddp(tmp_path, "input", 1, "rollback")
+    for r in ranks:
+        assert r["finite"] and r["same_as_rank0"]
+        assert r["counters"]["rollbacks"] == 1 and r["counters"]["skipped_steps"] == 1
+        assert r["global_step"] == 5
+    # every rank has the same record, naming the rank that saw the bad batch
+    assert ranks[0]["events"] == ranks[1]["events"]
+    first = ranks[0]["events"][0]
+    assert first["kind"] == "nonfinite_input" and first["rank"] == 1 and first["step"] == 2
+    assert first["where"] == ["batch['x']"]
+    # rank 0 alone writes the file, once
+    lines = (tmp_path / "ng" / "events.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == ranks[0]["events"]
+
+
+@pytest.mark.ddp
+def test_loss_fault_on_rank_0_halts_every_rank(tmp_path):
+    ranks = run_ddp(tmp_path, "loss", 0, "halt")
+    for r in ranks:
+        assert r["finite"] and r["same_as_rank0"]
+        assert r["global_step"] == 3  # stopped together after the bad step
+    assert ranks[0]["events"][0]["kind"] == "nonfinite_loss" and ranks[0]["events"][0]["rank"] == 0
+    assert (tmp_path / "ng" / "last_finite.ckpt").exists()

@@ -1,0 +1,98 @@
+import math
+
+import pytest
+import torch
+
+from lightning_numguard.core import checks
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+VALUES = [float("nan"), float("inf"), float("-inf")]
+
+
+def reference(tensors):
+    return [not bool(torch.isfinite(t).all()) for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("value", VALUES)
+def test_norm_candidates_flag_every_nonfinite_tensor(dtype, value):
+    tensors = [torch.randn(5, 3).to(dtype) for _ in range(4)] + [torch.randn(7).to(dtype)]
+    tensors[2][1, 1] = value
+    norms = checks.norm_candidates(tensors)
+    assert norms.dtype == torch.float32
+    assert (~torch.isfinite(norms)).tolist() == reference(tensors)
+    assert bool(checks.nonfinite_any(norms))
+    assert checks.confirm_nonfinite(tensors) == reference(tensors)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clean_tensors_give_finite_norms(dtype):
+    tensors = [torch.randn(16).to(dtype) for _ in range(3)]
+    assert not bool(checks.nonfinite_any(checks.norm_candidates(tensors)))
+    assert checks.confirm_nonfinite(tensors) == [False, False, False]
+
+
+def test_large_finite_values_are_candidates_but_not_confirmed():
+    # 1e30 in fp32 (and 6e4 in fp16) overflow an L2 norm: a candidate, never an incident.
+    tensors = [torch.full((4,), 1e30), torch.full((4,), 6e4, dtype=torch.float16)]
+    norms = checks.norm_candidates(tensors)
+    assert not math.isfinite(norms[0].item())
+    assert math.isfinite(norms[1].item())  # accumulated in float32
+    assert checks.confirm_nonfinite(tensors) == [False, False]
+
+
+def test_integer_empty_and_sparse_tensors():
+    sparse = torch.sparse_coo_tensor([[0, 1]], [1.0, float("nan")], (3,), check_invariants=True)
+    tensors = [torch.arange(3), torch.zeros(0), sparse, torch.randn(2)]
+    norms = checks.norm_candidates(tensors)
+    assert norms[0].item() == 0 and norms[1].item() == 0
+    assert not math.isfinite(norms[2].item())
+    assert checks.confirm_nonfinite(tensors) == [False, False, True, False]
+
+
+def test_complex_tensors_are_checked():
+    t = torch.tensor([1 + 1j, complex(float("nan"), 0)])
+    assert checks.confirm_nonfinite([t]) == [True]
+    assert not math.isfinite(checks.norm_candidates([t])[0].item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("value", [*VALUES, 1e20, -3.0])
+def test_max_abs_is_exact_and_propagates_nan(dtype, value):
+    x = torch.zeros(10, dtype=dtype)
+    y = torch.ones(3, dtype=dtype)
+    if dtype in (torch.float16,) and abs(value) == 1e20:
+        value = float("inf")  # not representable: becomes inf on cast
+    x[4] = value
+    got = checks.max_abs([x, y, torch.arange(4)]).tolist()
+    expected = abs(x.double()).max().item() if not math.isnan(value) else float("nan")
+    if math.isnan(expected):
+        assert math.isnan(got[0])
+    else:
+        assert got[0] == pytest.approx(expected, rel=1e-2)
+    assert got[1] == 1.0
+    assert got[2] == 0.0
+
+
+def test_tensor_stats():
+    x = torch.tensor([[1.0, float("nan")], [float("inf"), -5.0], [float("-inf"), 2.0]])
+    stats = checks.tensor_stats(x)
+    assert stats["nan"] == 1 and stats["posinf"] == 1 and stats["neginf"] == 1
+    assert stats["max_abs_finite"] == 5.0
+    assert stats["first_bad_index"] == [[0, 1], [1, 0], [2, 0]]
+    assert stats["shape"] == [3, 2]
+
+
+def test_hot_path_never_syncs(monkeypatch):
+    tensors = [torch.randn(8) for _ in range(3)]
+    tensors[1][0] = float("nan")
+
+    def boom(*args, **kwargs):
+        raise AssertionError("host sync on the hot path")
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    flag = checks.nonfinite_any(checks.norm_candidates(tensors))
+    checks.max_abs(tensors)
+    monkeypatch.undo()
+    assert bool(flag)
