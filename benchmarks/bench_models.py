@@ -67,7 +67,16 @@ class CNN(nn.Sequential):
 class TinyLM(nn.Module):
     """Token embedding + learned positions + pre-norm causal ``TransformerEncoderLayer``s + LM head."""
 
-    def __init__(self, vocab: int, d_model: int, layers: int, heads: int, d_ff: int, max_len: int) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        d_model: int,
+        layers: int,
+        heads: int,
+        d_ff: int,
+        max_len: int,
+        float_mask: bool = False,
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
         self.pos = nn.Parameter(torch.randn(max_len, d_model) * 0.02)
@@ -77,7 +86,11 @@ class TinyLM(nn.Module):
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
-        mask = torch.triu(torch.full((max_len, max_len), float("-inf")), diagonal=1)
+        # A boolean mask (True = may not attend). NumGuard 0.x flags a float mask buffer holding
+        # -inf as a non-finite buffer and refuses to start (see benchmarks/README.md).
+        mask = torch.triu(torch.ones(max_len, max_len, dtype=torch.bool), diagonal=1)
+        if float_mask:  # the other common form: 0 where allowed, -inf where masked
+            mask = torch.zeros(max_len, max_len).masked_fill(mask, float("-inf"))
         self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -152,12 +165,19 @@ def _lm_batches(vocab: int, seq: int, batch: int, n: int, g: torch.Generator) ->
     return out
 
 
-def build(name: str, n_batches: int, device: str = "cpu", lm_size: str = "small", seed: int = 0) -> ModelSpec:
+def build(
+    name: str,
+    n_batches: int,
+    device: str = "cpu",
+    lm_size: str = "small",
+    seed: int = 0,
+    float_mask: bool = False,
+) -> ModelSpec:
     """The model called ``name`` (``mlp``, ``cnn`` or ``lm``) with ``n_batches`` batches of data."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if name == "mlp":
-        d_in, batch = 512, 64
+        d_in, batch = 512, 128
         net: nn.Module = MLP(d_in)
         w = torch.randn(d_in, 10, generator=g)
         batches = []
@@ -171,18 +191,21 @@ def build(name: str, n_batches: int, device: str = "cpu", lm_size: str = "small"
         batches = []
         for _ in range(n_batches):
             x = torch.randn(batch, 3, 32, 32, generator=g)
-            batches.append((x, (x.mean(dim=(1, 2, 3)) > 0).long() + 2 * (x[:, 0].mean(dim=(1, 2)) > 0).long()))
+            batches.append(
+                (x, (x.mean(dim=(1, 2, 3)) > 0).long() + 2 * (x[:, 0].mean(dim=(1, 2)) > 0).long())
+            )
         desc = f"CNN 5x(conv3x3+BatchNorm+ReLU) 32-32-64-64-128, 32x32x3 images, batch {batch}"
     elif name == "lm":
         if lm_size not in LM_SIZES:
             raise ValueError(f"--lm-size must be one of {list(LM_SIZES)}, got {lm_size!r}")
         vocab, d, layers, heads, d_ff, seq_cpu, b_cpu, seq_gpu, b_gpu = LM_SIZES[lm_size]
         seq, batch = (seq_gpu, b_gpu) if device == "cuda" else (seq_cpu, b_cpu)
-        net = TinyLM(vocab, d, layers, heads, d_ff, max_len=max(seq_cpu, seq_gpu))
+        net = TinyLM(vocab, d, layers, heads, d_ff, max_len=max(seq_cpu, seq_gpu), float_mask=float_mask)
         batches = _lm_batches(vocab, seq, batch, n_batches, g)
         desc = (
             f"transformer LM ({lm_size}): vocab {vocab}, d_model {d}, {layers} layers, {heads} heads, "
             f"d_ff {d_ff}, seq {seq}, batch {batch}"
+            + (", float -inf causal-mask buffer" if float_mask else "")
         )
     else:
         raise ValueError(f"unknown model {name!r}; choose from {list(MODELS)}")

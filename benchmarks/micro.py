@@ -110,7 +110,7 @@ def _prepare(spec: bench_models.ModelSpec, device: str, precision: str) -> tuple
 
 
 def grad_check(
-    params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, reps: int, device: str
+    params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, reps: int, device: str, warmup: int = 2
 ) -> dict[str, Any]:
     """(a): the gradient check against the AdamW step on the same parameters."""
     grads = [p.grad for p in params if p.grad is not None]
@@ -147,7 +147,7 @@ def grad_check(
         "per_tensor_isfinite_bool": per_tensor_isfinite_bool,
         "amp_foreach_non_finite_check_and_unscale": amp_check_and_unscale,
     }
-    times = interleaved(cands, reps, device)
+    times = interleaved(cands, reps, device, warmup)
     out: dict[str, Any] = {
         "n_tensors": len(grads),
         "n_values": sum(g.numel() for g in grads),
@@ -161,7 +161,7 @@ def grad_check(
     return out
 
 
-def synthetic_grad_check(device: str, reps: int) -> dict[str, Any]:
+def synthetic_grad_check(device: str, reps: int, warmup: int = 2) -> dict[str, Any]:
     """(a) on DESIGN.md's reference shape: 1M fp32 gradient values in 16 tensors."""
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(256, 256, generator=g).to(device)) for _ in range(16)]
@@ -169,7 +169,7 @@ def synthetic_grad_check(device: str, reps: int) -> dict[str, Any]:
     for p in params:
         p.grad = torch.randn(p.shape, generator=g).to(device) * 1e-3
     opt.step()
-    return grad_check(params, opt, reps, device)
+    return grad_check(params, opt, reps, device, warmup)
 
 
 def snapshot_and_restore(
@@ -208,9 +208,7 @@ def snapshot_and_restore(
         "first_capture_ms": first_ms,
         "times": {k: _summ(v) for k, v in times.items()},
         "step_ms": step_ms,
-        "amortised_pct_of_step": {
-            str(n): 100.0 * (cap + chk) / (n * step_ms) for n in SNAPSHOT_INTERVALS
-        },
+        "amortised_pct_of_step": {str(n): 100.0 * (cap + chk) / (n * step_ms) for n in SNAPSHOT_INTERVALS},
         "restore_in_steps": res / step_ms,
         "target": f"capture + optimizer-state check <= {SNAPSHOT_TARGET_PCT}% of a step "
         f"at snapshot_every_n_steps={DEFAULT_SNAPSHOT_INTERVAL}",
@@ -220,7 +218,14 @@ def snapshot_and_restore(
     return out
 
 
-def opguard_cost(module: Any, batch: tuple[torch.Tensor, torch.Tensor], reps: int, device: str, precision: str) -> dict[str, Any]:
+def opguard_cost(
+    module: Any,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    reps: int,
+    device: str,
+    precision: str,
+    warmup: int = 2,
+) -> dict[str, Any]:
     """(d): the LM forward + loss (grad enabled, as in training) with and without the op guard."""
     autocast = (
         torch.autocast(device_type=device, dtype=torch.bfloat16)
@@ -254,10 +259,15 @@ def opguard_cost(module: Any, batch: tuple[torch.Tensor, torch.Tensor], reps: in
             watch.detach()
 
     times = interleaved(
-        {"forward": plain, "forward_opguard": with_guard, "forward_opguard_disabled": with_idle_guard,
-         "forward_output_watch": with_watch},
+        {
+            "forward": plain,
+            "forward_opguard": with_guard,
+            "forward_opguard_disabled": with_idle_guard,
+            "forward_output_watch": with_watch,
+        },
         reps,
         device,
+        warmup,
     )
     base = statistics.median(times["forward"])
     return {
@@ -268,7 +278,9 @@ def opguard_cost(module: Any, batch: tuple[torch.Tensor, torch.Tensor], reps: in
     }
 
 
-def plain_step_ms(module: Any, opt: torch.optim.Optimizer, batch: Any, device: str, precision: str, reps: int) -> float:
+def plain_step_ms(
+    module: Any, opt: torch.optim.Optimizer, batch: Any, device: str, precision: str, reps: int
+) -> float:
     """Median time of a plain PyTorch training step (used when no Lightning baseline is given)."""
     autocast = (
         torch.autocast(device_type=device, dtype=torch.bfloat16)
@@ -293,16 +305,17 @@ def run_micro(
     reps: int,
     step_ms: dict[str, float] | None = None,
     log: Callable[[str], None] = print,
+    warmup: int = 2,
 ) -> dict[str, Any]:
     """All micro-measurements for ``specs``; ``step_ms`` gives each model's Lightning baseline step time."""
     out: dict[str, Any] = {"reps": reps, "grad_check": {}, "snapshot": {}, "opguard": {}}
     log(f"[micro] grad check on 1M fp32 values in 16 tensors (DESIGN.md's reference), {reps} reps")
-    out["grad_check"]["synthetic_1M_16"] = synthetic_grad_check(device, reps)
+    out["grad_check"]["synthetic_1M_16"] = synthetic_grad_check(device, reps, warmup)
     for name, spec in specs.items():
         module, opt = _prepare(spec, device, precision)
         params = [p for g in opt.param_groups for p in g["params"]]
         log(f"[micro] {name}: grad check")
-        out["grad_check"][name] = grad_check(params, opt, reps, device)
+        out["grad_check"][name] = grad_check(params, opt, reps, device, warmup)
         x, y = spec.batches[0]
         batch = (x.to(device), y.to(device))
         denom = (step_ms or {}).get(name)
@@ -311,12 +324,12 @@ def run_micro(
             denom = plain_step_ms(module, opt, batch, device, precision, max(5, reps // 4))
             source = "plain PyTorch step measured here"
         log(f"[micro] {name}: snapshot capture / restore")
-        snap_reps = max(5, reps // 3)
+        snap_reps = max(min(5, reps), reps // 3)
         out["snapshot"][name] = snapshot_and_restore(module, opt, snap_reps, device, denom)
         out["snapshot"][name]["step_ms_source"] = source
         if name == "lm":
             log(f"[micro] {name}: op guard over the forward")
-            out["opguard"][name] = opguard_cost(module, batch, reps, device, precision)
+            out["opguard"][name] = opguard_cost(module, batch, reps, device, precision, warmup)
         opt.zero_grad(set_to_none=True)
         del opt
         spec.module.cpu()

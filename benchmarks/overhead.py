@@ -14,7 +14,8 @@ Variants:
   numguard_no_outputs           defaults without the ``outputs`` and ``ops`` checks (no forward hooks)
   detect_anomaly                ``Trainer(detect_anomaly=True)``
   spike_detection               Lightning's ``SpikeDetection`` callback (loss spikes, ``mode="min"``)
-  naive_isfinite                ``bool(torch.isfinite(p.grad).all())`` per parameter, in ``on_before_optimizer_step``
+  naive_isfinite                ``bool(torch.isfinite(p.grad).all())`` per parameter tensor,
+                                in ``on_before_optimizer_step``
 
 Step time is measured from the first callback's ``on_train_batch_start`` to the last callback's
 ``on_train_batch_end`` (so every guard hook, the forward, backward and optimizer step are inside),
@@ -32,6 +33,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import inspect
@@ -57,12 +59,12 @@ if str(_HERE.parent) not in sys.path:  # use the checkout, installed or not
 if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
+import bench_models  # noqa: E402
+import micro  # noqa: E402
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 from pytorch_lightning.callbacks import Callback, SpikeDetection  # noqa: E402
 
-import bench_models  # noqa: E402
-import micro  # noqa: E402
 from lightning_numguard.callbacks import NumGuardCallback  # noqa: E402
 
 VARIANTS = (
@@ -81,9 +83,17 @@ SYNC_TARGET = 1.0  # guard-caused host reads per step
 
 # --quick / default / --smoke settings (explicit flags override them)
 PRESETS = {
-    "quick": {"rounds": 2, "steps": 14, "warmup": 4, "count_steps": 4, "micro_reps": 15},
-    "full": {"rounds": 5, "steps": 30, "warmup": 6, "count_steps": 6, "micro_reps": 40},
-    "smoke": {"rounds": 1, "steps": 3, "warmup": 1, "count_steps": 2, "micro_reps": 2},
+    "quick": {"rounds": 2, "steps": 14, "warmup": 4, "count_steps": 4, "micro_reps": 15, "variants": None},
+    "full": {"rounds": 5, "steps": 30, "warmup": 6, "count_steps": 6, "micro_reps": 40, "variants": None},
+    # --smoke only proves the code paths run (e.g. the 100M LM on a CPU): tiny, two variants
+    "smoke": {
+        "rounds": 1,
+        "steps": 3,
+        "warmup": 1,
+        "count_steps": 2,
+        "micro_reps": 2,
+        "variants": "baseline,numguard_default",
+    },
 }
 
 
@@ -116,7 +126,9 @@ def make_variant(name: str, tmp: Path) -> tuple[dict[str, Any], list[Callback]]:
     if name == "numguard_snapshot_every_step":
         return {}, [NumGuardCallback(dirpath=ng, snapshot_every_n_steps=1)]
     if name == "numguard_no_outputs":
-        return {}, [NumGuardCallback(dirpath=ng, check=[c for c in DEFAULT_CHECKS if c not in ("outputs", "ops")])]
+        return {}, [
+            NumGuardCallback(dirpath=ng, check=[c for c in DEFAULT_CHECKS if c not in ("outputs", "ops")])
+        ]
     if name == "detect_anomaly":
         return {"detect_anomaly": True}, []
     if name == "spike_detection":
@@ -182,7 +194,9 @@ class _EndStamp(Callback):
     def __init__(self, clock: StepClock) -> None:
         self.clock = clock
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.clock.end()
 
 
@@ -239,6 +253,9 @@ def run_fit(
 
 
 def time_model(spec: bench_models.ModelSpec, variants: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    # One untimed fit first: one-time costs (allocator growth, CUDA/cuBLAS init, lazy imports)
+    # would otherwise land on whichever variant happens to run first.
+    run_fit(spec, "baseline", args, args.warmup + 2, StepClock(args.device))
     rounds: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for r in range(args.rounds):
         k = r % len(variants)
@@ -410,7 +427,13 @@ class SyncCounter:
 
 def _site(frame: Any) -> str:
     fn = frame.f_code.co_filename.replace("\\", "/")
-    for marker in ("/lightning_numguard/", "/pytorch_lightning/", "/lightning_fabric/", "/torchmetrics/", "/torch/"):
+    for marker in (
+        "/lightning_numguard/",
+        "/pytorch_lightning/",
+        "/lightning_fabric/",
+        "/torchmetrics/",
+        "/torch/",
+    ):
         if marker in fn:
             fn = marker.strip("/") + "/" + fn.split(marker, 1)[1]
             break
@@ -460,7 +483,11 @@ def count_syncs(spec: bench_models.ModelSpec, variant: str, args: argparse.Names
         "per_step_on_device": per_step(counter.step_device),
         "first_step_total": counter.step_total[0] if counter.step_total else None,
         "first_step_guard": counter.step_guard[0] if counter.step_guard else None,
-        "per_step_lists": {"total": counter.step_total, "guard": counter.step_guard, "on_device": counter.step_device},
+        "per_step_lists": {
+            "total": counter.step_total,
+            "guard": counter.step_guard,
+            "on_device": counter.step_device,
+        },
         "outside_steps_per_fit_total": counter.outside_total,
         "outside_steps_per_fit_guard": counter.outside_guard,
         "sites": dict(counter.sites.most_common()),
@@ -493,8 +520,12 @@ def profile_default(spec: bench_models.ModelSpec, args: argparse.Namespace, top:
             if "lightning_numguard" in fn:
                 short = fn.replace("\\", "/").split("lightning_numguard/", 1)[1]
                 rows.append(
-                    {"function": f"{short}:{line} {func}", "calls_per_step": nc / steps,
-                     "tottime_ms_per_step": 1e3 * tt / steps, "cumtime_ms_per_step": 1e3 * ct / steps}
+                    {
+                        "function": f"{short}:{line} {func}",
+                        "calls_per_step": nc / steps,
+                        "tottime_ms_per_step": 1e3 * tt / steps,
+                        "cumtime_ms_per_step": 1e3 * ct / steps,
+                    }
                 )
         rows.sort(key=lambda r: -r["cumtime_ms_per_step"])
         results[variant] = {
@@ -518,7 +549,8 @@ def model_table(name: str, desc: str, res: dict[str, Any], syncs: dict[str, Any]
         f"### {name}: {desc}",
         "",
         "| variant | median step (ms) | ratio vs baseline (median of rounds) | ratio min–max | ratio IQR "
-        "| host reads / step (all) | of which guard-caused |" + (" CUDA sync warnings / step |" if cuda else ""),
+        "| host reads / step (all) | of which guard-caused |"
+        + (" CUDA sync warnings / step |" if cuda else ""),
         "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if cuda else ""),
     ]
     for v, r in res.items():
@@ -558,11 +590,10 @@ def micro_tables(m: dict[str, Any]) -> str:
     out.append("| params | tensors / values | " + " | ".join(cols) + " | target ≤ 0.25× met |")
     out.append("|---|---:|" + "---:|" * len(cols) + "---|")
     for name, g in m["grad_check"].items():
-        cells = [
-            f"{g['times'][c]['median_ms']:.3f} ({g['ratio_to_adamw'][c]:.2f}×)" for c in cols
-        ]
+        cells = [f"{g['times'][c]['median_ms']:.3f} ({g['ratio_to_adamw'][c]:.2f}×)" for c in cols]
         out.append(
-            f"| {name} | {g['n_tensors']} / {g['n_values'] / 1e6:.2f}M | " + " | ".join(cells)
+            f"| {name} | {g['n_tensors']} / {g['n_values'] / 1e6:.2f}M | "
+            + " | ".join(cells)
             + f" | {'yes' if g['target_met'] else 'NO'} |"
         )
     out += [
@@ -570,7 +601,8 @@ def micro_tables(m: dict[str, Any]) -> str:
         "### (b) snapshot and (c) rollback",
         "",
         "| model | host bytes / snapshot | capture (ms) | + optimizer-state check (ms) | first capture (ms) "
-        "| step (ms) | amortised % of a step @10 / @50 / @100 | target ≤ 1% @50 met | restore (ms) | restore in steps |",
+        "| step (ms) | amortised % of a step @10 / @50 / @100 | target ≤ 1% @50 met | restore (ms) "
+        "| restore in steps |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for name, s in m["snapshot"].items():
@@ -585,9 +617,11 @@ def micro_tables(m: dict[str, Any]) -> str:
     if m["opguard"]:
         out += [
             "",
-            "### (d) op guard and forward hooks over the LM forward + loss (median ms; ratio to plain forward)",
+            "### (d) op guard and forward hooks over the LM forward + loss "
+            "(median ms; ratio to plain forward)",
             "",
-            "| model | forward | OpGuard active | OpGuard entered but disabled | OutputWatch hooks | guarded calls |",
+            "| model | forward | OpGuard active | OpGuard entered but disabled | OutputWatch hooks "
+            "| guarded calls |",
             "|---|---:|---:|---:|---:|---:|",
         ]
         for name, o in m["opguard"].items():
@@ -603,7 +637,8 @@ def micro_tables(m: dict[str, Any]) -> str:
 def profile_table(name: str, prof: dict[str, Any]) -> str:
     d = prof["numguard_default"]
     lines = [
-        f"### cProfile of numguard_default on {name}: lightning_numguard functions by cumulative time per step",
+        f"### cProfile of numguard_default on {name}: "
+        "lightning_numguard functions by cumulative time per step",
         "",
         f"(profiled step: baseline {prof['baseline']['profiled_ms_per_step']:.1f} ms, "
         f"numguard_default {d['profiled_ms_per_step']:.1f} ms; cProfile inflates Python-heavy code)",
@@ -649,10 +684,8 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         env["cuda"] = torch.version.cuda
     else:
         env["device_name"] = _cpu_name()
-    try:
+    with contextlib.suppress(OSError):
         env["loadavg_start"] = os.getloadavg()
-    except OSError:
-        pass
     return env
 
 
@@ -671,7 +704,9 @@ def _cpu_name() -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See benchmarks/README.md.")
-    p.add_argument("--quick", action="store_true", help="fewer rounds and steps (about 2 minutes on 2 CPU cores)")
+    p.add_argument(
+        "--quick", action="store_true", help="fewer rounds and steps (about 2 minutes on 2 CPU cores)"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny run that only exercises the code paths")
     p.add_argument("--rounds", type=int, help="interleaved rounds per model")
     p.add_argument("--steps", type=int, help="max_steps of each timed fit")
@@ -680,11 +715,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-reps", type=int, help="interleaved repetitions of each micro-measurement")
     p.add_argument("--out", help="write DIR/overhead.json")
     p.add_argument("--models", default=",".join(bench_models.MODELS))
-    p.add_argument("--variants", default=",".join(VARIANTS), help="baseline is always run first")
+    p.add_argument("--variants", help="comma-separated subset (default: all); baseline is always run")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
     p.add_argument("--lm-size", choices=tuple(bench_models.LM_SIZES), default="small")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: 1 on cpu)")
+    p.add_argument(
+        "--float-causal-mask",
+        action="store_true",
+        help="LM keeps its causal mask as a float buffer with -inf (instead of bool); see README",
+    )
     p.add_argument("--no-micro", action="store_true")
     p.add_argument("--no-counts", action="store_true")
     p.add_argument("--profile", action="store_true", help="also cProfile numguard_default on every model")
@@ -693,6 +733,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k, v in preset.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.variants is None:
+        args.variants = ",".join(VARIANTS)
     if args.warmup >= args.steps:
         p.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
     variants = [v for v in args.variants.split(",") if v]
@@ -733,7 +775,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     specs: dict[str, bench_models.ModelSpec] = {}
     for name in args.model_list:
         n_batches = max(args.steps, args.count_steps) + 2
-        spec = bench_models.build(name, n_batches, args.device, args.lm_size)
+        spec = bench_models.build(
+            name, n_batches, args.device, args.lm_size, float_mask=args.float_causal_mask
+        )
         specs[name] = spec
         _log(f"== {name}: {spec.description}")
         timing = time_model(spec, args.variant_list, args)
@@ -758,12 +802,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         spec.module.cpu()
     if not args.no_micro:
         step_ms = {n: e["variants"]["baseline"]["median_step_ms"] for n, e in result["models"].items()}
-        result["micro"] = micro.run_micro(specs, args.device, args.precision, args.micro_reps, step_ms, log=_log)
+        result["micro"] = micro.run_micro(
+            specs,
+            args.device,
+            args.precision,
+            args.micro_reps,
+            step_ms,
+            log=_log,
+            warmup=1 if args.smoke else 2,
+        )
     result["wall_s"] = time.perf_counter() - t_start
-    try:
+    with contextlib.suppress(OSError):
         result["environment"]["loadavg_end"] = os.getloadavg()
-    except OSError:
-        pass
 
     report = render(result, args)
     print(report)
@@ -784,14 +834,17 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         f"`{result['command']}` — {env['device_name']} ({env['device']}, precision {env['precision']}), "
         f"torch {env['torch']}, pytorch_lightning {env['pytorch_lightning']}, {env['torch_threads']} torch "
-        f"thread(s); {cfg['rounds']} interleaved rounds × {cfg['steps']} steps per fit, first {cfg['warmup']} "
+        f"thread(s); {cfg['rounds']} interleaved rounds × {cfg['steps']} steps per fit, "
+        f"first {cfg['warmup']} "
         f"discarded; host reads counted over {cfg['count_steps']} steps (first step excluded); "
         f"wall {result['wall_s']:.0f} s.",
         "",
     ]
     for name, entry in result["models"].items():
         parts.append(
-            model_table(name, entry["description"], entry["variants"], entry["host_reads"], args.device == "cuda")
+            model_table(
+                name, entry["description"], entry["variants"], entry["host_reads"], args.device == "cuda"
+            )
         )
         parts.append("")
     targets = []
@@ -819,9 +872,14 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
         for name, s in m["snapshot"].items():
             pct = s["amortised_pct_of_step"][str(micro.DEFAULT_SNAPSHOT_INTERVAL)]
             targets.append(
-                f"- {name}: snapshot amortised at every {micro.DEFAULT_SNAPSHOT_INTERVAL} steps {pct:.2f}% of a step "
+                f"- {name}: snapshot amortised at every {micro.DEFAULT_SNAPSHOT_INTERVAL} steps "
+                f"{pct:.2f}% of a step "
                 f"— target ≤ {micro.SNAPSHOT_TARGET_PCT:.0f}%: "
-                + ("met" if s["target_met"] else f"**MISSED** by {pct - micro.SNAPSHOT_TARGET_PCT:.2f} points")
+                + (
+                    "met"
+                    if s["target_met"]
+                    else f"**MISSED** by {pct - micro.SNAPSHOT_TARGET_PCT:.2f} points"
+                )
             )
     for name, entry in result["models"].items():
         if "profile" in entry:

@@ -18,11 +18,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_numguard.core.opguard import OpGuard
+
 __all__ = ["replay_batch"]
 
 log = logging.getLogger(__name__)
 
-_ANOMALY = re.compile(r"Function '(\w+)' returned nan values in its (\d+)th output")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.+)')
 
 
@@ -81,6 +82,55 @@ class _FirstBadOp(TorchFunctionMode):
         return out
 
 
+def _graph_nodes(root: Any) -> list[Any]:
+    seen: set[int] = set()
+    out = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        out.append(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return out
+
+
+def _first_bad_node(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> dict[str, Any]:
+    """Backward with a hook on every autograd node: the first whose gradients went NaN/Inf from finite ones.
+
+    Anomaly mode's ``check_nan`` only sees NaN (``sqrt(0)``'s backward returns Inf first), so the
+    graph is walked instead; anomaly mode still records each node's forward traceback.
+    """
+    found: dict[str, Any] = {}
+
+    def hook(grad_inputs: Any, grad_outputs: Any, node: Any) -> None:
+        if found or not _finite(grad_outputs) or _finite(grad_inputs):
+            return
+        found["op"] = type(node).__name__
+        trace = (node.metadata or {}).get("traceback_") if hasattr(node, "metadata") else None
+        if trace:
+            frames = _FRAME.findall("".join(trace))
+            user = [f for f in frames if "site-packages" not in f[0] and "/torch/" not in f[0]]
+            if user:
+                file, line, func, code = user[-1]
+                found["forward_trace"] = f"{file}:{line} in {func}: {code.strip()}"
+
+    with torch.autograd.set_detect_anomaly(True, check_nan=False):
+        loss = _loss_of(pl_module.training_step(batch, batch_idx))
+        if loss is None or loss.grad_fn is None:
+            return found
+        handles = [
+            node.register_hook(lambda gi, go, node=node: hook(gi, go, node)) for node in _graph_nodes(loss.grad_fn)
+        ]
+        try:
+            loss.backward()
+        finally:
+            for h in handles:
+                h.remove()
+    return found
+
+
 def _run(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor | None:
     loss = _loss_of(pl_module.training_step(batch, batch_idx))
     if loss is not None and loss.requires_grad:
@@ -98,7 +148,7 @@ def replay_batch(
     ``forward_module`` (first module whose output went non-finite), ``forward_op`` and
     ``forward_op_module`` (the first op whose finite inputs gave a non-finite output, e.g.
     ``div``, and the innermost module running it), ``op`` (the first autograd
-    op anomaly mode caught returning NaN, e.g. ``SqrtBackward0``) and ``forward_trace`` (the
+    node whose gradients went NaN/Inf from finite incoming ones, e.g. ``SqrtBackward0``) and ``forward_trace`` (the
     user code line that created that op).
     """
     from lightning_numguard.core.snapshot import rng_state, set_rng_state
@@ -140,7 +190,7 @@ def replay_batch(
             pl_module.zero_grad(set_to_none=True)
             op_mode = _FirstBadOp(stack)
             try:
-                with op_mode:
+                with OpGuard(), op_mode:
                     _run(pl_module, batch, batch_idx)
             except Exception as err:  # the replay is a diagnosis: never fail the run over it
                 result["error"] = f"{type(err).__name__}: {err}"
@@ -153,24 +203,11 @@ def replay_batch(
             if rng is not None:
                 set_rng_state(rng)
             pl_module.zero_grad(set_to_none=True)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    with torch.autograd.detect_anomaly(check_nan=True):
-                        _run(pl_module, batch, batch_idx)
-                except RuntimeError as err:
-                    match = _ANOMALY.search(str(err))
-                    if match:
-                        result["op"] = match.group(1)
-                        result["output_index"] = int(match.group(2))
-            for w in caught:
-                text = str(w.message)
-                if "Traceback of forward call" in text:
-                    frames = _FRAME.findall(text)
-                    user = [f for f in frames if "site-packages" not in f[0] and "/torch/" not in f[0]]
-                    if user:
-                        file, line, func, code = user[-1]
-                        result["forward_trace"] = f"{file}:{line} in {func}: {code.strip()}"
+            try:
+                with OpGuard():  # the replayed batch must not trip the ops the guard protects
+                    result.update(_first_bad_node(pl_module, batch, batch_idx))
+            except Exception as err:
+                result.setdefault("error", f"{type(err).__name__}: {err}")
     finally:
         for h in handles:
             h.remove()

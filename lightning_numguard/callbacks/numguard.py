@@ -228,19 +228,16 @@ class NumGuardCallback(Callback):
         self.replay = replay
         self.warn = warn
 
-        self.events: list[dict[str, Any]] = []
-        self.counters: dict[str, int] = {}
-        self.quarantined: list[dict[str, Any]] = []
-        self.position_incidents: dict[str, int] = {}
         self._reset_run_state()
 
     # ------------------------------------------------------------------ state
 
     def _reset_run_state(self) -> None:
-        self.events = []
-        self.counters = {"incidents": 0, "skipped_steps": 0, "rollbacks": 0, "amp_overflow_steps": 0}
-        self.quarantined = []
-        self.position_incidents = {}
+        self.events: list[dict[str, Any]] = []
+        self.counters: dict[str, int] = {"incidents": 0, "skipped_steps": 0, "rollbacks": 0, "amp_overflow_steps": 0}
+        self.quarantined: list[dict[str, Any]] = []
+        self.position_incidents: dict[str, int] = {}
+        self.incidents_by_kind: dict[str, int] = {}
         self._watch: OutputWatch | None = None
         self._opguard: OpGuard | None = None
         self._opguard_entered = False
@@ -266,7 +263,7 @@ class NumGuardCallback(Callback):
             "counters": dict(self.counters),
             "quarantined": [dict(q) for q in self.quarantined],
             "position_incidents": dict(self.position_incidents),
-            "incidents_by_kind": _count_by_kind(self.events),
+            "incidents_by_kind": dict(self.incidents_by_kind),
         }
 
     @override
@@ -277,6 +274,15 @@ class NumGuardCallback(Callback):
         self.position_incidents = {
             str(k): int(v) for k, v in state_dict.get("position_incidents", {}).items()
         }
+        self.incidents_by_kind = {str(k): int(v) for k, v in state_dict.get("incidents_by_kind", {}).items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Hooks, the op-guard mode and the step record belong to a running fit; setup rebuilds them.
+        state = self.__dict__.copy()
+        for name in ("_watch", "_opguard", "_step_rec"):
+            state[name] = None
+        state["_opguard_entered"] = False
+        return state
 
     # ------------------------------------------------------------------ hooks
 
@@ -1028,6 +1034,8 @@ class NumGuardCallback(Callback):
         if not events:
             return
         self.counters["incidents"] += sum(1 for e in events if e["kind"] != "optimizer_coverage")
+        for e in events:
+            self.incidents_by_kind[e["kind"]] = self.incidents_by_kind.get(e["kind"], 0) + 1
         self.events.extend(events)
         if self._reporter is not None:
             self._reporter.emit(trainer, events, self.counters)
@@ -1044,13 +1052,6 @@ def _choice(name: str, value: Any, allowed: Sequence[str]) -> None:
 def _int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise NumGuardConfigError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
-
-
-def _count_by_kind(events: list[dict[str, Any]]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for e in events:
-        out[e["kind"]] = out.get(e["kind"], 0) + 1
-    return out
 
 
 def _accumulating(trainer: pl.Trainer) -> bool:

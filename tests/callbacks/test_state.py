@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,7 +18,12 @@ from lightning_numguard import NumGuardCallback
 from lightning_numguard.errors import NumGuardWarning
 from tests.helpers import FaultData, FaultModel, all_finite, loader, trainer
 
-INPUT_AT_3 = r"non-finite value in `batch\['x'\]` at step 3 on rank 0"
+INPUT_AT_3 = r"^NumGuard: non-finite value in `batch\['x'\]` at step 3 on rank 0"
+ANY_NUMGUARD = r"^NumGuard: .+ at step 3 on rank 0"
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended"),
+    pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create"),
+]
 SETTINGS: dict[str, Any] = dict(
     action="rollback",
     retry_transient=True,  # a persistent bad batch fails its retry and is quarantined at once
@@ -38,8 +44,10 @@ def faulted(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     cb = NumGuardCallback(**SETTINGS)
     ckpt = ModelCheckpoint(dirpath=tmp / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=1)
     tr = trainer(tmp, [cb, ckpt], max_steps=6, enable_checkpointing=True)
-    with pytest.warns(NumGuardWarning, match=INPUT_AT_3):
+    with pytest.warns(NumGuardWarning, match=ANY_NUMGUARD) as records:
         tr.fit(FaultModel(site="input"), loader(FaultData(bad_batch=3, site="input")))
+    warned = [str(r.message) for r in records if issubclass(r.category, NumGuardWarning)]
+    assert re.match(INPUT_AT_3, warned[0]), warned  # the root cause is named first
     return SimpleNamespace(tmp=tmp, cb=cb, trainer=tr, last=tmp / "ckpt" / "last.ckpt")
 
 
@@ -124,7 +132,9 @@ class _Probe(pl.Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._before = [p.detach().clone() for p in pl_module.parameters()]
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.unchanged[(trainer.current_epoch, batch_idx)] = all(
             torch.equal(a, b) for a, b in zip(self._before, pl_module.parameters())
         )
