@@ -191,9 +191,7 @@ def build(
         batches = []
         for _ in range(n_batches):
             x = torch.randn(batch, 3, 32, 32, generator=g)
-            batches.append(
-                (x, (x.mean(dim=(1, 2, 3)) > 0).long() + 2 * (x[:, 0].mean(dim=(1, 2)) > 0).long())
-            )
+            batches.append((x, (x.mean(dim=(1, 2, 3)) > 0).long() + 2 * (x[:, 0].mean(dim=(1, 2)) > 0).long()))
         desc = f"CNN 5x(conv3x3+BatchNorm+ReLU) 32-32-64-64-128, 32x32x3 images, batch {batch}"
     elif name == "lm":
         if lm_size not in LM_SIZES:
@@ -204,8 +202,7 @@ def build(
         batches = _lm_batches(vocab, seq, batch, n_batches, g)
         desc = (
             f"transformer LM ({lm_size}): vocab {vocab}, d_model {d}, {layers} layers, {heads} heads, "
-            f"d_ff {d_ff}, seq {seq}, batch {batch}"
-            + (", float -inf causal-mask buffer" if float_mask else "")
+            f"d_ff {d_ff}, seq {seq}, batch {batch}" + (", float -inf causal-mask buffer" if float_mask else "")
         )
     else:
         raise ValueError(f"unknown model {name!r}; choose from {list(MODELS)}")

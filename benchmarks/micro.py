@@ -59,9 +59,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def interleaved(
-    cands: dict[str, Callable[[], Any]], reps: int, device: str, warmup: int = 2
-) -> dict[str, list[float]]:
+def interleaved(cands: dict[str, Callable[[], Any]], reps: int, device: str, warmup: int = 2) -> dict[str, list[float]]:
     """Per-call times (ms) of each candidate, ``reps`` rounds, candidate order rotated each round."""
     names = list(cands)
     for name in names:
@@ -278,9 +276,7 @@ def opguard_cost(
     }
 
 
-def plain_step_ms(
-    module: Any, opt: torch.optim.Optimizer, batch: Any, device: str, precision: str, reps: int
-) -> float:
+def plain_step_ms(module: Any, opt: torch.optim.Optimizer, batch: Any, device: str, precision: str, reps: int) -> float:
     """Median time of a plain PyTorch training step (used when no Lightning baseline is given)."""
     autocast = (
         torch.autocast(device_type=device, dtype=torch.bfloat16)

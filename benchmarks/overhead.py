@@ -126,9 +126,7 @@ def make_variant(name: str, tmp: Path) -> tuple[dict[str, Any], list[Callback]]:
     if name == "numguard_snapshot_every_step":
         return {}, [NumGuardCallback(dirpath=ng, snapshot_every_n_steps=1)]
     if name == "numguard_no_outputs":
-        return {}, [
-            NumGuardCallback(dirpath=ng, check=[c for c in DEFAULT_CHECKS if c not in ("outputs", "ops")])
-        ]
+        return {}, [NumGuardCallback(dirpath=ng, check=[c for c in DEFAULT_CHECKS if c not in ("outputs", "ops")])]
     if name == "detect_anomaly":
         return {"detect_anomaly": True}, []
     if name == "spike_detection":
@@ -194,9 +192,7 @@ class _EndStamp(Callback):
     def __init__(self, clock: StepClock) -> None:
         self.clock = clock
 
-    def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.clock.end()
 
 
@@ -502,8 +498,58 @@ def count_syncs(spec: bench_models.ModelSpec, variant: str, args: argparse.Names
 # ----------------------------------------------------------------------------- profile
 
 
+def _in_guard(func: tuple[str, int, str]) -> bool:
+    return "lightning_numguard" in func[0].replace("\\", "/")
+
+
+def _fname(func: tuple[str, int, str]) -> str:
+    fn = func[0].replace("\\", "/")
+    fn = fn.split("lightning_numguard/", 1)[1] if "lightning_numguard/" in fn else os.path.basename(fn)
+    return f"{fn}:{func[1]} {func[2]}"
+
+
+def guard_breakdown(stats: dict[Any, Any], steps: int) -> list[dict[str, Any]]:
+    """Time per step spent in ``lightning_numguard`` code, by the place it is entered from outside.
+
+    Every guard function called from non-guard code (a Lightning hook call, a module forward
+    hook, the torch-function-mode dispatch) is an entry point; its time is the cumulative time of
+    those external calls (torch ops it runs included). ``OpGuard.__torch_function__`` is the one
+    exception: its cumulative time includes the op it wraps, so only its own time and that of
+    the guard functions it calls (the checks) are counted. What cProfile cannot see -- the C++
+    cost of dispatching every op through a ``TorchFunctionMode`` -- is measured in micro (d).
+    """
+    torch_fn = [f for f in stats if _in_guard(f) and f[2] == "__torch_function__"]
+    rows: dict[str, dict[str, Any]] = {}
+    for func, (_, nc, tt, ct, callers) in stats.items():
+        if not _in_guard(func):
+            continue
+        if func in torch_fn:
+            own = tt + sum(
+                edge[3] for g, (_, _, _, _, cl) in stats.items() if _in_guard(g) for c, edge in cl.items() if c == func
+            )
+            rows[_fname(func)] = {
+                "ms_per_step": 1e3 * own / steps,
+                "calls_per_step": nc / steps,
+                "note": "own time + checks, without the wrapped op",
+            }
+            continue
+        # Entered from outside: called by non-guard Python code, or with no recorded caller (the
+        # hooks that run first after the profiler is switched on). Builtin callers ("~", e.g. a
+        # generator consumed by list.extend) are the guard's own code.
+        ext = [edge for caller, edge in callers.items() if not _in_guard(caller) and caller[0] != "~"]
+        if not callers:
+            ext = [(nc, nc, tt, ct)]
+        if ext:
+            rows[_fname(func)] = {
+                "ms_per_step": 1e3 * sum(e[3] for e in ext) / steps,
+                "calls_per_step": sum(e[1] for e in ext) / steps,
+            }
+    out = [{"entry": k, **v} for k, v in rows.items()]
+    return sorted(out, key=lambda r: -r["ms_per_step"])
+
+
 def profile_default(spec: bench_models.ModelSpec, args: argparse.Namespace, top: int = 12) -> dict[str, Any]:
-    """cProfile one fit of ``numguard_default`` and of ``baseline``; the guard's top functions per step."""
+    """cProfile the steps of one fit of ``numguard_default`` and of ``baseline``."""
     results: dict[str, Any] = {}
     for variant in ("baseline", "numguard_default"):
         clock = StepClock(args.device)
@@ -512,27 +558,25 @@ def profile_default(spec: bench_models.ModelSpec, args: argparse.Namespace, top:
         clock.on_end.insert(0, prof.disable)
         run_fit(spec, variant, args, args.steps, clock)
         steps = len(clock.starts)
-        st = pstats.Stats(prof, stream=io.StringIO())
-        rows = []
-        total = 0.0
-        for (fn, line, func), (_, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
-            total += tt
-            if "lightning_numguard" in fn:
-                short = fn.replace("\\", "/").split("lightning_numguard/", 1)[1]
-                rows.append(
-                    {
-                        "function": f"{short}:{line} {func}",
-                        "calls_per_step": nc / steps,
-                        "tottime_ms_per_step": 1e3 * tt / steps,
-                        "cumtime_ms_per_step": 1e3 * ct / steps,
-                    }
-                )
-        rows.sort(key=lambda r: -r["cumtime_ms_per_step"])
+        stats = pstats.Stats(prof, stream=io.StringIO()).stats  # type: ignore[attr-defined]
+        total = sum(v[2] for v in stats.values())
+        self_rows = [
+            {
+                "function": _fname(f),
+                "calls_per_step": v[1] / steps,
+                "self_ms_per_step": 1e3 * v[2] / steps,
+                "cum_ms_per_step": 1e3 * v[3] / steps,
+            }
+            for f, v in stats.items()
+            if _in_guard(f)
+        ]
+        breakdown = guard_breakdown(stats, steps)
         results[variant] = {
             "steps": steps,
             "profiled_ms_per_step": 1e3 * total / steps,
-            "numguard_top_cumulative": rows[:top],
-            "numguard_top_self": sorted(rows, key=lambda r: -r["tottime_ms_per_step"])[:top],
+            "guard_ms_per_step": sum(r["ms_per_step"] for r in breakdown),
+            "guard_entry_points": breakdown,
+            "guard_top_self": sorted(self_rows, key=lambda r: -r["self_ms_per_step"])[:top],
         }
     return results
 
@@ -549,8 +593,7 @@ def model_table(name: str, desc: str, res: dict[str, Any], syncs: dict[str, Any]
         f"### {name}: {desc}",
         "",
         "| variant | median step (ms) | ratio vs baseline (median of rounds) | ratio min–max | ratio IQR "
-        "| host reads / step (all) | of which guard-caused |"
-        + (" CUDA sync warnings / step |" if cuda else ""),
+        "| host reads / step (all) | of which guard-caused |" + (" CUDA sync warnings / step |" if cuda else ""),
         "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if cuda else ""),
     ]
     for v, r in res.items():
@@ -617,11 +660,9 @@ def micro_tables(m: dict[str, Any]) -> str:
     if m["opguard"]:
         out += [
             "",
-            "### (d) op guard and forward hooks over the LM forward + loss "
-            "(median ms; ratio to plain forward)",
+            "### (d) op guard and forward hooks over the LM forward + loss (median ms; ratio to plain forward)",
             "",
-            "| model | forward | OpGuard active | OpGuard entered but disabled | OutputWatch hooks "
-            "| guarded calls |",
+            "| model | forward | OpGuard active | OpGuard entered but disabled | OutputWatch hooks | guarded calls |",
             "|---|---:|---:|---:|---:|---:|",
         ]
         for name, o in m["opguard"].items():
@@ -637,20 +678,22 @@ def micro_tables(m: dict[str, Any]) -> str:
 def profile_table(name: str, prof: dict[str, Any]) -> str:
     d = prof["numguard_default"]
     lines = [
-        f"### cProfile of numguard_default on {name}: "
-        "lightning_numguard functions by cumulative time per step",
+        f"### cProfile of numguard_default on {name}: time in lightning_numguard per step, by entry point",
         "",
-        f"(profiled step: baseline {prof['baseline']['profiled_ms_per_step']:.1f} ms, "
-        f"numguard_default {d['profiled_ms_per_step']:.1f} ms; cProfile inflates Python-heavy code)",
+        f"Profiled step: baseline {prof['baseline']['profiled_ms_per_step']:.1f} ms, numguard_default "
+        f"{d['profiled_ms_per_step']:.1f} ms, of which {d['guard_ms_per_step']:.1f} ms inside lightning_numguard "
+        "(cProfile inflates Python-heavy code; one fit each, so the two step totals carry the machine's noise).",
         "",
-        "| function | calls / step | cumulative ms / step | self ms / step |",
-        "|---|---:|---:|---:|",
+        "| entry point | calls / step | ms / step |",
+        "|---|---:|---:|",
     ]
-    for r in d["numguard_top_cumulative"]:
-        lines.append(
-            f"| `{r['function']}` | {r['calls_per_step']:.0f} | {r['cumtime_ms_per_step']:.2f} | "
-            f"{r['tottime_ms_per_step']:.2f} |"
-        )
+    for r in d["guard_entry_points"][:10]:
+        note = f" ({r['note']})" if r.get("note") else ""
+        lines.append(f"| `{r['entry']}`{note} | {r['calls_per_step']:.0f} | {r['ms_per_step']:.2f} |")
+    lines += ["", "Top guard functions by own (self) time:", "", "| function | calls / step | self ms / step |"]
+    lines.append("|---|---:|---:|")
+    for r in d["guard_top_self"][:8]:
+        lines.append(f"| `{r['function']}` | {r['calls_per_step']:.0f} | {r['self_ms_per_step']:.2f} |")
     return "\n".join(lines)
 
 
@@ -704,9 +747,7 @@ def _cpu_name() -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See benchmarks/README.md.")
-    p.add_argument(
-        "--quick", action="store_true", help="fewer rounds and steps (about 2 minutes on 2 CPU cores)"
-    )
+    p.add_argument("--quick", action="store_true", help="fewer rounds and steps (about 2 minutes on 2 CPU cores)")
     p.add_argument("--smoke", action="store_true", help="tiny run that only exercises the code paths")
     p.add_argument("--rounds", type=int, help="interleaved rounds per model")
     p.add_argument("--steps", type=int, help="max_steps of each timed fit")
@@ -775,9 +816,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     specs: dict[str, bench_models.ModelSpec] = {}
     for name in args.model_list:
         n_batches = max(args.steps, args.count_steps) + 2
-        spec = bench_models.build(
-            name, n_batches, args.device, args.lm_size, float_mask=args.float_causal_mask
-        )
+        spec = bench_models.build(name, n_batches, args.device, args.lm_size, float_mask=args.float_causal_mask)
         specs[name] = spec
         _log(f"== {name}: {spec.description}")
         timing = time_model(spec, args.variant_list, args)
@@ -842,9 +881,7 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
     ]
     for name, entry in result["models"].items():
         parts.append(
-            model_table(
-                name, entry["description"], entry["variants"], entry["host_reads"], args.device == "cuda"
-            )
+            model_table(name, entry["description"], entry["variants"], entry["host_reads"], args.device == "cuda")
         )
         parts.append("")
     targets = []
@@ -875,11 +912,7 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
                 f"- {name}: snapshot amortised at every {micro.DEFAULT_SNAPSHOT_INTERVAL} steps "
                 f"{pct:.2f}% of a step "
                 f"— target ≤ {micro.SNAPSHOT_TARGET_PCT:.0f}%: "
-                + (
-                    "met"
-                    if s["target_met"]
-                    else f"**MISSED** by {pct - micro.SNAPSHOT_TARGET_PCT:.2f} points"
-                )
+                + ("met" if s["target_met"] else f"**MISSED** by {pct - micro.SNAPSHOT_TARGET_PCT:.2f} points")
             )
     for name, entry in result["models"].items():
         if "profile" in entry:

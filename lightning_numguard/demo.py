@@ -78,7 +78,9 @@ class DemoCNN(pl.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.fault == "param" and self._now():
             with torch.no_grad():
-                self.features[0].weight[0].fill_(float("nan"))
+                conv = self.features[0]
+                assert isinstance(conv, nn.Conv2d)
+                conv.weight[0].fill_(float("nan"))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         h = self.features(batch["image"]).flatten(1)
@@ -95,7 +97,9 @@ class DemoCNN(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
 
 
-def run_demo(fault: str = "input", action: str = "rollback", steps: int = 30, out_dir: Path | str = "numguard-demo") -> str:
+def run_demo(
+    fault: str = "input", action: str = "rollback", steps: int = 30, out_dir: Path | str = "numguard-demo"
+) -> str:
     """Train the demo CNN for ``steps`` steps with ``fault`` at step 10 under ``action``; return a summary."""
     if fault not in FAULTS:
         raise ValueError(f"`fault` must be one of {list(FAULTS)}, got {fault!r}")

@@ -234,7 +234,12 @@ class NumGuardCallback(Callback):
 
     def _reset_run_state(self) -> None:
         self.events: list[dict[str, Any]] = []
-        self.counters: dict[str, int] = {"incidents": 0, "skipped_steps": 0, "rollbacks": 0, "amp_overflow_steps": 0}
+        self.counters: dict[str, int] = {
+            "incidents": 0,
+            "skipped_steps": 0,
+            "rollbacks": 0,
+            "amp_overflow_steps": 0,
+        }
         self.quarantined: list[dict[str, Any]] = []
         self.position_incidents: dict[str, int] = {}
         self.incidents_by_kind: dict[str, int] = {}
@@ -446,7 +451,9 @@ class NumGuardCallback(Callback):
         tensors = list(_tensors(checkpoint.get("state_dict", {}))) + list(
             _tensors(checkpoint.get("optimizer_states", []))
         )
-        if not tensors or not any(_any_rank(trainer, ["bad"] if any(checks.confirm_nonfinite(tensors)) else [])):
+        if not tensors or not any(
+            _any_rank(trainer, ["bad"] if any(checks.confirm_nonfinite(tensors)) else [])
+        ):
             return
         checkpoint["state_dict"] = clone_tree(self._snapshot.model, "cpu")
         if "optimizer_states" in checkpoint:
@@ -515,11 +522,11 @@ class NumGuardCallback(Callback):
         if with_optimizer:
             pnames = {id(p): n for n, p in pl_module.named_parameters()}
             for i, opt in enumerate(trainer.optimizers):
-                for p, state in opt.state.items():
+                for param, state in opt.state.items():
                     for key, value in state.items():
                         if isinstance(value, torch.Tensor) and value.is_floating_point():
                             tensors.append(value)
-                            names.append(f"optimizer[{i}].state[{pnames.get(id(p), '?')}].{key}")
+                            names.append(f"optimizer[{i}].state[{pnames.get(id(param), '?')}].{key}")
         return tensors, names
 
     def _coverage(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -554,8 +561,10 @@ class NumGuardCallback(Callback):
         indices = _index_tensor(batch)
         if known and indices is not None:
             return torch.isin(indices, torch.tensor(known, device=indices.device)).any().float()
-        if any(q["batch_idx"] == batch_idx and q["step"] != step and not q.get("sample_indices")
-               for q in self.quarantined):
+        if any(
+            q["batch_idx"] == batch_idx and q["step"] != step and not q.get("sample_indices")
+            for q in self.quarantined
+        ):
             return torch.ones(())
         return None
 
@@ -1132,7 +1141,11 @@ def _index_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, dict):
         for key in _INDEX_KEYS:
             value = batch.get(key)
-            if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool:
+            if (
+                isinstance(value, torch.Tensor)
+                and not value.is_floating_point()
+                and value.dtype != torch.bool
+            ):
                 return value.reshape(-1)
     return None
 

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_numguard import NumGuardCallback  # noqa: E402
-from tests.helpers import FaultData, FaultModel  # noqa: E402
+from lightning_numguard import NumGuardCallback
+from tests.helpers import FaultData, FaultModel
 
 
 class Report(pl.Callback):

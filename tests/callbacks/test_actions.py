@@ -12,7 +12,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint, OnExceptionCh
 
 from lightning_numguard import NonFiniteError, NumGuardCallback, NumGuardConfigError
 from lightning_numguard.errors import NumGuardWarning
-from tests.helpers import SITES, FaultData, FaultModel, all_finite, loader, trainer
+from tests.helpers import FaultData, FaultModel, all_finite, loader, trainer
 
 EXPECTED_FIRST = {
     "input": ("nonfinite_input", "batch['x']"),
@@ -196,17 +196,26 @@ def test_at_most_one_host_sync_per_training_step(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"action": "explode"}, r"`action` must be one of \['warn', 'skip', 'rollback', 'halt'\], got 'explode'"),
+        (
+            {"action": "explode"},
+            r"`action` must be one of \['warn', 'skip', 'rollback', 'halt'\], got 'explode'",
+        ),
         ({"check": ["inputs", "weights"]}, r"`check` must be one of .*got 'weights'"),
         ({"check": "inputs"}, r"`check` must be a list of strings"),
         ({"max_abs_input": -1.0}, r"`max_abs_input` must be a positive number or None, got -1.0"),
         ({"max_abs_input": "big"}, r"`max_abs_input` must be a positive number or None, got 'big'"),
-        ({"check_optimizer_coverage": "loud"}, r"`check_optimizer_coverage` must be one of \['off', 'warn', 'error'\]"),
+        (
+            {"check_optimizer_coverage": "loud"},
+            r"`check_optimizer_coverage` must be one of \['off', 'warn', 'error'\]",
+        ),
         ({"snapshot_every_n_steps": 0}, r"`snapshot_every_n_steps` must be an integer >= 1, got 0"),
         ({"snapshot_every_n_steps": 2.5}, r"`snapshot_every_n_steps` must be an integer >= 1, got 2.5"),
         ({"snapshot_device": "gpu"}, r"`snapshot_device` must be one of \['host', 'device'\], got 'gpu'"),
         ({"max_rollbacks": -1}, r"`max_rollbacks` must be an integer >= 0, got -1"),
-        ({"skip_batches_after_rollback": True}, r"`skip_batches_after_rollback` must be an integer >= 0, got True"),
+        (
+            {"skip_batches_after_rollback": True},
+            r"`skip_batches_after_rollback` must be an integer >= 0, got True",
+        ),
         ({"lr_backoff": 0.0}, r"`lr_backoff` must be a number in \(0, 1\], got 0.0"),
         ({"lr_backoff": 1.5}, r"`lr_backoff` must be a number in \(0, 1\], got 1.5"),
         ({"retry_transient": "yes"}, r"`retry_transient` must be True or False, got 'yes'"),

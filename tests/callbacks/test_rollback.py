@@ -58,14 +58,18 @@ def test_rollback_survives_a_fault_at_every_site(tmp_path, site):
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1, save_last=True)
     guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"))
     with pytest.warns(NumGuardWarning):
-        model, t = run(
-            tmp_path,
-            FaultData(bad_batch=3, site=site),
-            FaultModel(site=site, step=3),
-            guard,
-            max_steps=8,
-            callbacks_extra=None,
-        ) if False else _fit_with(tmp_path, site, guard, saver)
+        model, t = (
+            run(
+                tmp_path,
+                FaultData(bad_batch=3, site=site),
+                FaultModel(site=site, step=3),
+                guard,
+                max_steps=8,
+                callbacks_extra=None,
+            )
+            if False
+            else _fit_with(tmp_path, site, guard, saver)
+        )
     assert t.global_step == 8
     assert all_finite(model.state_dict())
     assert all_finite(t.optimizers[0].state_dict())
@@ -190,7 +194,9 @@ def test_fp16_amp_overflow_is_left_to_the_grad_scaler(tmp_path):
 
     guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"))
     model = Overflow()
-    t = trainer(tmp_path, [guard], max_steps=6, plugins=[MixedPrecision("16-mixed", "cpu")], deterministic=False)
+    t = trainer(
+        tmp_path, [guard], max_steps=6, plugins=[MixedPrecision("16-mixed", "cpu")], deterministic=False
+    )
     t.fit(model, loader(FaultData()))
     assert guard.counters["amp_overflow_steps"] == 1
     assert guard.counters["incidents"] == 0 and guard.events == []

@@ -15,7 +15,7 @@ def test_frozen_params_handed_to_the_optimizer_rcan_story():
     opt = torch.optim.Adam(m.parameters())  # like `optim.Adam(netG.parameters())` in the seed post
     report = check_coverage(m, [opt])
     assert report.frozen_in_optimizer == ["0.weight", "0.bias"]
-    (problem, names, hint), = report.problems()
+    ((problem, names, hint),) = report.problems()
     assert "frozen" in problem and names == ["0.weight", "0.bias"] and "requires_grad" in hint
 
 

@@ -1,0 +1,45 @@
+"""`numguard demo` end to end, and `numguard explain` on what a real run wrote."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_numguard.cli import main
+from lightning_numguard.demo import run_demo
+
+
+@pytest.mark.parametrize(
+    ("fault", "action", "kind", "where"),
+    [
+        ("input", "rollback", "nonfinite_input", "batch['image']"),
+        ("masked-fill", "skip", "suspicious_input", "batch['image']"),
+        ("output", "halt", "nonfinite_output", "norm"),
+    ],
+)
+def test_demo_finds_names_and_survives(tmp_path, capsys, fault, action, kind, where):
+    code = main(["demo", "--fault", fault, "--action", action, "--steps", "16", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"{kind} at step 8 in {where}" in out
+    assert "weights finite at the end: True" in out
+    (events_file,) = tmp_path.rglob("events.jsonl")
+    first = json.loads(events_file.read_text().splitlines()[0])
+    assert first["kind"] == kind and first["where"][0] == where and first["action"] == action
+    assert str(events_file) in out
+
+    # the run's folder explains itself
+    assert main(["explain", str(events_file.parent)]) == 0
+    report = capsys.readouterr().out
+    assert kind in report and where in report
+
+
+def test_demo_without_a_fault_reports_nothing(tmp_path):
+    text = run_demo(fault="none", action="rollback", steps=6, out_dir=tmp_path)
+    assert "no incident found (as expected: no fault injected)" in text
+
+
+def test_demo_rejects_an_unknown_fault(tmp_path):
+    with pytest.raises(ValueError, match=r"`fault` must be one of .*got 'gremlins'"):
+        run_demo(fault="gremlins", out_dir=tmp_path)
