@@ -83,8 +83,8 @@ SYNC_TARGET = 1.0  # guard-caused host reads per step
 
 # --quick / default / --smoke settings (explicit flags override them)
 PRESETS = {
-    "quick": {"rounds": 2, "steps": 14, "warmup": 4, "count_steps": 4, "micro_reps": 15, "variants": None},
-    "full": {"rounds": 5, "steps": 30, "warmup": 6, "count_steps": 6, "micro_reps": 40, "variants": None},
+    "quick": dict(rounds=3, steps=12, warmup=4, count_steps=4, micro_reps=15, variants=None, budget_s=105),
+    "full": dict(rounds=10, steps=22, warmup=6, count_steps=6, micro_reps=40, variants=None, budget_s=560),
     # --smoke only proves the code paths run (e.g. the 100M LM on a CPU): tiny, two variants
     "smoke": {
         "rounds": 1,
@@ -93,6 +93,7 @@ PRESETS = {
         "count_steps": 2,
         "micro_reps": 2,
         "variants": "baseline,numguard_default",
+        "budget_s": None,
     },
 }
 
@@ -248,12 +249,20 @@ def run_fit(
     return {"fit_s": fit_s, "incidents": incidents, "error": error, "steps_run": trainer.global_step}
 
 
-def time_model(spec: bench_models.ModelSpec, variants: list[str], args: argparse.Namespace) -> dict[str, Any]:
+def time_model(
+    spec: bench_models.ModelSpec, variants: list[str], args: argparse.Namespace, deadline: float | None = None
+) -> dict[str, Any]:
+    """Interleaved rounds of every variant; stops early (after >= 2 whole rounds) at ``deadline``."""
     # One untimed fit first: one-time costs (allocator growth, CUDA/cuBLAS init, lazy imports)
     # would otherwise land on whichever variant happens to run first.
     run_fit(spec, "baseline", args, args.warmup + 2, StepClock(args.device))
     rounds: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    round_s = 0.0
     for r in range(args.rounds):
+        if r >= 2 and deadline is not None and time.perf_counter() + round_s > deadline:
+            _log(f"  {spec.name}: time budget reached, stopping after {r} rounds")
+            break
+        t_round = time.perf_counter()
         k = r % len(variants)
         order = variants[k:] + variants[:k]
         for v in order:
@@ -269,6 +278,7 @@ def time_model(spec: bench_models.ModelSpec, variants: list[str], args: argparse
                 + (f"  ERROR {info['error']}" if info["error"] else "")
                 + (f"  incidents={info['incidents']}" if info["incidents"] else "")
             )
+        round_s = time.perf_counter() - t_round
     out: dict[str, Any] = {}
     for v in variants:
         meds = [x["median_step_ms"] for x in rounds[v]]
@@ -754,6 +764,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, help="steps discarded at the start of each timed fit")
     p.add_argument("--count-steps", type=int, help="max_steps of each host-read counting fit")
     p.add_argument("--micro-reps", type=int, help="interleaved repetitions of each micro-measurement")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        help="wall-clock budget: timed rounds stop early (keeping >= 2 whole rounds) so that the run, "
+        "host-read counts and micro-measurements included, fits (default: 560 full, 105 --quick)",
+    )
     p.add_argument("--out", help="write DIR/overhead.json")
     p.add_argument("--models", default=",".join(bench_models.MODELS))
     p.add_argument("--variants", help="comma-separated subset (default: all); baseline is always run")
@@ -808,7 +824,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "environment": environment(args),
         "config": {
             k: getattr(args, k)
-            for k in ("rounds", "steps", "warmup", "count_steps", "micro_reps", "lm_size", "quick", "smoke")
+            for k in (
+                "rounds",
+                "steps",
+                "warmup",
+                "count_steps",
+                "micro_reps",
+                "budget_s",
+                "lm_size",
+                "quick",
+                "smoke",
+                "threads",
+            )
         }
         | {"variants": args.variant_list, "models": args.model_list, "default_checks": DEFAULT_CHECKS},
         "models": {},
@@ -819,7 +846,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         spec = bench_models.build(name, n_batches, args.device, args.lm_size, float_mask=args.float_causal_mask)
         specs[name] = spec
         _log(f"== {name}: {spec.description}")
-        timing = time_model(spec, args.variant_list, args)
+        deadline = None
+        if args.budget_s:
+            share = 0.7 if not (args.no_micro and args.no_counts) else 0.95
+            i = args.model_list.index(name)
+            deadline = t_start + share * args.budget_s * (i + 1) / len(args.model_list)
+        timing = time_model(spec, args.variant_list, args, deadline)
         syncs: dict[str, Any] = {}
         if not args.no_counts:
             for v in args.variant_list:
@@ -830,6 +862,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
         entry: dict[str, Any] = {
             "description": spec.description,
+            "rounds_run": len(timing["baseline"]["rounds"]),
             "n_params": spec.n_params,
             "variants": timing,
             "host_reads": syncs,
@@ -873,7 +906,7 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         f"`{result['command']}` — {env['device_name']} ({env['device']}, precision {env['precision']}), "
         f"torch {env['torch']}, pytorch_lightning {env['pytorch_lightning']}, {env['torch_threads']} torch "
-        f"thread(s); {cfg['rounds']} interleaved rounds × {cfg['steps']} steps per fit, "
+        f"thread(s); up to {cfg['rounds']} interleaved rounds × {cfg['steps']} steps per fit, "
         f"first {cfg['warmup']} "
         f"discarded; host reads counted over {cfg['count_steps']} steps (first step excluded); "
         f"wall {result['wall_s']:.0f} s.",

@@ -121,8 +121,7 @@ def _first_bad_node(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -
         if loss is None or loss.grad_fn is None:
             return found
         handles = [
-            node.register_hook(lambda gi, go, node=node: hook(gi, go, node))
-            for node in _graph_nodes(loss.grad_fn)
+            node.register_hook(lambda gi, go, node=node: hook(gi, go, node)) for node in _graph_nodes(loss.grad_fn)
         ]
         try:
             loss.backward()

@@ -183,13 +183,9 @@ class NumGuardCallback(Callback):
                     f"`{name}` must be a list of glob patterns such as ['encoder.*'], got {patterns!r}"
                 )
         if max_abs_input is not None and (
-            isinstance(max_abs_input, bool)
-            or not isinstance(max_abs_input, (int, float))
-            or not max_abs_input > 0
+            isinstance(max_abs_input, bool) or not isinstance(max_abs_input, (int, float)) or not max_abs_input > 0
         ):
-            raise NumGuardConfigError(
-                f"`max_abs_input` must be a positive number or None, got {max_abs_input!r}"
-            )
+            raise NumGuardConfigError(f"`max_abs_input` must be a positive number or None, got {max_abs_input!r}")
         _int("snapshot_every_n_steps", snapshot_every_n_steps, 1)
         _int("max_rollbacks", max_rollbacks, 0)
         _int("skip_batches_after_rollback", skip_batches_after_rollback, 0)
@@ -253,7 +249,11 @@ class NumGuardCallback(Callback):
         self._skip_remaining = 0
         self._coverage_grad_checked = False
         self._stateful: dict[str, Any] = {}
-        self._buffer_keys: list[str] = []
+        self._named_params: list[tuple[str, torch.Tensor]] = []
+        self._named_buffers: list[tuple[str, torch.Tensor]] = []
+        self._param_names: dict[int, str] = {}
+        self._start_buffers: list[torch.Tensor] = []
+        self._quarantine_known: tuple[int, torch.Tensor] | None = None
         self._rollbacks_this_fit = 0
 
     @property
@@ -276,9 +276,7 @@ class NumGuardCallback(Callback):
         counters = state_dict.get("counters", {})
         self.counters.update({k: int(v) for k, v in counters.items()})
         self.quarantined = [dict(q) for q in state_dict.get("quarantined", [])]
-        self.position_incidents = {
-            str(k): int(v) for k, v in state_dict.get("position_incidents", {}).items()
-        }
+        self.position_incidents = {str(k): int(v) for k, v in state_dict.get("position_incidents", {}).items()}
         self.incidents_by_kind = {str(k): int(v) for k, v in state_dict.get("incidents_by_kind", {}).items()}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -297,11 +295,7 @@ class NumGuardCallback(Callback):
             return
         self._teardown_hooks()
         self._reset_run_state()
-        dirpath = (
-            Path(self.dirpath)
-            if self.dirpath
-            else Path(trainer.log_dir or trainer.default_root_dir) / "numguard"
-        )
+        dirpath = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir or trainer.default_root_dir) / "numguard"
         self._reporter = Reporter(dirpath, warn=self.warn)
         if "ops" in self.check:
             self._opguard = OpGuard()
@@ -315,17 +309,19 @@ class NumGuardCallback(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stateful = stateful_objects(trainer, pl_module)
-        param_keys = {n for n, _ in pl_module.named_parameters()}
-        self._buffer_keys = [k for k in pl_module.state_dict() if k not in param_keys]
+        # Resolved once per fit: the hot path must not walk the module tree every step.
+        self._named_params = list(pl_module.named_parameters())
+        self._param_names = {id(p): n for n, p in self._named_params}
+        persistent = set(pl_module.state_dict())
+        self._named_buffers = [(n, b) for n, b in pl_module.named_buffers() if n in persistent]
+        self._start_buffers = [b.detach().clone() for _, b in self._named_buffers]
         if self.check_optimizer_coverage != "off":
             self._coverage(trainer, pl_module)
         tensors, names = self._state_tensors(trainer, pl_module, with_optimizer=True)
         bad = [n for n, b in zip(names, checks.confirm_nonfinite(tensors)) if b]  # one sync per fit
         bad = _any_rank(trainer, bad)
         if bad:
-            self._record(
-                trainer, [self._event(trainer, "nonfinite_param", bad, {"when": "fit start"}, 0, "none")]
-            )
+            self._record(trainer, [self._event(trainer, "nonfinite_param", bad, {"when": "fit start"}, 0, "none")])
             if self.action != "warn":
                 raise NonFiniteError(
                     f"NumGuard: the weights or optimizer state are already non-finite at fit start ({bad[:3]}); "
@@ -350,11 +346,10 @@ class NumGuardCallback(Callback):
         if rec is None:
             rec = self._step_rec = _Step(epoch=trainer.current_epoch, batch_idx=batch_idx, batch=batch)
             if self.action != "warn":
-                sd = pl_module.state_dict()
-                rec.start_buffers = {k: clone_tree(sd[k]) for k in self._buffer_keys}
-                rec.start_states = clone_states(
-                    self._stateful, [k for k in self._stateful if not k.startswith("lr_")]
-                )
+                if self._start_buffers:  # one fused copy of every buffer, into storage reused each step
+                    torch._foreach_copy_(self._start_buffers, [b for _, b in self._named_buffers])
+                rec.start_buffers = {n: c for (n, _), c in zip(self._named_buffers, self._start_buffers)}
+                rec.start_states = clone_states(self._stateful, [k for k in self._stateful if not k.startswith("lr_")])
                 rec.start_rng = rng_state()
             if self._skip_remaining > 0:
                 self._skip_remaining -= 1
@@ -364,9 +359,7 @@ class NumGuardCallback(Callback):
         if "inputs" in self.check:
             leaves = floating_leaves(batch)
             if leaves:
-                rec.inputs.append(
-                    ([p for p, _ in leaves], checks.max_abs([t for _, t in leaves], pl_module.device))
-                )
+                rec.inputs.append(([p for p, _ in leaves], checks.max_abs([t for _, t in leaves], pl_module.device)))
         if self._opguard is not None:
             self._opguard.enabled = True
             if not self._opguard_entered:
@@ -374,9 +367,7 @@ class NumGuardCallback(Callback):
                 self._opguard_entered = True
 
     @override
-    def on_before_backward(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
-    ) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._exit_opguard()
         if "loss" in self.check and self._step_rec is not None:
             self._step_rec.losses.append(loss.detach())
@@ -386,7 +377,14 @@ class NumGuardCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         self._exit_opguard()
-        if self._step_rec is None:  # an optimizer step outside a training batch (manual loops)
+        rec = self._step_rec
+        if rec is None:  # an optimizer step outside a training batch (manual loops)
+            return
+        if rec.read_done:  # a further optimizer of the same batch (manual optimization)
+            if rec.bad:
+                optimizer.zero_grad(set_to_none=True)
+                return
+            self._read(trainer, pl_module, optimizer, grads_only=True)
             return
         self._read(trainer, pl_module, optimizer)
 
@@ -451,9 +449,7 @@ class NumGuardCallback(Callback):
         tensors = list(_tensors(checkpoint.get("state_dict", {}))) + list(
             _tensors(checkpoint.get("optimizer_states", []))
         )
-        if not tensors or not any(
-            _any_rank(trainer, ["bad"] if any(checks.confirm_nonfinite(tensors)) else [])
-        ):
+        if not tensors or not any(_any_rank(trainer, ["bad"] if any(checks.confirm_nonfinite(tensors)) else [])):
             return
         checkpoint["state_dict"] = clone_tree(self._snapshot.model, "cpu")
         if "optimizer_states" in checkpoint:
@@ -477,9 +473,7 @@ class NumGuardCallback(Callback):
         self._teardown_hooks()
 
     @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._teardown_hooks()
 
     # ------------------------------------------------------------------ verbs
@@ -560,10 +554,13 @@ class NumGuardCallback(Callback):
         known = [i for q in self.quarantined for i in (q.get("sample_indices") or [])]
         indices = _index_tensor(batch)
         if known and indices is not None:
-            return torch.isin(indices, torch.tensor(known, device=indices.device)).any().float()
+            cached = self._quarantine_known
+            if cached is None or cached[0] != len(known) or cached[1].device != indices.device:
+                # copied to the device once per quarantine change, not every step
+                cached = self._quarantine_known = (len(known), torch.tensor(known, device=indices.device))
+            return torch.isin(indices, cached[1]).any().float()
         if any(
-            q["batch_idx"] == batch_idx and q["step"] != step and not q.get("sample_indices")
-            for q in self.quarantined
+            q["batch_idx"] == batch_idx and q["step"] != step and not q.get("sample_indices") for q in self.quarantined
         ):
             return torch.ones(())
         return None
@@ -571,11 +568,25 @@ class NumGuardCallback(Callback):
     # -------------------------------------------------------------- the read
 
     def _read(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer | None
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: torch.optim.Optimizer | None,
+        grads_only: bool = False,
     ) -> None:
-        """Pack every flag of the step, all-reduce once, read once; on a hit, find the culprits."""
+        """Pack every flag of the step, all-reduce once, read once; on a hit, find the culprits.
+
+        ``grads_only``: a second optimizer stepping in the same batch; inputs, outputs and the loss
+        were already read with the first one.
+        """
         rec = self._step_rec
         assert rec is not None
+        if grads_only:
+            rec.inputs, rec.losses = [], []
+            if self._watch is not None:
+                self._watch.reset()
+            if self._opguard is not None:
+                self._opguard.reset()
         rec.read_done = True
         rec.step = trainer.global_step
         device = pl_module.device
@@ -622,7 +633,7 @@ class NumGuardCallback(Callback):
             trainer.global_step - self._last_snapshot_step >= self.snapshot_every_n_steps
         )
         if "params" in self.check or snapshot_due:
-            add("params", list(pl_module.named_parameters()))
+            add("params", self._named_params)
             if rec.start_buffers is not None:  # buffers as they were before this step's forward pass
                 add("start_buffers", [(k, v) for k, v in rec.start_buffers.items() if v.is_floating_point()])
         if "optimizer_state" in self.check or snapshot_due:
@@ -630,11 +641,11 @@ class NumGuardCallback(Callback):
             n_model = sum(1 for _ in pl_module.parameters()) + sum(1 for _ in pl_module.buffers())
             add("opt_state", list(zip(n[n_model:], t[n_model:])))
         if "grads" in self.check and optimizer is not None:
-            pnames = {id(p): n for n, p in pl_module.named_parameters()}
-            grads = [(pnames.get(id(p), "?"), p.grad) for g in optimizer.param_groups for p in g["params"]]
+            names = self._param_names
+            grads = [(names.get(id(p), "?"), p.grad) for g in optimizer.param_groups for p in g["params"]]
             add("grads", [(n, g) for n, g in grads if g is not None])
         if "params" in self.check:  # buffers after the forward pass (BatchNorm running stats)
-            add("live_buffers", [(k, v) for k, v in pl_module.named_buffers() if v.is_floating_point()])
+            add("live_buffers", [(k, v) for k, v in self._named_buffers if v.is_floating_point()])
 
         norms = checks.norm_candidates(norm_t, device) if norm_t else torch.zeros(0, device=device)
 
@@ -657,14 +668,8 @@ class NumGuardCallback(Callback):
             f_susp,
             seg_flag("params", "start_buffers", "opt_state"),
             self._watch.slot_flags(device) if self._watch is not None and self._watch.enabled else zero,
-            (
-                self._opguard.flags(device).amax()
-                if self._opguard is not None and self._opguard.records
-                else zero
-            ),
-            checks.nonfinite_any(torch.stack([x.float().to(device) for x in rec.losses]))
-            if rec.losses
-            else zero,
+            (self._opguard.flags(device).amax() if self._opguard is not None and self._opguard.records else zero),
+            checks.nonfinite_any(torch.stack([x.float().to(device) for x in rec.losses])) if rec.losses else zero,
             seg_flag("grads"),
             seg_flag("live_buffers"),
             rec.quarantine_flag if rec.quarantine_flag is not None else zero,
@@ -739,9 +744,7 @@ class NumGuardCallback(Callback):
         ):
             found.extend(self._input_findings(rec, rank))
         if state_bad:
-            found.append(
-                ("nonfinite_param", state_bad, {"when": "before the optimizer step"}, seen_rank[_STATE])
-            )
+            found.append(("nonfinite_param", state_bad, {"when": "before the optimizer step"}, seen_rank[_STATE]))
         first_module: str | None = None
         if self._watch is not None and seen_rank[_OUTPUT] >= 0:
             bad_modules = self._watch.first_bad()
@@ -765,9 +768,7 @@ class NumGuardCallback(Callback):
         if grad_bad:
             found.append(("nonfinite_grad", grad_bad, {}, seen_rank[_GRAD]))
         if buffer_bad:
-            found.append(
-                ("nonfinite_param", buffer_bad, {"when": "after the forward pass"}, seen_rank[_BUFFER])
-            )
+            found.append(("nonfinite_param", buffer_bad, {"when": "after the forward pass"}, seen_rank[_BUFFER]))
 
         # Replay where the finding was made, so that its details travel with it to every rank.
         if (
@@ -846,16 +847,10 @@ class NumGuardCallback(Callback):
                     )
         return out
 
-    def _op_findings(
-        self, first_module: str | None, rank: int
-    ) -> list[tuple[str, list[str], dict[str, Any], int]]:
+    def _op_findings(self, first_module: str | None, rank: int) -> list[tuple[str, list[str], dict[str, Any], int]]:
         assert self._opguard is not None
         out: list[tuple[str, list[str], dict[str, Any], int]] = []
-        flags = (
-            self._opguard.flags(self._opguard.records[0].flag.device).tolist()
-            if self._opguard.records
-            else []
-        )
+        flags = self._opguard.flags(self._opguard.records[0].flag.device).tolist() if self._opguard.records else []
         for record, flag in zip(self._opguard.records, flags):
             if flag:
                 details = dict(OpGuard.describe(record))
@@ -1111,9 +1106,7 @@ def _gather_findings(trainer: pl.Trainer, found: list[Any]) -> list[Any]:
     merged.sort(
         key=lambda f: (
             causal.get(
-                f[0]
-                if f[0] != "nonfinite_param" or "forward" not in str(f[2].get("when"))
-                else "buffers_after",
+                f[0] if f[0] != "nonfinite_param" or "forward" not in str(f[2].get("when")) else "buffers_after",
                 99,
             ),
             f[3],
@@ -1141,11 +1134,7 @@ def _index_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, dict):
         for key in _INDEX_KEYS:
             value = batch.get(key)
-            if (
-                isinstance(value, torch.Tensor)
-                and not value.is_floating_point()
-                and value.dtype != torch.bool
-            ):
+            if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool:
                 return value.reshape(-1)
     return None
 

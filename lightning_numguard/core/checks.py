@@ -58,7 +58,8 @@ def norm_candidates(tensors: Sequence[torch.Tensor], device: torch.device | None
     """
     if device is None:
         device = tensors[0].device if tensors else torch.device("cpu")
-    out = torch.zeros(len(tensors), dtype=torch.float32, device=device)
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32, device=device)
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
         c = _checkable(t)
@@ -67,12 +68,13 @@ def norm_candidates(tensors: Sequence[torch.Tensor], device: torch.device | None
         idx, ts = groups.setdefault((c.device, c.dtype), ([], []))
         idx.append(i)
         ts.append(c.detach())
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    slots: list[torch.Tensor] = [zero] * len(tensors)
     for (dev, _), (idx, ts) in groups.items():
-        norms = torch.stack(_foreach_norm_f32(ts))
-        if dev != device:
-            norms = norms.to(device, non_blocking=True)
-        out[torch.tensor(idx, device=device)] = norms
-    return out
+        for i, norm in zip(idx, _foreach_norm_f32(ts)):
+            slots[i] = norm if dev == device else norm.to(device, non_blocking=True)
+    # One stack of 0-d tensors in input order: no index tensor is copied from the host.
+    return torch.stack(slots)
 
 
 def _foreach_norm_f32(ts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -115,9 +117,7 @@ def confirm_nonfinite(tensors: Sequence[torch.Tensor]) -> list[bool]:
     flags = []
     for t in tensors:
         c = _checkable(t)
-        flags.append(
-            torch.zeros((), dtype=torch.bool, device=t.device) if c is None else ~torch.isfinite(c).all()
-        )
+        flags.append(torch.zeros((), dtype=torch.bool, device=t.device) if c is None else ~torch.isfinite(c).all())
     if not flags:
         return []
     return [bool(x) for x in torch.stack([f.to(flags[0].device) for f in flags]).tolist()]

@@ -286,3 +286,42 @@ def test_gradient_accumulation_attributes_the_bad_micro_batch(tmp_path):
     assert guard.counters["rollbacks"] == 1
     assert all_finite(model.state_dict())
     assert t.global_step == 4
+
+
+def test_manual_optimization_with_two_optimizers(tmp_path):
+    class GanLike(FaultModel):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt_body, opt_head = self.optimizers()
+            loss = torch.nn.functional.mse_loss(self(batch["x"]), batch["y"])
+            opt_body.zero_grad()
+            opt_head.zero_grad()
+            self.manual_backward(loss)
+            opt_body.step()
+            if self.global_step == 7:  # counts both optimizers' steps: the 4th batch's second step
+                self.head.weight.grad.fill_(float("nan"))
+            opt_head.step()
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.body.parameters(), lr=0.01), torch.optim.SGD(self.head.parameters(), lr=0.01)
+
+    guard = NumGuardCallback(action="skip", dirpath=str(tmp_path / "ng"))
+    model = GanLike()
+    with pytest.warns(NumGuardWarning, match="head.weight"):
+        trainer(tmp_path, [guard], max_steps=12).fit(model, loader(FaultData()))
+    (event,) = guard.events
+    assert event["kind"] == "nonfinite_grad" and event["where"][0] == "head.weight"
+    assert event["batch_idx"] == 3
+    assert all_finite(model.state_dict())
+
+
+def test_skip_escalates_on_poisoned_optimizer_state(tmp_path):
+    with pytest.warns(NumGuardWarning):
+        guard, model, _ = fit(tmp_path, "opt_state", "skip")
+    assert guard.events[0]["kind"] == "nonfinite_param"
+    assert guard.events[0]["action"] == "rollback"
+    assert all_finite(model.state_dict())

@@ -81,9 +81,7 @@ def _texts(ea: EventAccumulator) -> dict[int, str]:
 def _expected_counters(events: list[dict[str, Any]], step: int) -> dict[str, float]:
     """Incidents up to and including ``step`` (coverage findings are not incidents)."""
     return {
-        "numguard/incidents": float(
-            sum(1 for e in events if e["step"] <= step and e["kind"] != "optimizer_coverage")
-        ),
+        "numguard/incidents": float(sum(1 for e in events if e["step"] <= step and e["kind"] != "optimizer_coverage")),
         "numguard/skipped_steps": float(FAULT_STEPS.index(step) + 1),
         "numguard/rollbacks": float(FAULT_STEPS.index(step) + 1),
     }
@@ -267,3 +265,34 @@ def test_warnings_deduplicated_when_every_step_is_bad(tmp_path: Path) -> None:
     assert len({e["step"] for e in cb.events}) >= 4
     assert len(cb.events) > len(warned)
     assert len(set(warned)) == len(warned)
+
+
+# ----------------------------------------------------------------------------- message consistency
+
+# Hints that are only true when nothing went bad earlier in the same step.
+_CLAIMS_CLEAN_UPSTREAM = (
+    "from finite inputs",
+    "inputs and module outputs were finite",
+    "the forward pass was finite",
+)
+
+
+@pytest.mark.parametrize(
+    ("site", "first_kind", "first_where"),
+    [("input", "nonfinite_input", ["batch['x']"]), ("output", "nonfinite_output", ["body.1"])],
+)
+def test_later_events_of_a_step_do_not_contradict_the_root_cause(
+    tmp_path: Path, site: str, first_kind: str, first_where: list[str]
+) -> None:
+    """A NaN batch makes every module output, the loss and the gradients NaN too; their messages
+    must not tell the user that the inputs (or the forward pass) were finite."""
+    cb = NumGuardCallback(action="skip", replay=False)
+    with pytest.warns(NumGuardWarning, match=ANY_NUMGUARD):
+        tr = trainer(tmp_path, [cb], max_steps=5)
+        tr.fit(FaultModel(site=site, step=3), loader(FaultData(bad_batch=3, site=site)))
+    at_3 = [e for e in cb.events if e["step"] == 3]
+    assert (at_3[0]["kind"], at_3[0]["where"]) == (first_kind, first_where)
+    assert len(at_3) > 1, "control: the fault had downstream consequences"
+    for event in at_3[1:]:
+        for claim in _CLAIMS_CLEAN_UPSTREAM:
+            assert claim not in event["message"], (event["kind"], event["message"])
