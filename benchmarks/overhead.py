@@ -599,13 +599,16 @@ def _log(msg: str) -> None:
 
 
 def model_table(name: str, desc: str, res: dict[str, Any], syncs: dict[str, Any], cuda: bool) -> str:
-    lines = [
-        f"### {name}: {desc}",
-        "",
+    head = (
         "| variant | median step (ms) | ratio vs baseline (median of rounds) | ratio min–max | ratio IQR "
-        "| host reads / step (all) | of which guard-caused |" + (" CUDA sync warnings / step |" if cuda else ""),
-        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if cuda else ""),
-    ]
+        "| host reads / step (all) | of which guard-caused |"
+    )
+    rule = "|---|---:|---:|---:|---:|---:|---:|"
+    if cuda:
+        head += " of which on GPU tensors | CUDA sync warnings / step |"
+        rule += "---:|---:|"
+    lines = [f"### {name}: {desc}", "", head, rule]
+    notes = []
     for v, r in res.items():
         s = syncs.get(v, {})
         row = (
@@ -614,10 +617,14 @@ def model_table(name: str, desc: str, res: dict[str, Any], syncs: dict[str, Any]
             f"{_f(s.get('per_step_total'))} | {_f(s.get('per_step_guard'))} |"
         )
         if cuda:
-            row += f" {_f(s.get('cuda_sync_warnings_per_step'))} |"
-        if r["incidents"] or r["errors"]:
-            row += f" <!-- incidents={r['incidents']} errors={r['errors'][:1]} -->"
+            row += f" {_f(s.get('per_step_on_device'))} | {_f(s.get('cuda_sync_warnings_per_step'))} |"
+        if r["incidents"] or r["errors"] or s.get("error"):
+            row = row.replace(f"| {v} |", f"| {v} (!) |", 1)
+            err = (r["errors"] or [s.get("error")])[0]
+            notes.append(f"(!) {v}: {r['incidents']} incident(s) recorded" + (f"; error: {err}" if err else ""))
         lines.append(row)
+    if notes:
+        lines += ["", *notes]
     return "\n".join(lines)
 
 
@@ -914,7 +921,13 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
     ]
     for name, entry in result["models"].items():
         parts.append(
-            model_table(name, entry["description"], entry["variants"], entry["host_reads"], args.device == "cuda")
+            model_table(
+                name,
+                f"{entry['description']} — {entry['rounds_run']} round(s)",
+                entry["variants"],
+                entry["host_reads"],
+                args.device == "cuda",
+            )
         )
         parts.append("")
     targets = []
@@ -923,6 +936,9 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
         for v in ("numguard_default", "numguard_all", "numguard_no_outputs", "numguard_snapshot_every_step"):
             if v in hr:
                 g = hr[v]["per_step_guard"]
+                if hr[v].get("error") or g != g:
+                    targets.append(f"- {name} / {v}: host reads not measured: {hr[v].get('error')}")
+                    continue
                 targets.append(
                     f"- {name} / {v}: guard-caused host reads {g:.1f}/step — target ≤ {SYNC_TARGET:.0f}: "
                     + ("met" if g <= SYNC_TARGET else f"**MISSED** by {g - SYNC_TARGET:.1f}")

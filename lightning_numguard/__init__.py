@@ -1,8 +1,18 @@
-"""Keep PyTorch Lightning training runs alive through NaN and Inf."""
+"""Keep PyTorch Lightning training runs alive through NaN and Inf.
+
+The public surface is ``__all__``. ``NumGuardCallback`` is imported on first access, so that
+``lightning_numguard.core`` (torch and the standard library only) can be used without Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from lightning_numguard.__about__ import __version__
-from lightning_numguard.callbacks.numguard import NumGuardCallback
 from lightning_numguard.errors import NonFiniteError, NumGuardConfigError, NumGuardError, NumGuardWarning
+
+if TYPE_CHECKING:
+    from lightning_numguard.callbacks.numguard import NumGuardCallback
 
 __all__ = [
     "NonFiniteError",
@@ -12,3 +22,15 @@ __all__ = [
     "NumGuardWarning",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NumGuardCallback":
+        from lightning_numguard.callbacks.numguard import NumGuardCallback
+
+        return NumGuardCallback
+    raise AttributeError(f"module 'lightning_numguard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -100,18 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=formatter,
     )
-    demo.add_argument(
-        "--fault", choices=FAULTS, default="input", help="where to inject the fault (default: input)"
-    )
+    demo.add_argument("--fault", choices=FAULTS, default="input", help="where to inject the fault (default: input)")
     demo.add_argument(
         "--action",
         choices=ACTIONS,
         default="rollback",
         help="what the guard does on an incident (default: rollback)",
     )
-    demo.add_argument(
-        "--steps", type=_positive_int, default=30, metavar="N", help="training steps (default: 30)"
-    )
+    demo.add_argument("--steps", type=_positive_int, default=30, metavar="N", help="training steps (default: 30)")
     demo.add_argument(
         "--dir", default="./numguard-demo", metavar="DIR", help="output folder (default: ./numguard-demo)"
     )
@@ -149,9 +145,7 @@ def _run_explain(args: argparse.Namespace) -> int:
     if result.exit_code == EXIT_ERROR:
         _emit(result.text, sys.stderr)
     elif args.json:
-        _emit(
-            json.dumps({**result.summary, "exit_code": result.exit_code}, indent=2, default=str), sys.stdout
-        )
+        _emit(json.dumps({**result.summary, "exit_code": result.exit_code}, indent=2, default=str), sys.stdout)
     else:
         _emit(result.text, sys.stdout)
     return result.exit_code

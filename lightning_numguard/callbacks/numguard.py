@@ -43,16 +43,6 @@ DEFAULT_CHECKS: tuple[str, ...] = ("inputs", "outputs", "ops", "loss", "grads", 
 # Slots of the one packed flag vector read per step, in causal order.
 _INPUT, _SUSPICIOUS, _STATE, _OUTPUT, _OP, _LOSS, _GRAD, _BUFFER, _QUARANTINE = range(9)
 _N_SLOTS = 9
-_CAUSAL = (
-    "nonfinite_input",
-    "suspicious_input",
-    "nonfinite_param",
-    "nonfinite_output",
-    "op_domain",
-    "nonfinite_loss",
-    "nonfinite_grad",
-    "buffers_after",
-)
 
 
 @dataclass
@@ -799,6 +789,7 @@ class NumGuardCallback(Callback):
                     where.extend(n for n in (replay.get("op"), replay.get("module")) if n and n not in where)
         # Gather local findings from every rank so that rank 0 can write them.
         found = _gather_findings(trainer, found)
+        _mark_consequences(found)
         if not found:
             if snapshot_due:
                 self._take_snapshot(trainer, pl_module, rec)
@@ -1090,6 +1081,22 @@ def _all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def _causal_position(kind: str, details: dict[str, Any]) -> int:
+    """Where in a step a finding happens: inputs, state before the step, outputs, ops, loss, grads, buffers after."""
+    if kind == "nonfinite_param" and details.get("when") == "after the forward pass":
+        return 7
+    order = (
+        "nonfinite_input",
+        "suspicious_input",
+        "nonfinite_param",
+        "nonfinite_output",
+        "op_domain",
+        "nonfinite_loss",
+        "nonfinite_grad",
+    )
+    return order.index(kind) if kind in order else 8
+
+
 def _gather_findings(trainer: pl.Trainer, found: list[Any]) -> list[Any]:
     if trainer.world_size <= 1:
         return found
@@ -1101,17 +1108,8 @@ def _gather_findings(trainer: pl.Trainer, found: list[Any]) -> list[Any]:
             if key not in seen:
                 seen.add(key)
                 merged.append((kind, where, details, rank))
-    # stable: causal order first (as each rank appended), then rank
-    causal = {k: i for i, k in enumerate(_CAUSAL)}
-    merged.sort(
-        key=lambda f: (
-            causal.get(
-                f[0] if f[0] != "nonfinite_param" or "forward" not in str(f[2].get("when")) else "buffers_after",
-                99,
-            ),
-            f[3],
-        )
-    )
+    # each rank appended in causal order (its position in the step); keep that order across ranks
+    merged.sort(key=lambda f: (_causal_position(f[0], f[2]), f[3]))
     return merged
 
 
@@ -1137,6 +1135,19 @@ def _index_tensor(batch: Any) -> torch.Tensor | None:
             if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool:
                 return value.reshape(-1)
     return None
+
+
+def _mark_consequences(found: list[tuple[str, list[str], dict[str, Any], int]]) -> None:
+    """Tell every finding after the step's first one (the root cause) what that cause was.
+
+    Their messages then point at it instead of a hint that assumes clean upstream values.
+    """
+    if len(found) < 2:
+        return
+    kind, where, _, _ = found[0]
+    cause = f"{kind} in `{where[0]}`" if where else kind
+    for _, _, details, _ in found[1:]:
+        details.setdefault("after", cause)
 
 
 def _sample_indices(batch: Any) -> list[int] | None:

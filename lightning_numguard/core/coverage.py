@@ -75,6 +75,4 @@ def check_coverage(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
 def never_got_grad(model: nn.Module, params: Iterable[torch.Tensor]) -> list[str]:
     """Names of trainable ``params`` whose ``.grad`` is ``None`` (call just before an optimizer step)."""
     names = _names(model)
-    return [
-        names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params if p.requires_grad and p.grad is None
-    ]
+    return [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params if p.requires_grad and p.grad is None]

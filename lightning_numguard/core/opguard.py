@@ -232,10 +232,7 @@ class OpGuard(TorchFunctionMode):
             selected = {ops} if isinstance(ops, str) else set(ops)
             unknown = sorted(str(op) for op in selected - GUARDED_OPS)
             if unknown:
-                raise ValueError(
-                    f"OpGuard(ops=...) got unknown op name(s) {unknown}; "
-                    f"allowed: {sorted(GUARDED_OPS)}"
-                )
+                raise ValueError(f"OpGuard(ops=...) got unknown op name(s) {unknown}; allowed: {sorted(GUARDED_OPS)}")
         self.sanitize = sanitize
         self.current_module: str | None = None
         self.records: list[OpRecord] = []
@@ -344,9 +341,7 @@ class OpGuard(TorchFunctionMode):
         )
 
 
-def _violations(
-    op: str, x: torch.Tensor, low: float, high: float | None, ignore_index: int | None
-) -> torch.Tensor:
+def _violations(op: str, x: torch.Tensor, low: float, high: float | None, ignore_index: int | None) -> torch.Tensor:
     """Elementwise bool mask of the values of ``x`` that break ``op``'s rule; no sync.
 
     A range test is ``clamp(x, low, top) != x``: two kernels, and NaN (which survives the
@@ -470,14 +465,34 @@ def _build_forms() -> dict[Callable[..., Any], _Form]:
         F.embedding_bag: _form(
             "embedding_bag",
             _check_embedding,
-            ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode",
-             "sparse", "per_sample_weights", "include_last_offset", "padding_idx"),
+            (
+                "input",
+                "weight",
+                "offsets",
+                "max_norm",
+                "norm_type",
+                "scale_grad_by_freq",
+                "mode",
+                "sparse",
+                "per_sample_weights",
+                "include_last_offset",
+                "padding_idx",
+            ),
         ),
         torch.embedding_bag: _form(
             "embedding_bag",
             _check_embedding,
-            ("weight", "input", "offsets", "scale_grad_by_freq", "mode", "sparse",
-             "per_sample_weights", "include_last_offset", "raw_padding_idx"),
+            (
+                "weight",
+                "input",
+                "offsets",
+                "scale_grad_by_freq",
+                "mode",
+                "sparse",
+                "per_sample_weights",
+                "include_last_offset",
+                "raw_padding_idx",
+            ),
             {"indices": "input", "padding_idx": "raw_padding_idx"},
         ),
         F.one_hot: _form("one_hot", _check_one_hot, ("input", "num_classes")),

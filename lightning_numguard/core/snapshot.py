@@ -41,9 +41,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> Any: ...  # pragma: no cover
 
 
-def clone_tree(
-    obj: Any, device: torch.device | str | None = None, pin: bool = False, into: Any = None
-) -> Any:
+def clone_tree(obj: Any, device: torch.device | str | None = None, pin: bool = False, into: Any = None) -> Any:
     """Deep-copy a nested structure, cloning every tensor (to ``device`` when given).
 
     ``into`` is an earlier result of ``clone_tree`` with the same structure: tensors whose
@@ -160,9 +158,7 @@ def capture(
     return Snapshot(
         step=step,
         model=clone_tree(sd, device, pin, reuse.model if reuse else None),
-        optimizers=clone_tree(
-            [o.state_dict() for o in optimizers], device, pin, reuse.optimizers if reuse else None
-        ),
+        optimizers=clone_tree([o.state_dict() for o in optimizers], device, pin, reuse.optimizers if reuse else None),
         stateful=clone_tree(states, device, pin, reuse.stateful if reuse else None),
         rng=copy.deepcopy(rng) if rng is not None else rng_state(),
     )

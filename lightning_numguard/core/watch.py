@@ -105,9 +105,7 @@ class OutputWatch:
                 continue
             self._handles.append(module.register_forward_hook(_Hook(self, slot, id(module), pre=False)))
             if self._on_enter is not None:
-                self._handles.append(
-                    module.register_forward_pre_hook(_Hook(self, slot, id(module), pre=True))
-                )
+                self._handles.append(module.register_forward_pre_hook(_Hook(self, slot, id(module), pre=True)))
 
     def detach(self) -> None:
         """Remove every hook this watch registered."""

@@ -287,9 +287,7 @@ def format_report(
 def _wrap(label: str, text: str, *, indent: str | None = None) -> str:
     """``label`` + ``text``, wrapped at ``_WIDTH`` with continuation lines aligned under the text."""
     subsequent = " " * len(label) if indent is None else indent
-    return textwrap.fill(
-        text, _WIDTH, initial_indent=label, subsequent_indent=subsequent, break_on_hyphens=False
-    )
+    return textwrap.fill(text, _WIDTH, initial_indent=label, subsequent_indent=subsequent, break_on_hyphens=False)
 
 
 def _columns(cells: Sequence[str], widths: Sequence[int]) -> str:
@@ -441,8 +439,7 @@ def explain_log(text: str | Iterable[str], catalogue: Sequence[Pattern] = CATALO
                 first[pattern.name] = Match(pattern, line_no, _quote(line), 1, groups)
             break
     matches = [
-        Match(match.pattern, match.line_no, match.line, counts[name], match.groups)
-        for name, match in first.items()
+        Match(match.pattern, match.line_no, match.line, counts[name], match.groups) for name, match in first.items()
     ]
     return sorted(matches, key=lambda match: (match.pattern.follow_on, match.line_no))
 

@@ -51,6 +51,21 @@ def _names(where: Sequence[str], limit: int = 3) -> str:
     return shown
 
 
+#: Kinds whose hint assumes that nothing upstream of them went bad in the same step.
+_DOWNSTREAM_KINDS = ("nonfinite_output", "nonfinite_loss", "nonfinite_grad")
+
+
+def _hint(kind: str, details: dict[str, Any]) -> str:
+    """The kind's hint, or a pointer to the step's root cause when this finding came after it."""
+    after = details.get("after")
+    downstream = kind in _DOWNSTREAM_KINDS or (
+        kind == "nonfinite_param" and details.get("when") == "after the forward pass"
+    )
+    if after and downstream:
+        return f"a consequence of the earlier {after} in this step: fix that first"
+    return HINTS.get(kind, "")
+
+
 def incident_message(kind: str, where: Sequence[str], details: dict[str, Any], step: int, rank: int) -> str:
     """The one human sentence of an event: what, where, when, and the likely fix."""
     at = f"at step {step} on rank {rank}"
@@ -59,17 +74,11 @@ def incident_message(kind: str, where: Sequence[str], details: dict[str, Any], s
         text = f"non-finite value in {names} {at}"
         stats = details.get("stats") or {}
         if stats:
-            text += (
-                f" ({stats.get('nan', 0)} NaN, {stats.get('posinf', 0)} +Inf, {stats.get('neginf', 0)} -Inf)"
-            )
+            text += f" ({stats.get('nan', 0)} NaN, {stats.get('posinf', 0)} +Inf, {stats.get('neginf', 0)} -Inf)"
     elif kind == "suspicious_input":
         value = details.get("max_abs")
         fill = fill_value_name(value)
-        text = (
-            f"suspiciously large finite value {value:.6g} in {names} {at}"
-            if value
-            else f"huge value in {names}"
-        )
+        text = f"suspiciously large finite value {value:.6g} in {names} {at}" if value else f"huge value in {names}"
         if fill:
             return (
                 f"{text}: looks like a masked-array fill value leaked into the batch ({fill}); fill masked "
@@ -107,7 +116,7 @@ def incident_message(kind: str, where: Sequence[str], details: dict[str, Any], s
         if replay.get("op"):
             module = f" in `{replay['module']}`" if replay.get("module") else ""
             return (
-                f"{text}; the first autograd op to return NaN/Inf was `{replay['op']}`{module}; {HINTS[kind]}"
+                f"{text}; the first autograd op to return NaN/Inf was `{replay['op']}`{module}; {_hint(kind, details)}"
             )
     elif kind == "nonfinite_param":
         when = details.get("when")
@@ -117,4 +126,4 @@ def incident_message(kind: str, where: Sequence[str], details: dict[str, Any], s
         return f"{problem}: {names}; {details.get('hint', HINTS[kind])}"
     else:
         text = f"{kind} in {names} {at}"
-    return f"{text}; {HINTS.get(kind, '')}".rstrip("; ")
+    return f"{text}; {_hint(kind, details)}".rstrip("; ")

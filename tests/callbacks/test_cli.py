@@ -22,8 +22,7 @@ from tests.helpers import FaultData, FaultModel, loader
 
 CLASS_PATH = "lightning_numguard.NumGuardCallback"
 INIT_ARGS = (
-    "{action: skip, max_abs_input: 1.0e6, check: [inputs, loss, grads], "
-    "snapshot_every_n_steps: 5, lr_backoff: 0.5}"
+    "{action: skip, max_abs_input: 1.0e6, check: [inputs, loss, grads], snapshot_every_n_steps: 5, lr_backoff: 0.5}"
 )
 
 
@@ -52,13 +51,9 @@ trainer:
     return cfg
 
 
-def _cli(
-    args: list[str], model: type = BoringModel, data: type = BoringDataModule, **kw: Any
-) -> LightningCLI:
+def _cli(args: list[str], model: type = BoringModel, data: type = BoringDataModule, **kw: Any) -> LightningCLI:
     kw.setdefault("run", False)
-    return LightningCLI(
-        model, data, args=args, save_config_callback=None, seed_everything_default=False, **kw
-    )
+    return LightningCLI(model, data, args=args, save_config_callback=None, seed_everything_default=False, **kw)
 
 
 def _guards(trainer: pl.Trainer) -> list[NumGuardCallback]:
@@ -220,9 +215,7 @@ def test_fit_subcommand_runs_with_the_configured_callback(tmp_path: Path) -> Non
     assert cb.counters["skipped_steps"] == 1
     assert cb.resolved_dirpath == tmp_path / "numguard"
     lines = (tmp_path / "numguard" / "events.jsonl").read_text().splitlines()
-    assert [(e["kind"], e["step"], e["action"]) for e in map(json.loads, lines)] == [
-        ("nonfinite_loss", 2, "skip")
-    ]
+    assert [(e["kind"], e["step"], e["action"]) for e in map(json.loads, lines)] == [("nonfinite_loss", 2, "skip")]
 
 
 def test_fit_subcommand_boring_model_clean_run(tmp_path: Path) -> None:

@@ -121,9 +121,7 @@ def test_exception_in_training_step_removes_hooks_and_mode(tmp_path: Path) -> No
     model = BoomModel()
     census = _Census()
     with pytest.raises(RuntimeError, match="boom in training_step at step 2"):
-        trainer(tmp_path, [NumGuardCallback(replay=False), census], max_steps=5).fit(
-            model, loader(FaultData())
-        )
+        trainer(tmp_path, [NumGuardCallback(replay=False), census], max_steps=5).fit(model, loader(FaultData()))
     assert len(census.hooks) == 3
     assert min(census.hooks) > 0
     assert _hook_count(model) == 0
@@ -151,9 +149,7 @@ class _EMA(pl.Callback):
         with torch.enable_grad():
             self.ema(batch["x"])
 
-    def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         assert self.ema is not None
         with torch.no_grad():
             for e, p in zip(self.ema.parameters(), pl_module.parameters()):

@@ -132,9 +132,7 @@ class _Probe(pl.Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._before = [p.detach().clone() for p in pl_module.parameters()]
 
-    def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.unchanged[(trainer.current_epoch, batch_idx)] = all(
             torch.equal(a, b) for a, b in zip(self._before, pl_module.parameters())
         )

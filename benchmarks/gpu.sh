@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# NumGuard overhead on one CUDA GPU: a ~134M-parameter transformer LM in bf16-mixed, every variant
+# of benchmarks/overhead.py interleaved, timed with CUDA events. Finishes in under 5 minutes.
+#
+#   benchmarks/gpu.sh OUTDIR
+#
+# Needs python3 with torch (CUDA), pytorch-lightning, torchmetrics and tensorboard; no network:
+# it runs this checkout through PYTHONPATH (nothing is installed or downloaded) and makes its data
+# in process. Writes OUTDIR/overhead.json, OUTDIR/overhead.md, OUTDIR/run.log (and
+# OUTDIR/nvidia-smi.txt when nvidia-smi exists).
+set -euo pipefail
+
+if [ "$#" -ne 1 ]; then
+    echo "usage: $0 OUTDIR" >&2
+    exit 2
+fi
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+mkdir -p "$1"
+OUTDIR="$(cd "$1" && pwd)"
+
+if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi 2>&1 | tee "$OUTDIR/nvidia-smi.txt" || true
+else
+    echo "nvidia-smi not found; continuing"
+fi
+
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+cd "$REPO"
+
+python3 - <<'PY'
+import sys
+
+import pytorch_lightning
+import torch
+import torchmetrics
+
+import lightning_numguard
+
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"pytorch_lightning {pytorch_lightning.__version__}, torchmetrics {torchmetrics.__version__}, "
+      f"lightning_numguard {lightning_numguard.__version__} from {lightning_numguard.__file__}")
+if not torch.cuda.is_available():
+    sys.exit("gpu.sh: torch.cuda.is_available() is False")
+print(f"device: {torch.cuda.get_device_name(0)}")
+PY
+
+# --budget-s keeps the whole run (timed rounds, host-read counts, cProfile, micro) inside ~4.5 min;
+# rounds beyond what fits are dropped, never fewer than 2.
+python3 benchmarks/overhead.py \
+    --device cuda --precision bf16-mixed --lm-size 100m --models lm \
+    --rounds 6 --steps 30 --warmup 8 --count-steps 6 --micro-reps 30 \
+    --budget-s 240 --profile --out "$OUTDIR" 2>&1 | tee "$OUTDIR/run.log"
+
+echo "gpu.sh: results in $OUTDIR/overhead.json and $OUTDIR/overhead.md"
