@@ -84,7 +84,7 @@ SYNC_TARGET = 1.0  # guard-caused host reads per step
 # --quick / default / --smoke settings (explicit flags override them)
 PRESETS = {
     "quick": dict(rounds=3, steps=12, warmup=4, count_steps=4, micro_reps=15, variants=None, budget_s=105),
-    "full": dict(rounds=10, steps=22, warmup=6, count_steps=6, micro_reps=40, variants=None, budget_s=560),
+    "full": dict(rounds=14, steps=22, warmup=6, count_steps=6, micro_reps=40, variants=None, budget_s=560),
     # --smoke only proves the code paths run (e.g. the 100M LM on a CPU): tiny, two variants
     "smoke": {
         "rounds": 1,
@@ -731,6 +731,7 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         import lightning_numguard
 
         env["lightning_numguard"] = lightning_numguard.__version__
+        env["lightning_numguard_sources"] = _source_digest(Path(lightning_numguard.__file__).parent)
     except Exception:
         pass
     try:
@@ -747,6 +748,19 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.suppress(OSError):
         env["loadavg_start"] = os.getloadavg()
     return env
+
+
+def _source_digest(root: Path) -> dict[str, Any]:
+    """sha256 of the package's .py files as imported (the checkout may have no commit to name)."""
+    import hashlib
+
+    files = {}
+    total = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        data = f.read_bytes()
+        total.update(f.relative_to(root).as_posix().encode() + b"\0" + data)
+        files[f.relative_to(root).as_posix()] = hashlib.sha256(data).hexdigest()[:12]
+    return {"sha256": total.hexdigest()[:16], "files": files}
 
 
 def _cpu_name() -> str:
@@ -916,7 +930,8 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"thread(s); up to {cfg['rounds']} interleaved rounds × {cfg['steps']} steps per fit, "
         f"first {cfg['warmup']} "
         f"discarded; host reads counted over {cfg['count_steps']} steps (first step excluded); "
-        f"wall {result['wall_s']:.0f} s.",
+        f"wall {result['wall_s']:.0f} s; lightning_numguard {env.get('lightning_numguard', '?')} sources "
+        f"sha256 {env.get('lightning_numguard_sources', {}).get('sha256', '?')}.",
         "",
     ]
     for name, entry in result["models"].items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from lightning_numguard.callbacks._state import (
 )
 from lightning_numguard.core import checks
 from lightning_numguard.core.coverage import check_coverage, never_got_grad
-from lightning_numguard.core.events import Event
+from lightning_numguard.core.events import KINDS, Event
 from lightning_numguard.core.opguard import OpGuard
 from lightning_numguard.core.snapshot import Snapshot, capture, clone_tree, restore, rng_state, set_rng_state
 from lightning_numguard.core.tree import floating_leaves
@@ -41,8 +42,8 @@ CHECKS: tuple[str, ...] = get_args(Check)
 DEFAULT_CHECKS: tuple[str, ...] = ("inputs", "outputs", "ops", "loss", "grads", "params")
 
 # Slots of the one packed flag vector read per step, in causal order.
-_INPUT, _SUSPICIOUS, _STATE, _OUTPUT, _OP, _LOSS, _GRAD, _BUFFER, _QUARANTINE = range(9)
-_N_SLOTS = 9
+# _NORMS covers parameters, buffers, optimizer state and gradients: which of them is confirmed after a hit.
+_INPUT, _SUSPICIOUS, _NORMS, _OUTPUT, _OP, _LOSS, _QUARANTINE = range(7)
 
 
 @dataclass
@@ -243,6 +244,9 @@ class NumGuardCallback(Callback):
         self._named_buffers: list[tuple[str, torch.Tensor]] = []
         self._param_names: dict[int, str] = {}
         self._start_buffers: list[torch.Tensor] = []
+        self._unchecked_buffers: set[str] = set()
+        self._checked_buffers: list[tuple[str, torch.Tensor]] = []
+        self._module_names: dict[int, str] = {}
         self._quarantine_known: tuple[int, torch.Tensor] | None = None
         self._rollbacks_this_fit = 0
 
@@ -290,11 +294,11 @@ class NumGuardCallback(Callback):
         if "ops" in self.check:
             self._opguard = OpGuard()
             self._opguard.enabled = False
-        on_enter = self._set_op_module if self._opguard is not None else None
-        if "outputs" in self.check or on_enter is not None:
-            self._watch = OutputWatch(pl_module, self.watch_modules, self.ignore_modules, on_enter=on_enter)
-            self._watch.enabled = "outputs" in self.check
+            self._opguard.module_resolver = self._calling_module
+        if "outputs" in self.check:
+            self._watch = OutputWatch(pl_module, self.watch_modules, self.ignore_modules)
             self._watch.attach()
+        self._module_names = {id(m): n for n, m in pl_module.named_modules()}
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -310,6 +314,15 @@ class NumGuardCallback(Callback):
         tensors, names = self._state_tensors(trainer, pl_module, with_optimizer=True)
         bad = [n for n, b in zip(names, checks.confirm_nonfinite(tensors)) if b]  # one sync per fit
         bad = _any_rank(trainer, bad)
+        # Buffers that are non-finite by design (a float causal mask of 0/-inf) are not state gone bad:
+        # they are restored with the rest but never checked.
+        buffer_names = {n for n, _ in self._named_buffers}
+        self._unchecked_buffers = {n for n in bad if n in buffer_names}
+        if self._unchecked_buffers:
+            log.info("numguard leaves buffers non-finite at fit start unchecked: %s", sorted(self._unchecked_buffers))
+        bad = [n for n in bad if n not in self._unchecked_buffers]
+        checked_buffers = [(n, b) for n, b in self._named_buffers if n not in self._unchecked_buffers]
+        self._checked_buffers = [(n, b) for n, b in checked_buffers if b.is_floating_point()]
         if bad:
             self._record(trainer, [self._event(trainer, "nonfinite_param", bad, {"when": "fit start"}, 0, "none")])
             if self.action != "warn":
@@ -436,9 +449,8 @@ class NumGuardCallback(Callback):
         """
         if self.action == "warn" or self._snapshot is None:
             return
-        tensors = list(_tensors(checkpoint.get("state_dict", {}))) + list(
-            _tensors(checkpoint.get("optimizer_states", []))
-        )
+        model_state = {k: v for k, v in checkpoint.get("state_dict", {}).items() if k not in self._unchecked_buffers}
+        tensors = list(_tensors(model_state)) + list(_tensors(checkpoint.get("optimizer_states", [])))
         if not tensors or not any(_any_rank(trainer, ["bad"] if any(checks.confirm_nonfinite(tensors)) else [])):
             return
         checkpoint["state_dict"] = clone_tree(self._snapshot.model, "cpu")
@@ -487,9 +499,19 @@ class NumGuardCallback(Callback):
             except Exception:  # the mode stack was changed under us; nothing left to undo
                 log.debug("numguard op guard was not on top of the mode stack", exc_info=True)
 
-    def _set_op_module(self, name: str | None) -> None:
-        if self._opguard is not None:
-            self._opguard.current_module = name
+    def _calling_module(self) -> str | None:
+        """The innermost watched module whose code is running (called only at guarded ops, a few per step).
+
+        Walking the Python frames here replaces a pre-hook on every module's forward.
+        """
+        frame = sys._getframe(2)
+        names = self._module_names
+        while frame is not None:
+            owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+            if owner is not None and id(owner) in names:
+                return names[id(owner)] or None  # the LightningModule itself: "" -> None
+            frame = frame.f_back  # type: ignore[assignment]
+        return None
 
     def _state_tensors(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, with_optimizer: bool
@@ -497,20 +519,28 @@ class NumGuardCallback(Callback):
         """Parameters and buffers (and optimizer state), with names, for the state check."""
         tensors: list[torch.Tensor] = []
         names: list[str] = []
-        for n, p in pl_module.named_parameters():
+        for n, p in self._named_params:
             tensors.append(p)
             names.append(n)
-        for n, b in pl_module.named_buffers():
-            tensors.append(b)
-            names.append(n)
+        for n, b in self._named_buffers:
+            if n not in self._unchecked_buffers:
+                tensors.append(b)
+                names.append(n)
         if with_optimizer:
-            pnames = {id(p): n for n, p in pl_module.named_parameters()}
-            for i, opt in enumerate(trainer.optimizers):
-                for param, state in opt.state.items():
-                    for key, value in state.items():
-                        if isinstance(value, torch.Tensor) and value.is_floating_point():
-                            tensors.append(value)
-                            names.append(f"optimizer[{i}].state[{pnames.get(id(param), '?')}].{key}")
+            t, n_ = self._optimizer_state_tensors(trainer)
+            tensors.extend(t)
+            names.extend(n_)
+        return tensors, names
+
+    def _optimizer_state_tensors(self, trainer: pl.Trainer) -> tuple[list[torch.Tensor], list[str]]:
+        tensors: list[torch.Tensor] = []
+        names: list[str] = []
+        for i, opt in enumerate(trainer.optimizers):
+            for param, state in opt.state.items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and checks.is_checkable(value):
+                        tensors.append(value)
+                        names.append(f"optimizer[{i}].state[{self._param_names.get(id(param), '?')}].{key}")
         return tensors, names
 
     def _coverage(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -610,39 +640,32 @@ class NumGuardCallback(Callback):
                     ],
                 )
 
-        # One _foreach_norm over everything that is norm-checked, sliced afterwards.
-        norm_t: list[torch.Tensor] = []
-        segments: dict[str, tuple[int, int, list[str]]] = {}
-
-        def add(segment: str, named: list[tuple[str, torch.Tensor]]) -> None:
-            start = len(norm_t)
-            norm_t.extend(t for _, t in named)
-            segments[segment] = (start, len(norm_t), [n for n, _ in named])
-
+        # Everything norm-checked goes into one flag: one _foreach_norm per (device, dtype) group.
+        # Which segment holds the candidate is found only after a hit.
+        segments: dict[str, list[tuple[str, torch.Tensor]]] = {}
         snapshot_due = self.action != "warn" and (
             trainer.global_step - self._last_snapshot_step >= self.snapshot_every_n_steps
         )
         if "params" in self.check or snapshot_due:
-            add("params", self._named_params)
+            segments["params"] = self._named_params
             if rec.start_buffers is not None:  # buffers as they were before this step's forward pass
-                add("start_buffers", [(k, v) for k, v in rec.start_buffers.items() if v.is_floating_point()])
+                segments["start_buffers"] = [
+                    (n, rec.start_buffers[n]) for n, _ in self._checked_buffers if n in rec.start_buffers
+                ]
         if "optimizer_state" in self.check or snapshot_due:
-            t, n = self._state_tensors(trainer, pl_module, with_optimizer=True)
-            n_model = sum(1 for _ in pl_module.parameters()) + sum(1 for _ in pl_module.buffers())
-            add("opt_state", list(zip(n[n_model:], t[n_model:])))
+            t, n = self._optimizer_state_tensors(trainer)
+            segments["opt_state"] = list(zip(n, t))
         if "grads" in self.check and optimizer is not None:
             names = self._param_names
-            grads = [(names.get(id(p), "?"), p.grad) for g in optimizer.param_groups for p in g["params"]]
-            add("grads", [(n, g) for n, g in grads if g is not None])
+            segments["grads"] = [
+                (names.get(id(p), "?"), p.grad)
+                for g in optimizer.param_groups
+                for p in g["params"]
+                if p.grad is not None and checks.is_checkable(p.grad)
+            ]
         if "params" in self.check:  # buffers after the forward pass (BatchNorm running stats)
-            add("live_buffers", [(k, v) for k, v in self._named_buffers if v.is_floating_point()])
-
-        norms = checks.norm_candidates(norm_t, device) if norm_t else torch.zeros(0, device=device)
-
-        def seg_flag(*names: str) -> torch.Tensor:
-            parts = [norms[segments[s][0] : segments[s][1]] for s in names if s in segments]
-            parts = [p for p in parts if p.numel()]
-            return checks.nonfinite_any(torch.cat(parts)) if parts else torch.zeros((), device=device)
+            segments["live_buffers"] = self._checked_buffers
+        norm_flag = checks.any_nonfinite_candidate([t for seg in segments.values() for _, t in seg], device)
 
         zero = torch.zeros((), dtype=torch.float32, device=device)
         if rec.inputs:
@@ -656,12 +679,10 @@ class NumGuardCallback(Callback):
         slots = [
             f_input,
             f_susp,
-            seg_flag("params", "start_buffers", "opt_state"),
+            norm_flag,
             self._watch.slot_flags(device) if self._watch is not None and self._watch.enabled else zero,
             (self._opguard.flags(device).amax() if self._opguard is not None and self._opguard.records else zero),
             checks.nonfinite_any(torch.stack([x.float().to(device) for x in rec.losses])) if rec.losses else zero,
-            seg_flag("grads"),
-            seg_flag("live_buffers"),
             rec.quarantine_flag if rec.quarantine_flag is not None else zero,
         ]
         packed = torch.stack([s.to(device=device, dtype=torch.float32).reshape(()) for s in slots])
@@ -677,7 +698,7 @@ class NumGuardCallback(Callback):
             if snapshot_due:
                 self._take_snapshot(trainer, pl_module, rec)
             return
-        self._on_hit(trainer, pl_module, optimizer, rec, seen_rank, norm_t, segments, snapshot_due)
+        self._on_hit(trainer, pl_module, optimizer, rec, seen_rank, segments, snapshot_due)
 
     def _on_hit(
         self,
@@ -686,36 +707,33 @@ class NumGuardCallback(Callback):
         optimizer: torch.optim.Optimizer | None,
         rec: _Step,
         seen_rank: list[int],
-        norm_t: list[torch.Tensor],
-        segments: dict[str, tuple[int, int, list[str]]],
+        segments: dict[str, list[tuple[str, torch.Tensor]]],
         snapshot_due: bool,
     ) -> None:
         rank = trainer.global_rank
+
+        def confirmed(segment: str) -> list[str]:
+            named = segments.get(segment, [])
+            if seen_rank[_NORMS] < 0 or not named:
+                return []
+            return [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
+
         if rec.forced_skip is not None:
             # A batch known to be bad (quarantined) or in the window after a rollback: skip it quietly.
             rec.bad, rec.action = True, self._decide(False, False)
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
             self.counters["skipped_steps"] += 1
-            if seen_rank[_STATE] < 0:
-                self._take_snapshot(trainer, pl_module, rec)
+            if not _any_rank(trainer, confirmed("params") + confirmed("start_buffers") + confirmed("opt_state")):
+                self._take_snapshot(trainer, pl_module, rec)  # the state before this batch is verified finite
             log.info("numguard skipped batch %s at step %s: %s", rec.batch_idx, rec.step, rec.forced_skip)
             return
 
-        def confirmed(segment: str) -> list[str]:
-            if segment not in segments:
-                return []
-            start, end, names = segments[segment]
-            return [n for n, b in zip(names, checks.confirm_nonfinite(norm_t[start:end])) if b]
-
-        # Candidates from norms are exact only after confirmation (a huge finite value can overflow a norm).
-        state_bad = (
-            _any_rank(trainer, confirmed("params") + confirmed("start_buffers") + confirmed("opt_state"))
-            if seen_rank[_STATE] >= 0
-            else []
-        )
-        grad_bad = _any_rank(trainer, confirmed("grads")) if seen_rank[_GRAD] >= 0 else []
-        buffer_bad = _any_rank(trainer, confirmed("live_buffers")) if seen_rank[_BUFFER] >= 0 else []
+        # Norm candidates are exact only after confirmation (a huge finite value can overflow a norm).
+        # Collective: every rank holds the same flag vector, so every rank takes these calls.
+        state_bad = _any_rank(trainer, confirmed("params") + confirmed("start_buffers") + confirmed("opt_state"))
+        grad_bad = _any_rank(trainer, confirmed("grads"))
+        buffer_bad = _any_rank(trainer, confirmed("live_buffers"))
 
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         local_only = [seen_rank[i] >= 0 for i in (_INPUT, _SUSPICIOUS, _OUTPUT, _OP, _LOSS)]
@@ -734,7 +752,7 @@ class NumGuardCallback(Callback):
         ):
             found.extend(self._input_findings(rec, rank))
         if state_bad:
-            found.append(("nonfinite_param", state_bad, {"when": "before the optimizer step"}, seen_rank[_STATE]))
+            found.append(("nonfinite_param", state_bad, {"when": "before the optimizer step"}, seen_rank[_NORMS]))
         first_module: str | None = None
         if self._watch is not None and seen_rank[_OUTPUT] >= 0:
             bad_modules = self._watch.first_bad()
@@ -756,9 +774,9 @@ class NumGuardCallback(Callback):
             if any(not math.isfinite(v) for v in loss_vals):
                 found.append(("nonfinite_loss", ["loss"], {"values": loss_vals}, rank))
         if grad_bad:
-            found.append(("nonfinite_grad", grad_bad, {}, seen_rank[_GRAD]))
+            found.append(("nonfinite_grad", grad_bad, {}, seen_rank[_NORMS]))
         if buffer_bad:
-            found.append(("nonfinite_param", buffer_bad, {"when": "after the forward pass"}, seen_rank[_BUFFER]))
+            found.append(("nonfinite_param", buffer_bad, {"when": "after the forward pass"}, seen_rank[_NORMS]))
 
         # Replay where the finding was made, so that its details travel with it to every rank.
         if (
@@ -1082,19 +1100,10 @@ def _all_gather_object(obj: Any) -> list[Any]:
 
 
 def _causal_position(kind: str, details: dict[str, Any]) -> int:
-    """Where in a step a finding happens: inputs, state before the step, outputs, ops, loss, grads, buffers after."""
+    """Where in a step a finding happens (``KINDS`` is in causal order); buffers poisoned by the forward come last."""
     if kind == "nonfinite_param" and details.get("when") == "after the forward pass":
-        return 7
-    order = (
-        "nonfinite_input",
-        "suspicious_input",
-        "nonfinite_param",
-        "nonfinite_output",
-        "op_domain",
-        "nonfinite_loss",
-        "nonfinite_grad",
-    )
-    return order.index(kind) if kind in order else 8
+        return len(KINDS)
+    return KINDS.index(kind) if kind in KINDS else len(KINDS) + 1
 
 
 def _gather_findings(trainer: pl.Trainer, found: list[Any]) -> list[Any]:

@@ -26,7 +26,9 @@ from collections.abc import Sequence
 import torch
 
 __all__ = [
+    "any_nonfinite_candidate",
     "confirm_nonfinite",
+    "is_checkable",
     "max_abs",
     "nonfinite_any",
     "norm_candidates",
@@ -75,6 +77,31 @@ def norm_candidates(tensors: Sequence[torch.Tensor], device: torch.device | None
             slots[i] = norm if dev == device else norm.to(device, non_blocking=True)
     # One stack of 0-d tensors in input order: no index tensor is copied from the host.
     return torch.stack(slots)
+
+
+def any_nonfinite_candidate(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-d float32 on ``device``: 1.0 if some tensor's float32 L2 norm is non-finite; no sync.
+
+    The hot-path form of :func:`norm_candidates` for tensors the caller already knows to be
+    strided, floating and non-empty (parameters, buffers, gradients): one ``_foreach_norm``
+    per (device, dtype) group, and no per-tensor Python work beyond grouping.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    sums = []
+    for (dev, _), ts in groups.items():
+        total = torch.stack(_foreach_norm_f32(ts)).sum()  # finite iff every norm is finite
+        sums.append(total if dev == device else total.to(device, non_blocking=True))
+    if not sums:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+    return (~torch.isfinite(total)).to(torch.float32)
+
+
+def is_checkable(t: torch.Tensor) -> bool:
+    """Whether ``t`` can go to :func:`any_nonfinite_candidate` as it is (strided, floating, non-empty)."""
+    return t.layout is torch.strided and t.is_floating_point() and t.numel() > 0
 
 
 def _foreach_norm_f32(ts: list[torch.Tensor]) -> list[torch.Tensor]:

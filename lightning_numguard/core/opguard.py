@@ -208,6 +208,9 @@ class OpGuard(TorchFunctionMode):
     Attributes:
         current_module: Qualified name of the module running now, set by the caller (forward
             pre-hooks) and copied into each :class:`OpRecord`.
+        module_resolver: When set, called at each guarded call (not at other ops) instead of
+            reading ``current_module``: lets the caller find the module without a hook on
+            every module's forward.
         records: One :class:`OpRecord` per checked tensor since the last :meth:`reset`, in call order.
         enabled: With ``False`` every call passes through untouched; toggle it instead of
             entering and exiting the mode.
@@ -235,6 +238,7 @@ class OpGuard(TorchFunctionMode):
                 raise ValueError(f"OpGuard(ops=...) got unknown op name(s) {unknown}; allowed: {sorted(GUARDED_OPS)}")
         self.sanitize = sanitize
         self.current_module: str | None = None
+        self.module_resolver: Callable[[], str | None] | None = None
         self.records: list[OpRecord] = []
         self.enabled = True
         self._forms = {func: form for func, form in _FORMS.items() if form.op in selected}
@@ -330,7 +334,7 @@ class OpGuard(TorchFunctionMode):
         self.records.append(
             OpRecord(
                 op=op,
-                module=self.current_module,
+                module=self.current_module if self.module_resolver is None else self.module_resolver(),
                 flag=flag,
                 checked=tensor.detach(),
                 rule=rule,

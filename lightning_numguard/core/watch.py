@@ -92,7 +92,7 @@ class OutputWatch:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._stack: list[int] = []
         self._last_out: torch.Tensor | None = None
-        self.records: list[tuple[int, torch.Tensor]] = []
+        self.records: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
         self.enabled = True
 
     def attach(self) -> None:
@@ -139,27 +139,34 @@ class OutputWatch:
             if output is self._last_out or not output.is_floating_point() or output.numel() == 0:
                 return
             self._last_out = output
-            lo, hi = torch.aminmax(output.detach())
-            self.records.append((slot, torch.stack([lo, hi])))
+            self.records.append((slot, torch.aminmax(output.detach())))
             return
         for _, t in floating_leaves(output, "out"):
             if t.numel():
-                lo, hi = torch.aminmax(t.detach())
-                self.records.append((slot, torch.stack([lo, hi])))
+                self.records.append((slot, torch.aminmax(t.detach())))
 
     def slot_flags(self, device: torch.device) -> torch.Tensor:
         """0-d float32: 1.0 if any recorded output was non-finite (no sync)."""
         if not self.records:
             return torch.zeros((), dtype=torch.float32, device=device)
-        values = torch.stack([r.to(device=device, dtype=torch.float32) for _, r in self.records])
+        values = self._values(device)
         return (~torch.isfinite(values)).any().to(torch.float32)
+
+    def _values(self, device: torch.device) -> torch.Tensor:
+        """``[n, 2]`` float32: each record's (min, max); one stack (cast only when dtypes differ)."""
+        flat = [t for _, pair in self.records for t in pair]
+        if any(t.device != device for t in flat):
+            flat = [t.to(device, non_blocking=True) for t in flat]
+        dtypes = {t.dtype for t in flat}
+        if len(dtypes) > 1:
+            flat = [t.float() for t in flat]
+        return torch.stack(flat).view(-1, 2).float()
 
     def first_bad(self) -> list[tuple[str, float, float]]:
         """Modules whose output went non-finite, first in execution order, with (min, max). **Syncs.**"""
         if not self.records:
             return []
-        device = self.records[0][1].device
-        values = torch.stack([r.to(device=device, dtype=torch.float32) for _, r in self.records]).tolist()
+        values = self._values(self.records[0][1][0].device).tolist()
         seen: set[int] = set()
         bad = []
         for (slot, _), (lo, hi) in zip(self.records, values):

@@ -325,3 +325,23 @@ def test_skip_escalates_on_poisoned_optimizer_state(tmp_path):
     assert guard.events[0]["kind"] == "nonfinite_param"
     assert guard.events[0]["action"] == "rollback"
     assert all_finite(model.state_dict())
+
+
+def test_buffers_non_finite_by_design_are_left_unchecked(tmp_path):
+    class Masked(FaultModel):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.register_buffer("causal_mask", torch.triu(torch.full((4, 4), float("-inf")), diagonal=1))
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1)
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"))
+    model = Masked()
+    trainer(tmp_path, [guard, saver], max_steps=6, enable_checkpointing=True).fit(model, loader(FaultData()))
+    assert guard.events == []
+    assert torch.isneginf(model.causal_mask).sum() == 6
+    # a real fault is still caught, and the rollback keeps the mask as it was
+    model = Masked(site="buffer", step=3)
+    with pytest.warns(NumGuardWarning, match="running_var"):
+        trainer(tmp_path, [guard], max_steps=6).fit(model, loader(FaultData()))
+    assert [e["where"] for e in guard.events] == [["body.2.running_var"]]
+    assert torch.isneginf(model.causal_mask).sum() == 6
