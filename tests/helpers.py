@@ -179,3 +179,7 @@ def all_finite(state: dict[str, Any]) -> bool:
     if isinstance(state, (list, tuple)):
         return all(all_finite(v) for v in state)
     return True
+
+
+#: Every per-step check, forward hooks on module outputs included (not a default: replay names the module).
+EVERY_CHECK = ["inputs", "outputs", "ops", "loss", "grads", "params", "optimizer_state"]

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 Action = Literal["warn", "skip", "rollback", "halt"]
 Check = Literal["inputs", "outputs", "ops", "loss", "grads", "params", "optimizer_state"]
 CHECKS: tuple[str, ...] = get_args(Check)
-DEFAULT_CHECKS: tuple[str, ...] = ("inputs", "outputs", "ops", "loss", "grads", "params")
+DEFAULT_CHECKS: tuple[str, ...] = ("inputs", "ops", "loss", "grads", "params")
 
 # Slots of the one packed flag vector read per step, in causal order.
 # _NORMS covers parameters, buffers, optimizer state and gradients: which of them is confirmed after a hit.
@@ -757,16 +757,32 @@ class NumGuardCallback(Callback):
         if self._watch is not None and seen_rank[_OUTPUT] >= 0:
             bad_modules = self._watch.first_bad()
             if bad_modules:
-                first_module = bad_modules[0][0]
-                name, lo, hi = bad_modules[0]
-                found.append(
-                    (
-                        "nonfinite_output",
-                        [name],
-                        {"min": lo, "max": hi, "also": [m for m, _, _ in bad_modules[1:6]]},
-                        rank,
-                    )
-                )
+                first_module, lo, hi = bad_modules[0]
+                also = [m for m, _, _ in bad_modules[1:6]]
+                found.append(("nonfinite_output", [first_module], {"min": lo, "max": hi, "also": also}, rank))
+
+        # Replay the batch with full instrumentation where something went bad in the forward or backward
+        # pass: it names the first module (when outputs are not watched every step) and the first op.
+        replay: dict[str, Any] = {}
+        if (
+            self.replay
+            and self.action != "warn"
+            and rec.batch is not None
+            and (seen_rank[_OUTPUT] >= 0 or seen_rank[_OP] >= 0 or seen_rank[_LOSS] >= 0 or grad_bad)
+        ):
+            replay = self._replay(trainer, pl_module, rec)
+            if first_module is None and replay.get("forward_module"):
+                first_module = replay["forward_module"]
+                op = replay.get("forward_op")
+                where = [first_module] + ([op] if op else [])
+                found.append(("nonfinite_output", where, {"replay": replay}, rank))
+            for kind, where, details, _ in found:
+                if kind == "nonfinite_output" and "replay" not in details:
+                    details["replay"] = replay
+                    op = replay.get("forward_op") or replay.get("op")
+                    if op and op not in where:
+                        where.append(op)
+
         if self._opguard is not None and seen_rank[_OP] >= 0:
             found.extend(self._op_findings(first_module, rank))
         if seen_rank[_LOSS] == rank or (trainer.world_size > 1 and seen_rank[_LOSS] >= 0 and rec.losses):
@@ -774,37 +790,14 @@ class NumGuardCallback(Callback):
             if any(not math.isfinite(v) for v in loss_vals):
                 found.append(("nonfinite_loss", ["loss"], {"values": loss_vals}, rank))
         if grad_bad:
-            found.append(("nonfinite_grad", grad_bad, {}, seen_rank[_NORMS]))
+            grad_details: dict[str, Any] = {}
+            if replay:
+                grad_details["replay"] = replay
+                grad_bad = grad_bad + [n for n in (replay.get("op"), replay.get("module")) if n and n not in grad_bad]
+            found.append(("nonfinite_grad", grad_bad, grad_details, seen_rank[_NORMS]))
         if buffer_bad:
             found.append(("nonfinite_param", buffer_bad, {"when": "after the forward pass"}, seen_rank[_NORMS]))
 
-        # Replay where the finding was made, so that its details travel with it to every rank.
-        if (
-            found
-            and self.replay
-            and self.action != "warn"
-            and rec.batch is not None
-            and any(k in ("nonfinite_output", "nonfinite_grad", "nonfinite_loss") for k, _, _, _ in found)
-        ):
-            from lightning_numguard.callbacks._replay import replay_batch
-
-            watching = self._watch.enabled if self._watch is not None else False
-            if self._watch is not None:
-                self._watch.enabled = False
-            try:
-                replay = replay_batch(trainer, pl_module, rec.batch, rec.batch_idx, rec.start_rng)
-            finally:
-                if self._watch is not None:
-                    self._watch.enabled = watching
-            for kind, where, details, _ in found:
-                if kind == "nonfinite_output":
-                    details["replay"] = replay
-                    op = replay.get("forward_op") or replay.get("op")
-                    if op and op not in where:
-                        where.append(op)
-                elif kind == "nonfinite_grad":
-                    details["replay"] = replay
-                    where.extend(n for n in (replay.get("op"), replay.get("module")) if n and n not in where)
         # Gather local findings from every rank so that rank 0 can write them.
         found = _gather_findings(trainer, found)
         _mark_consequences(found)
@@ -833,6 +826,18 @@ class NumGuardCallback(Callback):
         if found:
             key = _position_key(rec)
             self.position_incidents[key] = self.position_incidents.get(key, 0) + 1
+
+    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: _Step) -> dict[str, Any]:
+        from lightning_numguard.callbacks._replay import replay_batch
+
+        watching = self._watch.enabled if self._watch is not None else False
+        if self._watch is not None:
+            self._watch.enabled = False
+        try:
+            return replay_batch(trainer, pl_module, rec.batch, rec.batch_idx, rec.start_rng)
+        finally:
+            if self._watch is not None:
+                self._watch.enabled = watching
 
     def _input_findings(self, rec: _Step, rank: int) -> list[tuple[str, list[str], dict[str, Any], int]]:
         out: list[tuple[str, list[str], dict[str, Any], int]] = []

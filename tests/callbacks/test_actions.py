@@ -12,7 +12,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint, OnExceptionCh
 
 from lightning_numguard import NonFiniteError, NumGuardCallback, NumGuardConfigError
 from lightning_numguard.errors import NumGuardWarning
-from tests.helpers import FaultData, FaultModel, all_finite, loader, trainer
+from tests.helpers import EVERY_CHECK, FaultData, FaultModel, all_finite, loader, trainer
 
 EXPECTED_FIRST = {
     "input": ("nonfinite_input", "batch['x']"),
@@ -39,8 +39,9 @@ def ckpt_files(folder):
 
 @pytest.mark.parametrize("site", sorted(EXPECTED_FIRST))
 def test_warn_names_the_first_culprit(tmp_path, site):
+    # under warn nothing is replayed: module outputs are named by the per-step forward hooks
     with pytest.warns(NumGuardWarning, match="NumGuard: "):
-        guard, _, t = fit(tmp_path, site, "warn", max_steps=5)
+        guard, _, t = fit(tmp_path, site, "warn", max_steps=5, guard_kwargs={"check": EVERY_CHECK})
     kind, where = EXPECTED_FIRST[site]
     first = guard.events[0]
     assert (first["kind"], first["where"][0]) == (kind, where)
@@ -54,6 +55,17 @@ def test_no_events_on_a_clean_run(tmp_path):
     assert guard.events == []
     assert guard.counters["incidents"] == 0
     assert all_finite(model.state_dict())
+
+
+@pytest.mark.parametrize("site", sorted(EXPECTED_FIRST))
+def test_default_checks_name_the_first_culprit(tmp_path, site):
+    """Without per-step output hooks, the replay of the bad batch names the module."""
+    with pytest.warns(NumGuardWarning):
+        guard, _, _ = fit(tmp_path, site, "skip")
+    kind, where = EXPECTED_FIRST[site]
+    first = guard.events[0]
+    assert (first["kind"], first["where"][0]) == (kind, where)
+    assert first["step"] == 3
 
 
 @pytest.mark.parametrize("site", ["input", "output", "loss", "grad"])

@@ -16,7 +16,7 @@ from torch.overrides import _get_current_function_mode_stack
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.core.opguard import OpGuard
 from lightning_numguard.errors import NumGuardWarning
-from tests.helpers import FaultData, FaultModel, loader, trainer
+from tests.helpers import EVERY_CHECK, FaultData, FaultModel, loader, trainer
 
 
 def _hook_count(model: nn.Module) -> int:
@@ -74,7 +74,7 @@ def test_no_hooks_left_after_fit(tmp_path: Path) -> None:
     model = CensusModel()
     census = _Census()
     before = _hook_count(model)
-    trainer(tmp_path, [NumGuardCallback(replay=False), census], max_steps=3).fit(model, loader(FaultData()))
+    trainer(tmp_path, [NumGuardCallback(replay=False, check=EVERY_CHECK), census], max_steps=3).fit(model, loader(FaultData()))
     # control: the guard's hooks and op guard were live during training
     assert census.hooks
     assert min(census.hooks) > before
@@ -90,7 +90,7 @@ def test_no_hooks_left_after_fit(tmp_path: Path) -> None:
 @pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_second_fit_does_not_stack_hooks(tmp_path: Path) -> None:
     model = CensusModel()
-    cb = NumGuardCallback(replay=False)
+    cb = NumGuardCallback(replay=False, check=EVERY_CHECK)
     first, second = _Census(), _Census()
     trainer(tmp_path, [cb, first], max_steps=2).fit(model, loader(FaultData()))
     tr = trainer(tmp_path, [cb], max_steps=2)
@@ -104,7 +104,7 @@ def test_second_fit_does_not_stack_hooks(tmp_path: Path) -> None:
 
 def test_second_fit_still_detects(tmp_path: Path) -> None:
     """The re-registered hooks are live: a module fault in the second fit is named."""
-    cb = NumGuardCallback(action="skip", replay=False)
+    cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK)
     model = FaultModel()
     trainer(tmp_path, [cb], max_steps=2).fit(model, loader(FaultData()))
     model.site, model.fault_step = "output", 3  # a new Trainer counts steps from 0 again
@@ -121,7 +121,7 @@ def test_exception_in_training_step_removes_hooks_and_mode(tmp_path: Path) -> No
     model = BoomModel()
     census = _Census()
     with pytest.raises(RuntimeError, match="boom in training_step at step 2"):
-        trainer(tmp_path, [NumGuardCallback(replay=False), census], max_steps=5).fit(model, loader(FaultData()))
+        trainer(tmp_path, [NumGuardCallback(replay=False, check=EVERY_CHECK), census], max_steps=5).fit(model, loader(FaultData()))
     assert len(census.hooks) == 3
     assert min(census.hooks) > 0
     assert _hook_count(model) == 0
@@ -157,7 +157,7 @@ class _EMA(pl.Callback):
 
 
 def test_deepcopy_of_the_model_does_not_record(tmp_path: Path) -> None:
-    cb = NumGuardCallback(action="skip", replay=False)
+    cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK)
     ema = _EMA()
     model = FaultModel()
     trainer(tmp_path, [cb, ema], max_steps=4).fit(model, loader(FaultData()))
