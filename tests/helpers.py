@@ -13,6 +13,7 @@ site           what goes non-finite
 ``param``      the parameter ``body.0.weight`` (set to NaN in ``on_train_batch_start``)
 ``buffer``     BatchNorm's ``running_var`` (set to NaN in ``on_train_batch_start``)
 ``opt_state``  AdamW's ``exp_avg_sq`` of ``head.weight`` (set to NaN in ``on_train_batch_start``)
+``op``         a BCE term gets probabilities above 1 (CUDA: a device-side assert; CPU: a RuntimeError)
 =============  ==============================================================================
 """
 
@@ -26,7 +27,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-SITES = ("input", "masked", "output", "loss", "grad", "param", "buffer", "opt_state")
+SITES = ("input", "masked", "output", "loss", "grad", "param", "buffer", "opt_state", "op")
 
 
 class FaultData(Dataset):
@@ -140,6 +141,12 @@ class FaultModel(pl.LightningModule):
         if self.site == "loss" and self._armed():
             self.fired += 1
             loss = loss + float("nan")
+        if self.site == "op":
+            probs = torch.sigmoid(out)
+            if self._armed():
+                self.fired += 1
+                probs = probs + 1.5
+            loss = loss + nn.functional.binary_cross_entropy(probs, (batch["y"] > 0).float())
         self.metric.update(out.detach(), batch["y"])
         return loss
 

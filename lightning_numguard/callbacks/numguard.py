@@ -71,7 +71,7 @@ class _Step:
 class NumGuardCallback(Callback):
     r"""Check every training step for NaN/Inf, act before the damage lands, and say what went bad first.
 
-    Each step it checks the batch's floating tensors, every watched module's output, the inputs
+    Each step it checks the batch's floating tensors, (optionally) every watched module's output, the inputs
     of ops that device-assert on bad values, the loss, the gradients, and the parameters and
     buffers (and, optionally, the optimizer state) — all as device-side reductions packed into
     one flag vector that is all-reduced across ranks and read back **once** per optimizer step.
@@ -88,8 +88,11 @@ class NumGuardCallback(Callback):
         dirpath: folder for ``events.jsonl``, ``last_finite.ckpt`` and ``bad_batches/``. Defaults
             to ``<trainer.log_dir>/numguard`` (``<default_root_dir>/numguard`` without a logger).
         check: which sites to check every step, any of ``inputs``, ``outputs``, ``ops``, ``loss``,
-            ``grads``, ``params``, ``optimizer_state``. The optimizer state is always checked before
-            a snapshot is taken.
+            ``grads``, ``params``, ``optimizer_state``. The default leaves out ``outputs`` (a
+            forward hook on every module, the costliest check on small models): after a hit the
+            replay names the first module instead; add it to name modules under ``"warn"`` or
+            when ``replay=False``. The optimizer state is always checked before a snapshot is
+            taken.
         max_abs_input: finite batch values with ``|x|`` at or above this are ``suspicious_input``
             (numpy's masked-array fill value 1e20 and netCDF's 9.96921e36 are caught by the
             default); ``None`` turns this off.

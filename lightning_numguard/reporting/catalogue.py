@@ -19,22 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from lightning_numguard.core.events import ACTIONS, KINDS
+
 __all__ = ["ACTIONS", "CATALOGUE", "EVENT_KINDS", "KIND_HINTS", "Pattern", "kind_hint", "op_hint"]
 
-EVENT_KINDS: tuple[str, ...] = (
-    "nonfinite_input",
-    "suspicious_input",
-    "nonfinite_output",
-    "nonfinite_loss",
-    "nonfinite_grad",
-    "nonfinite_param",
-    "optimizer_coverage",
-    "op_domain",
-)
+EVENT_KINDS: tuple[str, ...] = KINDS
 """Every incident kind an ``events.jsonl`` line may carry."""
-
-ACTIONS: tuple[str, ...] = ("warn", "skip", "rollback", "halt", "none")
-"""Every action an ``events.jsonl`` line may carry."""
 
 _GUARD = "NumGuardCallback"
 

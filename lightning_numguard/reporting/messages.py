@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_numguard.reporting.catalogue import op_hint
+
 __all__ = ["FILL_VALUES", "HINTS", "fill_value_name", "incident_message"]
 
 #: Sentinel values that mean "missing" in common data stacks, by name.
@@ -115,9 +117,8 @@ def incident_message(kind: str, where: Sequence[str], details: dict[str, Any], s
         replay = details.get("replay") or {}
         if replay.get("op"):
             module = f" in `{replay['module']}`" if replay.get("module") else ""
-            return (
-                f"{text}; the first autograd op to return NaN/Inf was `{replay['op']}`{module}; {_hint(kind, details)}"
-            )
+            fix = (op_hint(replay["op"]) if not details.get("after") else None) or _hint(kind, details)
+            return f"{text}; the first autograd op to return NaN/Inf was `{replay['op']}`{module}; {fix}"
     elif kind == "nonfinite_param":
         when = details.get("when")
         text = f"non-finite values in {names} {when + ' ' if when else ''}{at}"

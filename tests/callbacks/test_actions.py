@@ -22,6 +22,7 @@ EXPECTED_FIRST = {
     "grad": ("nonfinite_grad", "head.weight"),
     "param": ("nonfinite_param", "body.0.weight"),
     "buffer": ("nonfinite_param", "body.2.running_var"),
+    "op": ("op_domain", "binary_cross_entropy"),
 }
 
 

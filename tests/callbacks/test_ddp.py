@@ -57,3 +57,15 @@ def test_loss_fault_on_rank_0_halts_every_rank(tmp_path):
         assert r["global_step"] == 3  # stopped together after the bad step
     assert ranks[0]["events"][0]["kind"] == "nonfinite_loss" and ranks[0]["events"][0]["rank"] == 0
     assert (tmp_path / "ng" / "last_finite.ckpt").exists()
+
+
+@pytest.mark.ddp
+def test_op_domain_on_rank_1_never_reaches_the_kernel_and_ranks_stay_in_step(tmp_path):
+    ranks = run_ddp(tmp_path, "op", 1, "skip")
+    for r in ranks:
+        assert r["finite"] and r["same_as_rank0"]
+        assert r["counters"]["skipped_steps"] == 1
+        assert r["global_step"] == 5
+    (event,) = ranks[0]["events"]
+    assert event["kind"] == "op_domain" and event["rank"] == 1 and event["step"] == 2
+    assert event["where"] == ["binary_cross_entropy"]
