@@ -37,13 +37,13 @@ __all__ = ["NumGuardCallback"]
 log = logging.getLogger(__name__)
 
 Action = Literal["warn", "skip", "rollback", "halt"]
-Check = Literal["inputs", "outputs", "ops", "loss", "grads", "params", "optimizer_state"]
+Check = Literal["inputs", "outputs", "ops", "loss", "grads", "buffers", "params", "optimizer_state"]
 CHECKS: tuple[str, ...] = get_args(Check)
-DEFAULT_CHECKS: tuple[str, ...] = ("inputs", "ops", "loss", "grads", "params")
+DEFAULT_CHECKS: tuple[str, ...] = ("inputs", "ops", "loss", "grads", "buffers")
 
 # Slots of the one packed flag vector read per step, in causal order.
 # _NORMS covers parameters, buffers, optimizer state and gradients: which of them is confirmed after a hit.
-_INPUT, _SUSPICIOUS, _NORMS, _OUTPUT, _OP, _LOSS, _QUARANTINE = range(7)
+_INPUT, _NORMS, _OUTPUT, _LOSS, _SUSPICIOUS, _OP, _QUARANTINE = range(7)
 
 
 @dataclass
@@ -53,7 +53,8 @@ class _Step:
     epoch: int
     batch_idx: int
     batch: Any = None
-    inputs: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
+    # per micro-batch: the floating leaves of the batch and their max-|x| (0-d, NaN propagates)
+    inputs: list[tuple[list[tuple[str, torch.Tensor]], torch.Tensor]] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
     start_buffers: dict[str, torch.Tensor] | None = None
     start_states: dict[str, Any] | None = None
@@ -355,7 +356,8 @@ class NumGuardCallback(Callback):
                 if self._start_buffers:  # one fused copy of every buffer, into storage reused each step
                     torch._foreach_copy_(self._start_buffers, [b for _, b in self._named_buffers])
                 rec.start_buffers = {n: c for (n, _), c in zip(self._named_buffers, self._start_buffers)}
-                rec.start_states = clone_states(self._stateful, [k for k in self._stateful if not k.startswith("lr_")])
+                # numpy's RNG is left to the snapshot: reading its state costs ~0.1 ms, more than all the rest
+                rec.start_states = clone_states(self._stateful, [k for k in self._stateful if k.startswith("metric:")])
                 rec.start_rng = rng_state()
             if self._skip_remaining > 0:
                 self._skip_remaining -= 1
@@ -365,7 +367,7 @@ class NumGuardCallback(Callback):
         if "inputs" in self.check:
             leaves = floating_leaves(batch)
             if leaves:
-                rec.inputs.append(([p for p, _ in leaves], checks.max_abs([t for _, t in leaves], pl_module.device)))
+                rec.inputs.append((leaves, checks.max_abs_total([t for _, t in leaves], pl_module.device)))
         if self._opguard is not None:
             self._opguard.enabled = True
             if not self._opguard_entered:
@@ -649,12 +651,14 @@ class NumGuardCallback(Callback):
         snapshot_due = self.action != "warn" and (
             trainer.global_step - self._last_snapshot_step >= self.snapshot_every_n_steps
         )
+        every_buffer = "buffers" in self.check or "params" in self.check
         if "params" in self.check or snapshot_due:
             segments["params"] = self._named_params
-            if rec.start_buffers is not None:  # buffers as they were before this step's forward pass
-                segments["start_buffers"] = [
-                    (n, rec.start_buffers[n]) for n, _ in self._checked_buffers if n in rec.start_buffers
-                ]
+        if (every_buffer or snapshot_due) and rec.start_buffers is not None:
+            # buffers as they were before this step's forward pass
+            segments["start_buffers"] = [
+                (n, rec.start_buffers[n]) for n, _ in self._checked_buffers if n in rec.start_buffers
+            ]
         if "optimizer_state" in self.check or snapshot_due:
             t, n = self._optimizer_state_tensors(trainer)
             segments["opt_state"] = list(zip(n, t))
@@ -666,29 +670,33 @@ class NumGuardCallback(Callback):
                 for p in g["params"]
                 if p.grad is not None and checks.is_checkable(p.grad)
             ]
-        if "params" in self.check:  # buffers after the forward pass (BatchNorm running stats)
+        if every_buffer:  # buffers after the forward pass (BatchNorm running stats)
             segments["live_buffers"] = self._checked_buffers
-        norm_flag = checks.any_nonfinite_candidate([t for seg in segments.values() for _, t in seg], device)
+        norm_total = checks.norm_total([t for seg in segments.values() for _, t in seg], device)
 
+        # A NaN or Inf anywhere propagates into these maxima and sums: one isfinite() flags them all.
         zero = torch.zeros((), dtype=torch.float32, device=device)
-        if rec.inputs:
-            maxabs = torch.cat([v for _, v in rec.inputs])
-            finite = torch.isfinite(maxabs)
-            f_input = (~finite).any().float()
-            thr = self.max_abs_input
-            f_susp = ((maxabs >= thr) & finite).any().float() if thr is not None else zero
-        else:
-            f_input = f_susp = zero
-        slots = [
-            f_input,
-            f_susp,
-            norm_flag,
-            self._watch.slot_flags(device) if self._watch is not None and self._watch.enabled else zero,
-            (self._opguard.flags(device).amax() if self._opguard is not None and self._opguard.records else zero),
-            checks.nonfinite_any(torch.stack([x.float().to(device) for x in rec.losses])) if rec.losses else zero,
-            rec.quarantine_flag if rec.quarantine_flag is not None else zero,
+        input_max = (
+            (rec.inputs[0][1] if len(rec.inputs) == 1 else torch.stack([v for _, v in rec.inputs]).amax())
+            if rec.inputs
+            else zero
+        )
+        watch = self._watch if self._watch is not None and self._watch.enabled else None
+        loss_total = (
+            torch.stack([x.detach().to(device, torch.float32) for x in rec.losses]).sum() if rec.losses else zero
+        )
+        raw = torch.stack([input_max, norm_total, watch.total(device) if watch is not None else zero, loss_total])
+        flags = [
+            (~torch.isfinite(raw)).float(),  # _INPUT, _NORMS, _OUTPUT, _LOSS
+            torch.stack(
+                [
+                    (input_max >= self.max_abs_input).float() if self.max_abs_input is not None else zero,
+                    self._opguard.flags(device).amax() if self._opguard is not None and self._opguard.records else zero,
+                    rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
+                ]
+            ),  # _SUSPICIOUS, _OP, _QUARANTINE
         ]
-        packed = torch.stack([s.to(device=device, dtype=torch.float32).reshape(()) for s in slots])
+        packed = torch.cat(flags)
         if world > 1:
             packed = packed * float(world - rank)
             packed = trainer.strategy.reduce(packed, reduce_op="max")
@@ -716,8 +724,13 @@ class NumGuardCallback(Callback):
         rank = trainer.global_rank
 
         def confirmed(segment: str) -> list[str]:
-            named = segments.get(segment, [])
-            if seen_rank[_NORMS] < 0 or not named:
+            if segment in segments:
+                named = segments[segment]
+                if seen_rank[_NORMS] < 0:  # part of the step's flag, which proved it finite
+                    return []
+            else:  # not checked every step: after a hit, look at it exactly (the root cause may be there)
+                named = self._hit_segment(segment, trainer, rec)
+            if not named:
                 return []
             return [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
 
@@ -830,6 +843,19 @@ class NumGuardCallback(Callback):
             key = _position_key(rec)
             self.position_incidents[key] = self.position_incidents.get(key, 0) + 1
 
+    def _hit_segment(self, segment: str, trainer: pl.Trainer, rec: _Step) -> list[tuple[str, torch.Tensor]]:
+        """The tensors of a state segment that the per-step flag left out (looked at only after a hit)."""
+        if segment == "params":
+            return self._named_params
+        if segment == "opt_state":
+            t, n = self._optimizer_state_tensors(trainer)
+            return list(zip(n, t))
+        if segment == "start_buffers" and rec.start_buffers is not None:
+            return [(n, rec.start_buffers[n]) for n, _ in self._checked_buffers if n in rec.start_buffers]
+        if segment == "live_buffers":
+            return self._checked_buffers
+        return []
+
     def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: _Step) -> dict[str, Any]:
         from lightning_numguard.callbacks._replay import replay_batch
 
@@ -844,12 +870,12 @@ class NumGuardCallback(Callback):
 
     def _input_findings(self, rec: _Step, rank: int) -> list[tuple[str, list[str], dict[str, Any], int]]:
         out: list[tuple[str, list[str], dict[str, Any], int]] = []
-        for paths, maxabs in rec.inputs:
-            values = maxabs.tolist()
+        for leaves, _ in rec.inputs:
+            paths = [p for p, _ in leaves]
+            values = checks.max_abs([t for _, t in leaves]).tolist()  # exact, per tensor: after a hit only
             nonfinite = [p for p, v in zip(paths, values) if not math.isfinite(v)]
             if nonfinite:
-                leaves = dict(floating_leaves(rec.batch))
-                stats = checks.tensor_stats(leaves[nonfinite[0]]) if nonfinite[0] in leaves else {}
+                stats = checks.tensor_stats(dict(leaves)[nonfinite[0]])
                 out.append(("nonfinite_input", nonfinite, {"stats": stats}, rank))
             if self.max_abs_input is not None:
                 huge = [(p, v) for p, v in zip(paths, values) if math.isfinite(v) and v >= self.max_abs_input]

@@ -30,8 +30,10 @@ __all__ = [
     "confirm_nonfinite",
     "is_checkable",
     "max_abs",
+    "max_abs_total",
     "nonfinite_any",
     "norm_candidates",
+    "norm_total",
     "tensor_stats",
 ]
 
@@ -79,24 +81,30 @@ def norm_candidates(tensors: Sequence[torch.Tensor], device: torch.device | None
     return torch.stack(slots)
 
 
-def any_nonfinite_candidate(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """0-d float32 on ``device``: 1.0 if some tensor's float32 L2 norm is non-finite; no sync.
+def norm_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-d float32 on ``device``: the sum of every tensor's float32 L2 norm; no sync.
 
-    The hot-path form of :func:`norm_candidates` for tensors the caller already knows to be
-    strided, floating and non-empty (parameters, buffers, gradients): one ``_foreach_norm``
-    per (device, dtype) group, and no per-tensor Python work beyond grouping.
+    Finite exactly when every norm is finite — so a finite total proves every tensor finite,
+    and a non-finite one makes them candidates for :func:`confirm_nonfinite`. The hot-path form
+    of :func:`norm_candidates` for tensors the caller knows to be strided, floating and
+    non-empty (parameters, buffers, gradients): one ``_foreach_norm`` per (device, dtype) group
+    and no per-tensor Python work beyond grouping.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
     sums = []
     for (dev, _), ts in groups.items():
-        total = torch.stack(_foreach_norm_f32(ts)).sum()  # finite iff every norm is finite
+        total = torch.stack(_foreach_norm_f32(ts)).sum()
         sums.append(total if dev == device else total.to(device, non_blocking=True))
     if not sums:
         return torch.zeros((), dtype=torch.float32, device=device)
-    total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
-    return (~torch.isfinite(total)).to(torch.float32)
+    return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+
+
+def any_nonfinite_candidate(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-d float32 on ``device``: 1.0 if some tensor's float32 L2 norm is non-finite; no sync."""
+    return (~torch.isfinite(norm_total(tensors, device))).to(torch.float32)
 
 
 def is_checkable(t: torch.Tensor) -> bool:
@@ -137,6 +145,23 @@ def max_abs(tensors: Sequence[torch.Tensor], device: torch.device | None = None)
     if not parts:
         return torch.zeros(0, dtype=torch.float32, device=device)
     return torch.stack(parts).abs().amax(dim=1)
+
+
+def max_abs_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-d float32 on ``device``: the largest |x| over all ``tensors`` (NaN propagates); no sync.
+
+    The hot-path form of :func:`max_abs`: one ``aminmax`` per tensor and three ops in all.
+    """
+    parts: list[torch.Tensor] = []
+    for t in tensors:
+        c = _checkable(t)
+        if c is not None:
+            parts.extend(torch.aminmax(c.detach()))
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if any(p.device != device or p.dtype != torch.float32 for p in parts):
+        parts = [p.to(device=device, dtype=torch.float32, non_blocking=True) for p in parts]
+    return torch.stack(parts).abs().amax()
 
 
 def confirm_nonfinite(tensors: Sequence[torch.Tensor]) -> list[bool]:

@@ -152,6 +152,16 @@ class OutputWatch:
         values = self._values(device)
         return (~torch.isfinite(values)).any().to(torch.float32)
 
+    def total(self, device: torch.device) -> torch.Tensor:
+        """0-d float32: the sum of every recorded min and max (no sync).
+
+        Non-finite when any output was; finite values can only overflow it into a false
+        candidate, which :meth:`first_bad` then clears.
+        """
+        if not self.records:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return self._values(device).sum()
+
     def _values(self, device: torch.device) -> torch.Tensor:
         """``[n, 2]`` float32: each record's (min, max); one stack (cast only when dtypes differ)."""
         flat = [t for _, pair in self.records for t in pair]

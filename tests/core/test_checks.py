@@ -96,3 +96,23 @@ def test_hot_path_never_syncs(monkeypatch):
     checks.max_abs(tensors)
     monkeypatch.undo()
     assert bool(flag)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("value", [*VALUES, 1e4, -7.0])
+def test_hot_path_totals_agree_with_the_reference(dtype, value):
+    tensors = [torch.randn(6).to(dtype), torch.zeros(3, 2).to(dtype), torch.arange(3)]
+    tensors[1][1, 1] = value
+    finite_ref = all(bool(torch.isfinite(t).all()) for t in tensors)
+    total = checks.max_abs_total(tensors, torch.device("cpu"))
+    assert math.isfinite(total.item()) == finite_ref
+    if finite_ref:
+        assert total.item() == pytest.approx(max(abs(value), tensors[0].abs().max().item()), rel=1e-2)
+    norm = checks.norm_total(tensors[:2], torch.device("cpu"))
+    assert math.isfinite(norm.item()) == finite_ref
+    assert bool(checks.any_nonfinite_candidate(tensors[:2], torch.device("cpu"))) == (not finite_ref)
+
+
+def test_totals_of_nothing_are_zero():
+    assert checks.max_abs_total([torch.arange(2)], torch.device("cpu")).item() == 0.0
+    assert checks.norm_total([], torch.device("cpu")).item() == 0.0
