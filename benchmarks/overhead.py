@@ -9,9 +9,10 @@ variants alike), and reports the median over rounds of the per-round ratio
 Variants:
   baseline                      plain ``pl.Trainer`` (logger=False, no checkpointing, progress bar, summary)
   numguard_default              ``NumGuardCallback()`` (default checks, snapshot every 50 steps)
-  numguard_all                  every check, optimizer state included (snapshots at the default interval)
+  numguard_all                  every check every step: output hooks, parameters, optimizer state
+  numguard_all_no_outputs       every check but ``outputs`` (the forward hooks off)
+  numguard_no_ops               defaults without ``ops`` (no TorchFunctionMode)
   numguard_snapshot_every_step  defaults with ``snapshot_every_n_steps=1``
-  numguard_no_outputs           defaults without the ``outputs`` and ``ops`` checks (no forward hooks)
   detect_anomaly                ``Trainer(detect_anomaly=True)``
   spike_detection               Lightning's ``SpikeDetection`` callback (loss spikes, ``mode="min"``)
   naive_isfinite                ``bool(torch.isfinite(p.grad).all())`` per parameter tensor,
@@ -71,13 +72,14 @@ VARIANTS = (
     "baseline",
     "numguard_default",
     "numguard_all",
+    "numguard_all_no_outputs",
+    "numguard_no_ops",
     "numguard_snapshot_every_step",
-    "numguard_no_outputs",
     "detect_anomaly",
     "spike_detection",
     "naive_isfinite",
 )
-ALL_CHECKS = ["inputs", "outputs", "ops", "loss", "grads", "params", "optimizer_state"]
+ALL_CHECKS = ["inputs", "outputs", "ops", "loss", "grads", "buffers", "params", "optimizer_state"]
 DEFAULT_CHECKS = list(inspect.signature(NumGuardCallback).parameters["check"].default)
 STEP_TARGET = 1.03  # numguard_default step time vs the plain Trainer
 SYNC_TARGET = 1.0  # guard-caused host reads per step
@@ -127,8 +129,10 @@ def make_variant(name: str, tmp: Path) -> tuple[dict[str, Any], list[Callback]]:
         return {}, [NumGuardCallback(dirpath=ng, check=list(ALL_CHECKS))]
     if name == "numguard_snapshot_every_step":
         return {}, [NumGuardCallback(dirpath=ng, snapshot_every_n_steps=1)]
-    if name == "numguard_no_outputs":
-        return {}, [NumGuardCallback(dirpath=ng, check=[c for c in DEFAULT_CHECKS if c not in ("outputs", "ops")])]
+    if name == "numguard_all_no_outputs":
+        return {}, [NumGuardCallback(dirpath=ng, check=[c for c in ALL_CHECKS if c != "outputs"])]
+    if name == "numguard_no_ops":
+        return {}, [NumGuardCallback(dirpath=ng, check=[c for c in DEFAULT_CHECKS if c != "ops"])]
     if name == "detect_anomaly":
         return {"detect_anomaly": True}, []
     if name == "spike_detection":
@@ -977,7 +981,9 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
             )
     for name, entry in result["models"].items():
         hr = entry["host_reads"]
-        for v in ("numguard_default", "numguard_all", "numguard_no_outputs", "numguard_snapshot_every_step"):
+        for v in VARIANTS:
+            if not v.startswith("numguard"):
+                continue
             if v in hr:
                 g = hr[v]["per_step_guard"]
                 if hr[v].get("error") or g != g:

@@ -89,11 +89,14 @@ class NumGuardCallback(Callback):
         dirpath: folder for ``events.jsonl``, ``last_finite.ckpt`` and ``bad_batches/``. Defaults
             to ``<trainer.log_dir>/numguard`` (``<default_root_dir>/numguard`` without a logger).
         check: which sites to check every step, any of ``inputs``, ``outputs``, ``ops``, ``loss``,
-            ``grads``, ``params``, ``optimizer_state``. The default leaves out ``outputs`` (a
-            forward hook on every module, the costliest check on small models): after a hit the
-            replay names the first module instead; add it to name modules under ``"warn"`` or
-            when ``replay=False``. The optimizer state is always checked before a snapshot is
-            taken.
+            ``grads``, ``buffers``, ``params``, ``optimizer_state``. The default leaves out three
+            whose work is repeated elsewhere: ``outputs`` (a forward hook on every module; after a
+            hit the replay names the first module instead — add it to name modules under
+            ``"warn"`` or with ``replay=False``), ``params`` (a NaN weight makes the outputs, loss
+            and gradients non-finite, and after any hit the parameters are checked exactly and
+            named first; they are also verified before every snapshot and checkpoint) and
+            ``optimizer_state`` (verified before every snapshot; add it to catch a poisoned
+            Adam moment before the step it would ruin).
         max_abs_input: finite batch values with ``|x|`` at or above this are ``suspicious_input``
             (numpy's masked-array fill value 1e20 and netCDF's 9.96921e36 are caught by the
             default); ``None`` turns this off.
