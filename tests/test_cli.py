@@ -115,9 +115,7 @@ def test_explain_json_for_events(events_file: Path, capsys: pytest.CaptureFixtur
     assert summary["actions"] == {"warn": 1, "skip": 0, "rollback": 2, "halt": 0}
     assert summary["first_culprit"]["kind"] == "nonfinite_input"
     assert summary["first_culprit"]["details"] == {"count": 12}
-    assert summary["skipped_lines"] == [
-        "line 2: not valid JSON (Expecting property name enclosed in double quotes)"
-    ]
+    assert summary["skipped_lines"] == ["line 2: not valid JSON (Expecting property name enclosed in double quotes)"]
 
 
 def test_explain_log(cuda_log: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -216,9 +214,7 @@ def test_demo_arguments_and_defaults() -> None:
         30,
         "./numguard-demo",
     )
-    args = parser.parse_args(
-        ["demo", "--fault", "masked-fill", "--action", "halt", "--steps", "5", "--dir", "out"]
-    )
+    args = parser.parse_args(["demo", "--fault", "masked-fill", "--action", "halt", "--steps", "5", "--dir", "out"])
     assert (args.fault, args.action, args.steps, args.dir) == ("masked-fill", "halt", 5, "out")
 
 
@@ -265,7 +261,5 @@ def test_python_m_missing_path_has_no_traceback(tmp_path: Path) -> None:
 
 def test_importing_the_cli_does_not_import_the_demo(tmp_path: Path) -> None:
     code = "import sys, lightning_numguard.cli; sys.exit('lightning_numguard.demo' in sys.modules)"
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=False
-    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stderr

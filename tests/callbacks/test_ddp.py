@@ -14,11 +14,7 @@ SCRIPT = Path(__file__).with_name("ddp_script.py")
 
 
 def run_ddp(tmp_path: Path, site: str, fault_rank: int, action: str) -> list[dict]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
     env["MASTER_PORT"] = str(20000 + (os.getpid() % 20000))
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path), site, str(fault_rank), action],

@@ -74,7 +74,9 @@ def test_no_hooks_left_after_fit(tmp_path: Path) -> None:
     model = CensusModel()
     census = _Census()
     before = _hook_count(model)
-    trainer(tmp_path, [NumGuardCallback(replay=False, check=EVERY_CHECK), census], max_steps=3).fit(model, loader(FaultData()))
+    trainer(tmp_path, [NumGuardCallback(replay=False, check=EVERY_CHECK), census], max_steps=3).fit(
+        model, loader(FaultData())
+    )
     # control: the guard's hooks and op guard were live during training
     assert census.hooks
     assert min(census.hooks) > before
@@ -121,7 +123,9 @@ def test_exception_in_training_step_removes_hooks_and_mode(tmp_path: Path) -> No
     model = BoomModel()
     census = _Census()
     with pytest.raises(RuntimeError, match="boom in training_step at step 2"):
-        trainer(tmp_path, [NumGuardCallback(replay=False, check=EVERY_CHECK), census], max_steps=5).fit(model, loader(FaultData()))
+        trainer(tmp_path, [NumGuardCallback(replay=False, check=EVERY_CHECK), census], max_steps=5).fit(
+            model, loader(FaultData())
+        )
     assert len(census.hooks) == 3
     assert min(census.hooks) > 0
     assert _hook_count(model) == 0

@@ -194,9 +194,7 @@ def test_fp16_amp_overflow_is_left_to_the_grad_scaler(tmp_path):
 
     guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"))
     model = Overflow()
-    t = trainer(
-        tmp_path, [guard], max_steps=6, plugins=[MixedPrecision("16-mixed", "cpu")], deterministic=False
-    )
+    t = trainer(tmp_path, [guard], max_steps=6, plugins=[MixedPrecision("16-mixed", "cpu")], deterministic=False)
     t.fit(model, loader(FaultData()))
     assert guard.counters["amp_overflow_steps"] == 1
     assert guard.counters["incidents"] == 0 and guard.events == []

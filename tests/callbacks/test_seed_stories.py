@@ -215,9 +215,7 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize(
-    ("bad", "op", "module"), [("label", "cross_entropy", None), ("token", "embedding", "emb")]
-)
+@pytest.mark.parametrize(("bad", "op", "module"), [("label", "cross_entropy", None), ("token", "embedding", "emb")])
 def test_index_out_of_range_is_refused_before_the_kernel(tmp_path, bad, op, module):
     tokens = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(tokens, tokens.clone()), batch_size=8)
@@ -238,9 +236,7 @@ def test_index_out_of_range_is_refused_before_the_kernel(tmp_path, bad, op, modu
 def test_op_guard_can_be_turned_off(tmp_path):
     tokens = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(tokens, tokens.clone()), batch_size=8)
-    guard = NumGuardCallback(
-        check=["inputs", "outputs", "loss", "grads", "params"], dirpath=str(tmp_path / "ng")
-    )
+    guard = NumGuardCallback(check=["inputs", "outputs", "loss", "grads", "params"], dirpath=str(tmp_path / "ng"))
     with pytest.raises(IndexError, match="out of bounds"):
         trainer(tmp_path, [guard], max_steps=6).fit(Classifier("label"), loader)
     assert torch.overrides._get_current_function_mode_stack() == []

@@ -185,12 +185,8 @@ CASES = [
     Case(
         "nn.CrossEntropyLoss K-dim",
         "cross_entropy",
-        lambda: torch.nn.CrossEntropyLoss()(
-            _logits(2, 15).reshape(2, 5, 3), torch.tensor([[0, 4, 1], [2, 3, 4]])
-        ),
-        lambda: torch.nn.CrossEntropyLoss()(
-            _logits(2, 15).reshape(2, 5, 3), torch.tensor([[0, 4, 1], [2, 3, -1]])
-        ),
+        lambda: torch.nn.CrossEntropyLoss()(_logits(2, 15).reshape(2, 5, 3), torch.tensor([[0, 4, 1], [2, 3, 4]])),
+        lambda: torch.nn.CrossEntropyLoss()(_logits(2, 15).reshape(2, 5, 3), torch.tensor([[0, 4, 1], [2, 3, -1]])),
         IndexError,
         "Target -1 is out of bounds",
         count=1,

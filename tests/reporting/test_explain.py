@@ -178,8 +178,7 @@ LOG_SNIPPETS: list[tuple[str, str]] = [
     ("loss_nonfinite", "Epoch 3:  45%|####5     | 45/100 [00:10<00:12,  4.50it/s, v_num=0, train_loss=nan]"),
     (
         "loss_nonfinite",
-        "Monitored metric val_loss = nan is not finite. Previous best value was 0.412. "
-        "Signaling Trainer to stop.",
+        "Monitored metric val_loss = nan is not finite. Previous best value was 0.412. Signaling Trainer to stop.",
     ),
     (
         "cuda_kernel_assert",
@@ -297,9 +296,9 @@ def test_cuda_assert_before_cublas_errors_is_the_root_cause() -> None:
         ("cuda_device_assert", 9, 1),
     ]
     report = format_log_report(matches, "train.log")
-    assert report.index(
-        "Likely cause: embedding_index_out_of_range (line 2, 2 matching lines)"
-    ) < report.index("2. cuda_library_error_after_assert (line 7")
+    assert report.index("Likely cause: embedding_index_out_of_range (line 2, 2 matching lines)") < report.index(
+        "2. cuda_library_error_after_assert (line 7"
+    )
 
 
 def test_follow_on_errors_never_outrank_a_later_cause() -> None:
@@ -450,9 +449,7 @@ def test_report_of_hand_written_events(events_file: Path) -> None:
 
 
 def test_culprit_with_a_replayed_op_gets_the_op_hint(tmp_path: Path) -> None:
-    nested = _event(
-        "nonfinite_grad", 3, "norm.weight", details={"replay": {"module": "norm", "op": "SqrtBackward0"}}
-    )
+    nested = _event("nonfinite_grad", 3, "norm.weight", details={"replay": {"module": "norm", "op": "SqrtBackward0"}})
     report = format_report([nested], tmp_path / "events.jsonl")
     assert "  hint:    SqrtBackward0: sqrt's gradient" in report
     assert "replay:  module norm, op SqrtBackward0" in report
