@@ -65,7 +65,6 @@ class _Step:
     bad: bool = False
     events: list[dict[str, Any]] = field(default_factory=list)
     action: str = "none"
-    state_bad: bool = False
     step: int = 0
 
 
@@ -827,7 +826,6 @@ class NumGuardCallback(Callback):
 
         action = self._decide(bool(state_bad), bool(found))
         rec.bad = action != "warn"
-        rec.state_bad = bool(state_bad)
         rec.action = action
         if rec.bad and optimizer is not None:
             # the step becomes a no-op: no momentum, weight decay or step count moves
@@ -907,15 +905,15 @@ class NumGuardCallback(Callback):
         return out
 
     def _decide(self, state_bad: bool, has_incident: bool) -> str:
+        """The configured action, escalated: skip -> rollback when the state itself went bad,
+        rollback -> halt without a finite snapshot or past ``max_rollbacks``."""
         action = self.action
         if action == "skip" and state_bad:
-            action = "rollback" if self._snapshot is not None else "halt"
-        if action == "rollback" and self._snapshot is None:
+            action = "rollback"
+        if action == "rollback" and (
+            self._snapshot is None or (has_incident and self._rollbacks_this_fit >= self.max_rollbacks)
+        ):
             action = "halt"
-        if action == "rollback" and has_incident and self._rollbacks_this_fit >= self.max_rollbacks:
-            action = "halt"
-        if action == "halt" and self._snapshot is None:
-            action = "halt"  # nothing finite to restore; still stop
         return action
 
     # -------------------------------------------------------------- acting

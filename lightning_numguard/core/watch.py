@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_numguard.core.tree import floating_leaves
+from .tree import floating_leaves
 
 __all__ = ["OutputWatch", "select_modules"]
 
@@ -62,8 +62,8 @@ class _Hook:
 class OutputWatch:
     """Records, per forward call of each watched module, the min and max of its floating outputs.
 
-    Nothing is read back: :meth:`slot_flags` turns the records into one float32 vector with a
-    1.0 for every module slot that produced a non-finite output, and :meth:`first_bad` (which
+    Nothing is read back: :meth:`total` folds the records into one 0-d value that is non-finite
+    when any watched output was, and :meth:`first_bad` (which
     syncs; use after a hit) names the first module in execution order.
 
     A module's output that is the very tensor already recorded (a ``Sequential`` returning its
@@ -144,13 +144,6 @@ class OutputWatch:
         for _, t in floating_leaves(output, "out"):
             if t.numel():
                 self.records.append((slot, torch.aminmax(t.detach())))
-
-    def slot_flags(self, device: torch.device) -> torch.Tensor:
-        """0-d float32: 1.0 if any recorded output was non-finite (no sync)."""
-        if not self.records:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        values = self._values(device)
-        return (~torch.isfinite(values)).any().to(torch.float32)
 
     def total(self, device: torch.device) -> torch.Tensor:
         """0-d float32: the sum of every recorded min and max (no sync).
