@@ -273,11 +273,29 @@ class NumGuardCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        counters = state_dict.get("counters", {})
-        self.counters.update({k: int(v) for k, v in counters.items()})
-        self.quarantined = [dict(q) for q in state_dict.get("quarantined", [])]
-        self.position_incidents = {str(k): int(v) for k, v in state_dict.get("position_incidents", {}).items()}
-        self.incidents_by_kind = {str(k): int(v) for k, v in state_dict.get("incidents_by_kind", {}).items()}
+        """Restore counters, the quarantine and incident counts; nothing is changed if any part is malformed."""
+        key = "state"
+        try:
+            key = "counters"
+            counters = {str(k): int(v) for k, v in state_dict.get("counters", {}).items()}
+            key = "quarantined"
+            quarantined = [dict(q) for q in state_dict.get("quarantined", [])]
+            if any(not isinstance(q.get("batch_idx"), int) for q in quarantined):
+                raise TypeError("every entry needs an integer 'batch_idx'")
+            key = "position_incidents"
+            positions = {str(k): int(v) for k, v in state_dict.get("position_incidents", {}).items()}
+            key = "incidents_by_kind"
+            by_kind = {str(k): int(v) for k, v in state_dict.get("incidents_by_kind", {}).items()}
+        except (AttributeError, TypeError, ValueError) as err:
+            raise NumGuardError(
+                f"NumGuard: the callback state in this checkpoint is malformed at {key!r} ({err}); the "
+                "checkpoint's weights are unaffected: resume without this callback's state by removing "
+                "checkpoint['callbacks'] entries for NumGuardCallback, or from another checkpoint."
+            ) from None
+        self.counters.update(counters)
+        self.quarantined = quarantined
+        self.position_incidents = positions
+        self.incidents_by_kind = by_kind
 
     def __getstate__(self) -> dict[str, Any]:
         # Hooks, the op-guard mode and the step record belong to a running fit; setup rebuilds them.

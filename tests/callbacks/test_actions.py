@@ -358,3 +358,23 @@ def test_buffers_non_finite_by_design_are_left_unchecked(tmp_path):
         trainer(tmp_path, [guard], max_steps=6).fit(model, loader(FaultData()))
     assert [e["where"] for e in guard.events] == [["body.2.running_var"]]
     assert torch.isneginf(model.causal_mask).sum() == 6
+
+
+@pytest.mark.parametrize(
+    ("state", "key"),
+    [
+        ({"counters": {"rollbacks": "many"}}, "counters"),
+        ({"counters": [1, 2]}, "counters"),
+        ({"quarantined": [{"epoch": 0}]}, "quarantined"),
+        ({"position_incidents": {"batch:3": None}}, "position_incidents"),
+    ],
+)
+def test_malformed_callback_state_is_refused_and_nothing_changes(state, key):
+    from lightning_numguard import NumGuardError
+
+    guard = NumGuardCallback()
+    guard.load_state_dict({"counters": {"rollbacks": 2}, "quarantined": [{"batch_idx": 1, "step": 4}]})
+    before = guard.state_dict()
+    with pytest.raises(NumGuardError, match=rf"malformed at '{key}'.*weights are unaffected"):
+        guard.load_state_dict(state)
+    assert guard.state_dict() == before
