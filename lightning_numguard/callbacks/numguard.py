@@ -250,6 +250,8 @@ class NumGuardCallback(Callback):
         self._named_buffers: list[tuple[str, torch.Tensor]] = []
         self._param_names: dict[int, str] = {}
         self._start_buffers: list[torch.Tensor] = []
+        self._start_buffer_map: dict[str, torch.Tensor] = {}
+        self._metric_keys: list[str] = []
         self._unchecked_buffers: set[str] = set()
         self._checked_buffers: list[tuple[str, torch.Tensor]] = []
         self._module_names: dict[int, str] = {}
@@ -333,6 +335,8 @@ class NumGuardCallback(Callback):
         persistent = set(pl_module.state_dict())
         self._named_buffers = [(n, b) for n, b in pl_module.named_buffers() if n in persistent]
         self._start_buffers = [b.detach().clone() for _, b in self._named_buffers]
+        self._start_buffer_map = {n: c for (n, _), c in zip(self._named_buffers, self._start_buffers)}
+        self._metric_keys = [k for k in self._stateful if k.startswith("metric:")]
         if self.check_optimizer_coverage != "off":
             self._coverage(trainer, pl_module)
         tensors, names = self._state_tensors(trainer, pl_module, with_optimizer=True)
@@ -345,8 +349,9 @@ class NumGuardCallback(Callback):
         if self._unchecked_buffers:
             log.info("numguard leaves buffers non-finite at fit start unchecked: %s", sorted(self._unchecked_buffers))
         bad = [n for n in bad if n not in self._unchecked_buffers]
-        checked_buffers = [(n, b) for n, b in self._named_buffers if n not in self._unchecked_buffers]
-        self._checked_buffers = [(n, b) for n, b in checked_buffers if b.is_floating_point()]
+        self._checked_buffers = [
+            (n, b) for n, b in self._named_buffers if n not in self._unchecked_buffers and b.is_floating_point()
+        ]
         if bad:
             self._record(trainer, [self._event(trainer, "nonfinite_param", bad, {"when": "fit start"}, 0, "none")])
             if self.action != "warn":
@@ -375,9 +380,9 @@ class NumGuardCallback(Callback):
             if self.action != "warn":
                 if self._start_buffers:  # one fused copy of every buffer, into storage reused each step
                     torch._foreach_copy_(self._start_buffers, [b for _, b in self._named_buffers])
-                rec.start_buffers = {n: c for (n, _), c in zip(self._named_buffers, self._start_buffers)}
+                rec.start_buffers = self._start_buffer_map  # storage reused every step
                 # numpy's RNG is left to the snapshot: reading its state costs ~0.1 ms, more than all the rest
-                rec.start_states = clone_states(self._stateful, [k for k in self._stateful if k.startswith("metric:")])
+                rec.start_states = clone_states(self._stateful, self._metric_keys)
                 rec.start_rng = rng_state()
             if self._skip_remaining > 0:
                 self._skip_remaining -= 1
@@ -672,16 +677,14 @@ class NumGuardCallback(Callback):
             trainer.global_step - self._last_snapshot_step >= self.snapshot_every_n_steps
         )
         every_buffer = "buffers" in self.check or "params" in self.check
-        if "params" in self.check or snapshot_due:
-            segments["params"] = self._named_params
-        if (every_buffer or snapshot_due) and rec.start_buffers is not None:
-            # buffers as they were before this step's forward pass
-            segments["start_buffers"] = [
-                (n, rec.start_buffers[n]) for n, _ in self._checked_buffers if n in rec.start_buffers
-            ]
-        if "optimizer_state" in self.check or snapshot_due:
-            t, n = self._optimizer_state_tensors(trainer)
-            segments["opt_state"] = list(zip(n, t))
+        wanted = {
+            "params": "params" in self.check or snapshot_due,
+            "start_buffers": every_buffer or snapshot_due,  # buffers as they were before the forward pass
+            "opt_state": "optimizer_state" in self.check or snapshot_due,
+        }
+        for name, on in wanted.items():
+            if on and (named := self._state_segment(name, trainer, rec)):
+                segments[name] = named
         if "grads" in self.check and optimizer is not None:
             names = self._param_names
             segments["grads"] = [
@@ -749,7 +752,7 @@ class NumGuardCallback(Callback):
                 if seen_rank[_NORMS] < 0:  # part of the step's flag, which proved it finite
                     return []
             else:  # not checked every step: after a hit, look at it exactly (the root cause may be there)
-                named = self._hit_segment(segment, trainer, rec)
+                named = self._state_segment(segment, trainer, rec)
             if not named:
                 return []
             return [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
@@ -862,15 +865,15 @@ class NumGuardCallback(Callback):
             key = _position_key(rec)
             self.position_incidents[key] = self.position_incidents.get(key, 0) + 1
 
-    def _hit_segment(self, segment: str, trainer: pl.Trainer, rec: _Step) -> list[tuple[str, torch.Tensor]]:
-        """The tensors of a state segment that the per-step flag left out (looked at only after a hit)."""
+    def _state_segment(self, segment: str, trainer: pl.Trainer, rec: _Step) -> list[tuple[str, torch.Tensor]]:
+        """The named tensors of one state segment, for the step's flag or for an exact look after a hit."""
         if segment == "params":
             return self._named_params
         if segment == "opt_state":
             t, n = self._optimizer_state_tensors(trainer)
             return list(zip(n, t))
         if segment == "start_buffers" and rec.start_buffers is not None:
-            return [(n, rec.start_buffers[n]) for n, _ in self._checked_buffers if n in rec.start_buffers]
+            return [(n, rec.start_buffers[n]) for n, _ in self._checked_buffers]
         if segment == "live_buffers":
             return self._checked_buffers
         return []
