@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_numguard._compat import foreach_norm_f32
+
 __all__ = [
     "any_nonfinite_candidate",
     "confirm_nonfinite",
@@ -75,7 +77,7 @@ def norm_candidates(tensors: Sequence[torch.Tensor], device: torch.device | None
     zero = torch.zeros((), dtype=torch.float32, device=device)
     slots: list[torch.Tensor] = [zero] * len(tensors)
     for (dev, _), (idx, ts) in groups.items():
-        for i, norm in zip(idx, _foreach_norm_f32(ts)):
+        for i, norm in zip(idx, foreach_norm_f32(ts)):
             slots[i] = norm if dev == device else norm.to(device, non_blocking=True)
     # One stack of 0-d tensors in input order: no index tensor is copied from the host.
     return torch.stack(slots)
@@ -95,7 +97,7 @@ def norm_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.T
         groups.setdefault((t.device, t.dtype), []).append(t)
     sums = []
     for (dev, _), ts in groups.items():
-        total = torch.stack(_foreach_norm_f32(ts)).sum()
+        total = torch.stack(foreach_norm_f32(ts)).sum()
         sums.append(total if dev == device else total.to(device, non_blocking=True))
     if not sums:
         return torch.zeros((), dtype=torch.float32, device=device)
@@ -110,13 +112,6 @@ def any_nonfinite_candidate(tensors: Sequence[torch.Tensor], device: torch.devic
 def is_checkable(t: torch.Tensor) -> bool:
     """Whether ``t`` can go to :func:`any_nonfinite_candidate` as it is (strided, floating, non-empty)."""
     return t.layout is torch.strided and t.is_floating_point() and t.numel() > 0
-
-
-def _foreach_norm_f32(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    try:
-        return list(torch._foreach_norm(ts, 2, dtype=torch.float32))
-    except (TypeError, RuntimeError):  # older builds without the dtype argument
-        return [n.float() for n in torch._foreach_norm(ts, 2)]
 
 
 def nonfinite_any(values: torch.Tensor) -> torch.Tensor:

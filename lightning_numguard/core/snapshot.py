@@ -30,6 +30,8 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from .tree import clone_tree, nbytes
+
 __all__ = ["Snapshot", "Stateful", "capture", "clone_tree", "restore", "rng_state", "set_rng_state"]
 
 
@@ -39,54 +41,6 @@ class Stateful(Protocol):
     def state_dict(self) -> Any: ...  # pragma: no cover
 
     def load_state_dict(self, state: Any) -> Any: ...  # pragma: no cover
-
-
-def clone_tree(obj: Any, device: torch.device | str | None = None, pin: bool = False, into: Any = None) -> Any:
-    """Deep-copy a nested structure, cloning every tensor (to ``device`` when given).
-
-    ``into`` is an earlier result of ``clone_tree`` with the same structure: tensors whose
-    shape, dtype and device match are overwritten in place instead of reallocated.
-    """
-    if isinstance(obj, torch.Tensor):
-        src = obj.detach()
-        target_device = torch.device(device) if device is not None else src.device
-        if (
-            isinstance(into, torch.Tensor)
-            and into.shape == src.shape
-            and into.dtype == src.dtype
-            and into.device == target_device
-        ):
-            into.copy_(src, non_blocking=src.device.type == "cuda")
-            return into
-        if target_device == src.device:
-            return src.clone()
-        out = torch.empty(
-            src.shape, dtype=src.dtype, device=target_device, pin_memory=pin and target_device.type == "cpu"
-        )
-        out.copy_(src, non_blocking=src.device.type == "cuda" and pin)
-        return out
-    if isinstance(obj, dict):
-        sub = into if isinstance(into, dict) else {}
-        return type(obj)((k, clone_tree(v, device, pin, sub.get(k))) for k, v in obj.items())
-    if isinstance(obj, list):
-        sub_l = into if isinstance(into, list) and len(into) == len(obj) else [None] * len(obj)
-        return [clone_tree(v, device, pin, s) for v, s in zip(obj, sub_l)]
-    if isinstance(obj, tuple):
-        sub_t = into if isinstance(into, tuple) and len(into) == len(obj) else (None,) * len(obj)
-        items = [clone_tree(v, device, pin, s) for v, s in zip(obj, sub_t)]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    return copy.deepcopy(obj)
-
-
-def tree_nbytes(obj: Any) -> int:
-    """Bytes held by the tensors of a nested structure."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tree_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tree_nbytes(v) for v in obj)
-    return 0
 
 
 def rng_state() -> dict[str, Any]:
@@ -118,7 +72,7 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         """Bytes of tensor storage this snapshot holds."""
-        return tree_nbytes(self.model) + tree_nbytes(self.optimizers) + tree_nbytes(self.stateful)
+        return nbytes(self.model) + nbytes(self.optimizers) + nbytes(self.stateful)
 
 
 def capture(
@@ -171,7 +125,6 @@ def restore(
     stateful: Mapping[str, Stateful] | None = None,
     *,
     restore_rng: bool = True,
-    skip_stateful: Sequence[str] = (),
 ) -> None:
     """Put ``snapshot`` back in place; afterwards every tensor equals the snapshot bitwise."""
     model.load_state_dict(snapshot.model, strict=True)  # copies into the live tensors in place
@@ -183,7 +136,7 @@ def restore(
     for opt, state in zip(optimizers, snapshot.optimizers):
         opt.load_state_dict(clone_tree(state))
     for name, obj in (stateful or {}).items():
-        if name in snapshot.stateful and name not in skip_stateful:
+        if name in snapshot.stateful:
             obj.load_state_dict(clone_tree(snapshot.stateful[name]))
     if restore_rng and snapshot.rng is not None:
         set_rng_state(snapshot.rng)

@@ -1,14 +1,26 @@
-"""Walk nested batches and module outputs into ``(path, tensor)`` pairs."""
+"""The one walker over nested batches, module outputs and states.
+
+A *tree* is any nesting of tensors in mappings, lists, tuples, namedtuples and dataclass
+instances; anything else is a leaf. Everything in the package that looks inside such a nesting
+goes through :func:`tensor_leaves` (read) or :func:`map_tree` (rebuild):
+
+* :func:`tensor_leaves` / :func:`floating_leaves` / :func:`tensors`: the tensors, with paths that
+  read like Python (``batch['image']``, ``batch[0]``, ``batch.pixels``);
+* :func:`clone_tree`: a deep copy with every tensor cloned (optionally into an earlier copy's storage);
+* :func:`to_plain`: tensors on the CPU in dicts, lists and primitives (loadable with ``weights_only=True``);
+* :func:`nbytes`: bytes held by the tensors.
+"""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["floating_leaves", "tensor_leaves"]
+__all__ = ["clone_tree", "floating_leaves", "map_tree", "nbytes", "tensor_leaves", "tensors", "to_plain"]
 
 _MAX_DEPTH = 32
 
@@ -18,8 +30,6 @@ def tensor_leaves(obj: Any, prefix: str = "batch") -> Iterator[tuple[str, torch.
 
     Understands tensors, mappings, lists and tuples, namedtuples and dataclass instances.
     Anything else (strings, ids, ``None``, numpy arrays) is skipped without error.
-
-    Paths read like Python: ``batch['image']``, ``batch[0]``, ``batch.pixels``.
 
     Example:
         >>> [p for p, _ in tensor_leaves({"x": torch.zeros(1), "meta": ["a", torch.ones(1)]})]
@@ -31,6 +41,16 @@ def tensor_leaves(obj: Any, prefix: str = "batch") -> Iterator[tuple[str, torch.
 def floating_leaves(obj: Any, prefix: str = "batch") -> list[tuple[str, torch.Tensor]]:
     """The floating-point (and complex) tensors of ``obj``; integer and bool tensors are left alone."""
     return [(p, t) for p, t in _walk(obj, prefix, 0) if t.is_floating_point() or t.is_complex()]
+
+
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor of ``obj``, depth first."""
+    return [t for _, t in _walk(obj, "", 0)]
+
+
+def nbytes(obj: Any) -> int:
+    """Bytes held by the tensors of ``obj``."""
+    return sum(t.numel() * t.element_size() for t in tensors(obj))
 
 
 def _walk(obj: Any, path: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -51,3 +71,71 @@ def _walk(obj: Any, path: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
             yield from _walk(getattr(obj, field.name), f"{path}.{field.name}", depth + 1)
+
+
+def map_tree(fn: Callable[[Any, Any], Any], obj: Any, like: Any = None, *, plain: bool = False) -> Any:
+    """Rebuild ``obj`` with every leaf replaced by ``fn(leaf, matching leaf of like)``.
+
+    ``like`` is a tree of the same structure (or ``None``) walked in step with ``obj``: leaves
+    without a counterpart get ``None``. Dicts, lists, tuples and namedtuples keep their types;
+    with ``plain=True`` the result holds only dicts (string keys) and lists, namedtuples and
+    dataclass instances becoming dicts of their fields.
+    """
+    if isinstance(obj, (torch.Tensor, str, bytes, bytearray)):
+        return fn(obj, like)
+    if isinstance(obj, dict):
+        sub = like if isinstance(like, dict) else {}
+        items = ((k, map_tree(fn, v, sub.get(k), plain=plain)) for k, v in obj.items())
+        return {str(k): v for k, v in items} if plain else type(obj)(items)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        sub_t = like if isinstance(like, tuple) and len(like) == len(obj) else (None,) * len(obj)
+        values = [map_tree(fn, v, s, plain=plain) for v, s in zip(obj, sub_t)]
+        return dict(zip(obj._fields, values)) if plain else type(obj)(*values)
+    if isinstance(obj, (list, tuple)):
+        sub_l = like if isinstance(like, (list, tuple)) and len(like) == len(obj) else (None,) * len(obj)
+        values = [map_tree(fn, v, s, plain=plain) for v, s in zip(obj, sub_l)]
+        return values if plain or isinstance(obj, list) else tuple(values)
+    if plain and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: map_tree(fn, getattr(obj, f.name), None, plain=plain) for f in dataclasses.fields(obj)}
+    return fn(obj, like)
+
+
+def clone_tree(obj: Any, device: torch.device | str | None = None, pin: bool = False, into: Any = None) -> Any:
+    """Deep-copy a nested structure, cloning every tensor (to ``device`` when given).
+
+    ``into`` is an earlier result of ``clone_tree`` with the same structure: tensors whose
+    shape, dtype and device match are overwritten in place instead of reallocated. Non-tensor
+    leaves are deep-copied.
+    """
+
+    def clone(leaf: Any, prev: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return copy.deepcopy(leaf)
+        src = leaf.detach()
+        target = torch.device(device) if device is not None else src.device
+        if isinstance(prev, torch.Tensor) and (prev.shape, prev.dtype, prev.device) == (src.shape, src.dtype, target):
+            prev.copy_(src, non_blocking=src.device.type == "cuda")
+            return prev
+        if target == src.device:
+            return src.clone()
+        out = torch.empty(src.shape, dtype=src.dtype, device=target, pin_memory=pin and target.type == "cpu")
+        out.copy_(src, non_blocking=src.device.type == "cuda" and pin)
+        return out
+
+    return map_tree(clone, obj, into)
+
+
+def to_plain(obj: Any) -> Any:
+    """A copy made of CPU tensors, dicts, lists and primitives: loadable with ``weights_only=True``.
+
+    Anything else becomes its ``repr``.
+    """
+
+    def plain(leaf: Any, _: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.detach().cpu()
+        if isinstance(leaf, (str, int, float, bool)) or leaf is None:
+            return leaf
+        return repr(leaf)
+
+    return map_tree(plain, obj, plain=True)

@@ -179,7 +179,7 @@ def test_resume_keeps_the_quarantine(tmp_path):
 def test_snapshot_memory_is_one_copy_of_model_and_optimizer_state(tmp_path):
     guard = NumGuardCallback(action="rollback", snapshot_every_n_steps=2, dirpath=str(tmp_path / "ng"))
     model, t = run(tmp_path, FaultData(), guard=guard)
-    snap = guard._snapshot
+    snap = guard._recovery.snapshot
     assert snap is not None and snap.step == 6
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())

@@ -1,0 +1,158 @@
+"""Every access to a private name of Lightning, torch or torchmetrics, in one place.
+
+Each function says why no public API serves and what happens when the name is missing. None of
+them changes behaviour silently: a missing name either has an exact public equivalent, is only
+used to *describe* something, or raises :class:`~lightning_numguard.errors.NumGuardError` naming
+the version to pin. This module imports only torch and the standard library (Lightning objects
+are reached through the trainer passed in), so ``core/`` may use it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lightning_numguard.errors import NumGuardError
+
+__all__ = [
+    "foreach_copy_",
+    "foreach_norm_f32",
+    "lightning_will_stop",
+    "metric_counters",
+    "metric_state",
+    "nn_bindings",
+    "require_accumulation_api",
+    "set_metric_counters",
+    "should_accumulate",
+    "sync_scheduler_last_lr",
+]
+
+log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------------- Lightning
+
+
+def should_accumulate(trainer: Any) -> bool:
+    """Whether the current batch is a gradient-accumulation micro-batch (its optimizer step comes later).
+
+    Lightning has no public accessor for this; ``fit_loop.epoch_loop._should_accumulate()`` is what
+    its own loop consults. With ``accumulate_grad_batches == 1`` (public) no private name is read.
+    When the private name is missing, :func:`require_accumulation_api` has already refused the run
+    at setup, so this never guesses.
+    """
+    if int(getattr(trainer, "accumulate_grad_batches", 1)) == 1:
+        return False
+    return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+def require_accumulation_api(trainer: Any) -> None:
+    """Raise at setup if accumulation is on and Lightning no longer exposes ``_should_accumulate``.
+
+    Without it the guard cannot tell a micro-batch from an optimizer step and would read (and
+    decide) once per micro-batch instead of once per step.
+    """
+    if int(getattr(trainer, "accumulate_grad_batches", 1)) == 1:
+        return
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if not callable(getattr(loop, "_should_accumulate", None)):
+        raise NumGuardError(
+            "NumGuard: this Lightning version has no `fit_loop.epoch_loop._should_accumulate()`, which the "
+            "guard needs to find optimizer steps under `accumulate_grad_batches > 1`; use "
+            "accumulate_grad_batches=1 or a Lightning version in 2.5-2.6."
+        )
+
+
+def lightning_will_stop(trainer: Any) -> bool:
+    """Whether Lightning honours ``trainer.should_stop`` now (``min_steps``/``min_epochs`` are met).
+
+    ``fit_loop._can_stop_early`` is the property Lightning itself consults; when it is missing, the
+    same rule is computed from the public ``min_steps``, ``min_epochs``, ``global_step`` and
+    ``current_epoch``.
+    """
+    loop = getattr(trainer, "fit_loop", None)
+    if loop is not None and hasattr(type(loop), "_can_stop_early"):
+        return bool(loop._can_stop_early)
+    min_steps, min_epochs = trainer.min_steps, trainer.min_epochs
+    return (not min_steps or trainer.global_step >= min_steps) and (
+        not min_epochs or trainer.current_epoch >= min_epochs
+    )
+
+
+# --------------------------------------------------------------------------------------- torch
+
+
+def foreach_norm_f32(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor float32 L2 norms in one fused call.
+
+    ``torch._foreach_norm`` is the fused kernel the GradScaler and gradient clipping use; there is
+    no public fused form. Older builds lack its ``dtype`` argument: the norms are then cast
+    (same values for float32 inputs, a float16 overflow is still non-finite, as it should be).
+    """
+    try:
+        return list(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
+    except (TypeError, RuntimeError):
+        return [n.float() for n in torch._foreach_norm(list(tensors), 2)]
+
+
+def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """Copy ``src`` into ``dst`` in one fused call (``torch._foreach_copy_``), or one copy per tensor."""
+    fused = getattr(torch, "_foreach_copy_", None)
+    if fused is not None:
+        fused(list(dst), list(src))
+        return
+    for d, s in zip(dst, src):  # pragma: no cover - every supported torch has the fused form
+        d.copy_(s)
+
+
+def nn_bindings() -> Any:
+    """``torch._C._nn``, where the raw loss bindings that ``nn.*Loss`` reach live.
+
+    The op guard matches these function objects to see calls that bypass ``torch.nn.functional``.
+    If the namespace is gone, an empty one is returned: those raw forms are then not guarded
+    (``F.*`` and ``torch.*`` forms still are) and a debug line says so.
+    """
+    bindings = getattr(getattr(torch, "_C", None), "_nn", None)
+    if bindings is None:  # pragma: no cover - present in every supported torch
+        log.debug("torch._C._nn is missing: raw loss bindings are not guarded")
+        return types.SimpleNamespace()
+    return bindings
+
+
+def sync_scheduler_last_lr(scheduler: Any) -> None:
+    """Make a scheduler's ``get_last_lr()`` agree with its optimizer after the rates were changed.
+
+    ``get_last_lr()`` returns the private ``_last_lr``, which only ``step()`` updates; there is no
+    public setter. Missing: nothing to update (``get_last_lr`` then computes it itself).
+    """
+    if hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+
+
+# -------------------------------------------------------------------------------- torchmetrics
+
+
+def metric_state(metric: Any) -> dict[str, Any]:
+    """The accumulated states of a torchmetrics ``Metric`` (public ``metric_state``, torchmetrics >= 1.0)."""
+    state = getattr(metric, "metric_state", None)
+    if isinstance(state, dict):
+        return dict(state)
+    return {name: getattr(metric, name) for name in metric._defaults}  # pragma: no cover - torchmetrics < 1.0
+
+
+def metric_counters(metric: Any) -> tuple[int, Any]:
+    """``(update_count, computed)``: the public ``update_count`` and the cached ``compute()`` result.
+
+    The cache (``_computed``) has no public accessor; restoring the states without it would let
+    ``compute()`` return a value computed from the discarded states.
+    """
+    return int(metric.update_count), getattr(metric, "_computed", None)
+
+
+def set_metric_counters(metric: Any, update_count: int, computed: Any) -> None:
+    """Set what :func:`metric_counters` read; torchmetrics has no public setter for either."""
+    metric._update_count = update_count
+    metric._computed = computed

@@ -1,0 +1,83 @@
+"""Validation of ``NumGuardCallback``'s arguments: each bad value raises naming the argument."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
+
+from lightning_numguard.errors import NumGuardConfigError
+
+__all__ = [
+    "ACTIONS",
+    "CHECKS",
+    "DEFAULT_CHECKS",
+    "Action",
+    "Check",
+    "checks",
+    "choice",
+    "flag",
+    "fraction",
+    "integer",
+    "path_or_none",
+    "patterns",
+    "positive_or_none",
+]
+
+Action = Literal["warn", "skip", "rollback", "halt"]
+Check = Literal["inputs", "outputs", "ops", "loss", "grads", "buffers", "params", "optimizer_state"]
+ACTIONS: tuple[str, ...] = get_args(Action)
+CHECKS: tuple[str, ...] = get_args(Check)
+DEFAULT_CHECKS: tuple[str, ...] = ("inputs", "ops", "loss", "grads", "buffers")
+
+
+def choice(name: str, value: Any, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise NumGuardConfigError(f"`{name}` must be one of {list(allowed)}, got {value!r}")
+
+
+def integer(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise NumGuardConfigError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+
+
+def flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise NumGuardConfigError(f"`{name}` must be True or False, got {value!r}")
+
+
+def checks(value: Any) -> list[str]:
+    if isinstance(value, str) or not all(isinstance(c, str) for c in value):
+        raise NumGuardConfigError(f"`check` must be a list of strings from {list(CHECKS)}, got {value!r}")
+    for c in value:
+        choice("check", c, CHECKS)
+    return list(dict.fromkeys(value))
+
+
+def patterns(name: str, value: Any) -> list[str]:
+    if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+        raise NumGuardConfigError(f"`{name}` must be a list of glob patterns such as ['encoder.*'], got {value!r}")
+    return list(value)
+
+
+def positive_or_none(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise NumGuardConfigError(f"`{name}` must be a positive number or None, got {value!r}")
+    return float(value)
+
+
+def fraction(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1 or not math.isfinite(value):
+        raise NumGuardConfigError(f"`{name}` must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def path_or_none(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise NumGuardConfigError(f"`{name}` must be a path or None, got {value!r}")
+    return os.fspath(value)

@@ -1,0 +1,389 @@
+"""The step record and its one read: what a training step recorded on the device, and what it found.
+
+:class:`StepInspector` owns the per-step instruments (the output watch, the op guard) and the
+names of what it checks. A step goes through it as:
+
+1. :meth:`~StepInspector.begin` (batch start): the batch's max-|x| and the state at the start;
+2. :meth:`~StepInspector.record_loss` (before backward);
+3. :meth:`~StepInspector.read` (before the optimizer step): pack every flag, reduce across ranks,
+   read once on the host;
+4. :meth:`~StepInspector.findings` (only after a hit): exact per-tensor detail, as
+   :class:`~lightning_numguard.core.findings.Finding` objects in causal order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_numguard import _compat
+from lightning_numguard.callbacks import _distributed
+from lightning_numguard.core import checks, flags
+from lightning_numguard.core.findings import AFTER_FORWARD, Finding
+from lightning_numguard.core.opguard import OpGuard
+from lightning_numguard.core.snapshot import rng_state
+from lightning_numguard.core.stateful import clone_states
+from lightning_numguard.core.tree import floating_leaves
+from lightning_numguard.core.watch import OutputWatch
+
+__all__ = ["Reading", "StepInspector", "StepRecord"]
+
+log = logging.getLogger(__name__)
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class StepRecord:
+    """What one optimizer step (one accumulation window) has recorded so far, on the device."""
+
+    epoch: int
+    batch_idx: int
+    batch: Any = None
+    # per micro-batch: the floating leaves of the batch and their max-|x| (0-d, NaN propagates)
+    inputs: list[tuple[Named, torch.Tensor]] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    start_buffers: dict[str, torch.Tensor] | None = None
+    start_states: dict[str, Any] | None = None
+    start_rng: dict[str, Any] | None = None
+    forced_skip: str | None = None
+    quarantine_flag: torch.Tensor | None = None
+    read_done: bool = False
+    bad: bool = False
+    events: list[dict[str, Any]] = field(default_factory=list)
+    action: str = "none"
+    step: int = 0
+
+
+@dataclass
+class Reading:
+    """The decoded flags of one read and the named tensors that went into its ``NORMS`` slot."""
+
+    flags: flags.StepFlags
+    segments: dict[str, Named]
+
+
+class StepInspector:
+    """Records each step on the device and reads it once; names the culprits after a hit.
+
+    Args:
+        check: the sites checked every step (``NumGuardCallback(check=...)``).
+        max_abs_input: the suspicious-input threshold, or ``None``.
+        watch_modules: glob patterns of the modules whose outputs are watched.
+        ignore_modules: glob patterns of modules not watched.
+    """
+
+    def __init__(
+        self, check: list[str], max_abs_input: float | None, watch_modules: list[str], ignore_modules: list[str]
+    ) -> None:
+        self.check = check
+        self.max_abs_input = max_abs_input
+        self.watch_modules = watch_modules
+        self.ignore_modules = ignore_modules
+        self.record: StepRecord | None = None
+        self.watch: OutputWatch | None = None
+        self.opguard: OpGuard | None = None
+        self._opguard_entered = False
+        self._module_names: dict[int, str] = {}
+        self.named_params: Named = []
+        self.param_names: dict[int, str] = {}
+        self._named_buffers: Named = []
+        self._start_buffers: list[torch.Tensor] = []
+        self._start_buffer_map: dict[str, torch.Tensor] = {}
+        self.unchecked_buffers: set[str] = set()
+        self.checked_buffers: Named = []
+        self._metric_keys: list[str] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def attach(self, pl_module: pl.LightningModule) -> None:
+        """Create the op guard and register the output hooks (before any ``torch.compile`` runs)."""
+        if "ops" in self.check:
+            self.opguard = OpGuard()
+            self.opguard.enabled = False
+            self.opguard.module_resolver = self._calling_module
+        if "outputs" in self.check:
+            self.watch = OutputWatch(pl_module, self.watch_modules, self.ignore_modules)
+            self.watch.attach()
+        self._module_names = {id(m): n for n, m in pl_module.named_modules()}
+
+    def detach(self) -> None:
+        """Leave the op guard's mode and remove every hook (idempotent)."""
+        self.exit_ops()
+        if self.watch is not None:
+            self.watch.detach()
+
+    def resolve(self, pl_module: pl.LightningModule, stateful: dict[str, Any]) -> None:
+        """Resolve names once per fit: the hot path must not walk the module tree every step."""
+        self.named_params = list(pl_module.named_parameters())
+        self.param_names = {id(p): n for n, p in self.named_params}
+        persistent = set(pl_module.state_dict())
+        self._named_buffers = [(n, b) for n, b in pl_module.named_buffers() if n in persistent]
+        self._start_buffers = [b.detach().clone() for _, b in self._named_buffers]
+        self._start_buffer_map = {n: c for (n, _), c in zip(self._named_buffers, self._start_buffers)}
+        self._metric_keys = [k for k in stateful if k.startswith("metric:")]
+
+    def leave_unchecked(self, bad_at_start: list[str]) -> list[str]:
+        """Buffers non-finite at fit start by design (a float causal mask of ``0``/``-inf``) are never checked.
+
+        Returns the names in ``bad_at_start`` that are *not* such buffers: state gone bad.
+        """
+        buffer_names = {n for n, _ in self._named_buffers}
+        self.unchecked_buffers = {n for n in bad_at_start if n in buffer_names}
+        if self.unchecked_buffers:
+            log.info("numguard leaves buffers non-finite at fit start unchecked: %s", sorted(self.unchecked_buffers))
+        self.checked_buffers = [
+            (n, b) for n, b in self._named_buffers if n not in self.unchecked_buffers and b.is_floating_point()
+        ]
+        return [n for n in bad_at_start if n not in self.unchecked_buffers]
+
+    # ------------------------------------------------------------------ recording
+
+    def begin(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        keep_start: bool,
+        stateful: dict[str, Any],
+    ) -> StepRecord:
+        """Start (or continue, within an accumulation window) the step record of ``batch``."""
+        rec = self.record
+        if rec is None:
+            rec = self.record = StepRecord(epoch=trainer.current_epoch, batch_idx=batch_idx, batch=batch)
+            if keep_start:
+                if self._start_buffers:  # one fused copy of every buffer, into storage reused each step
+                    _compat.foreach_copy_(self._start_buffers, [b for _, b in self._named_buffers])
+                rec.start_buffers = self._start_buffer_map
+                # numpy's RNG is left to the snapshot: reading its state costs ~0.1 ms, more than all the rest
+                rec.start_states = clone_states(stateful, self._metric_keys)
+                rec.start_rng = rng_state()
+        if "inputs" in self.check:
+            leaves = floating_leaves(batch)
+            if leaves:
+                rec.inputs.append((leaves, checks.max_abs_total([t for _, t in leaves], pl_module.device)))
+        return rec
+
+    def enter_ops(self) -> None:
+        """Switch the op guard on for the forward pass."""
+        if self.opguard is not None:
+            self.opguard.enabled = True
+            if not self._opguard_entered:
+                self.opguard.__enter__()
+                self._opguard_entered = True
+
+    def exit_ops(self) -> None:
+        """Switch the op guard off (the backward pass and everything outside a step are not guarded)."""
+        guard = self.opguard
+        if guard is None:
+            return
+        guard.enabled = False
+        if self._opguard_entered:
+            self._opguard_entered = False
+            try:
+                guard.__exit__(None, None, None)
+            except Exception:  # the mode stack was changed under us; nothing left to undo
+                log.debug("numguard op guard was not on top of the mode stack", exc_info=True)
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Keep the loss of this micro-batch for the step's read."""
+        if "loss" in self.check and self.record is not None:
+            self.record.losses.append(loss.detach())
+
+    def end(self) -> StepRecord | None:
+        """Close the step record and clear the instruments for the next step."""
+        rec, self.record = self.record, None
+        if self.watch is not None:
+            self.watch.reset()
+        if self.opguard is not None:
+            self.opguard.reset()
+        return rec
+
+    def forget_forward(self) -> None:
+        """Drop what the forward pass recorded (a further optimizer of the same batch reads its gradients only)."""
+        assert self.record is not None
+        self.record.inputs, self.record.losses = [], []
+        if self.watch is not None:
+            self.watch.reset()
+        if self.opguard is not None:
+            self.opguard.reset()
+
+    # ------------------------------------------------------------------ the read
+
+    def read(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool) -> Reading:
+        """Pack every flag of the step, all-reduce once, read once (the step's one host sync)."""
+        rec = self.record
+        assert rec is not None
+        rec.read_done = True
+        rec.step = trainer.global_step
+        device = pl_module.device
+        # Everything norm-checked goes into one flag: one _foreach_norm per (device, dtype) group.
+        segments: dict[str, Named] = {}
+        every_buffer = "buffers" in self.check or "params" in self.check
+        wanted = {
+            "params": "params" in self.check or snapshot_due,
+            "start_buffers": every_buffer or snapshot_due,  # buffers as they were before the forward pass
+            "opt_state": "optimizer_state" in self.check or snapshot_due,
+        }
+        for name, on in wanted.items():
+            if on and (named := self.segment(name, trainer)):
+                segments[name] = named
+        if "grads" in self.check and optimizer is not None:
+            segments["grads"] = self.grads(optimizer)
+        if every_buffer:  # buffers after the forward pass (BatchNorm running stats)
+            segments["live_buffers"] = self.checked_buffers
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        input_max = zero
+        if rec.inputs:
+            input_max = rec.inputs[0][1] if len(rec.inputs) == 1 else torch.stack([v for _, v in rec.inputs]).amax()
+        watch = self.watch if self.watch is not None and self.watch.enabled else None
+        losses = [x.to(device, torch.float32) for x in rec.losses]
+        packed = flags.pack(
+            input_max=input_max,
+            norm_total=checks.norm_total([t for seg in segments.values() for _, t in seg], device),
+            output_total=watch.total(device) if watch is not None else zero,
+            loss_total=torch.stack(losses).sum() if losses else zero,
+            suspicious=(input_max >= self.max_abs_input).float() if self.max_abs_input is not None else zero,
+            op=self.opguard.flags(device).amax() if self.opguard is not None and self.opguard.records else zero,
+            quarantine=rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
+        )
+        world = trainer.world_size
+        reduced = _distributed.reduce_max(trainer, flags.encode_rank(packed, trainer.global_rank, world))
+        return Reading(flags.decode(reduced.tolist(), world), segments)  # the one host read of the step
+
+    # ------------------------------------------------------------------ after a hit
+
+    def confirmed(self, trainer: pl.Trainer, reading: Reading, segment: str) -> list[str]:
+        """The names in ``segment`` that are exactly non-finite (syncs; after a hit only)."""
+        if segment in reading.segments:
+            named = reading.segments[segment]
+            if not reading.flags.seen(flags.NORMS):  # part of the step's flag, which proved it finite
+                return []
+        else:  # not checked every step: after a hit, look at it exactly (the root cause may be there)
+            named = self.segment(segment, trainer)
+        if not named:
+            return []
+        return [n for (n, _), bad in zip(named, checks.confirm_nonfinite([t for _, t in named])) if bad]
+
+    def state_bad(self, trainer: pl.Trainer, reading: Reading) -> list[str]:
+        """Parameters, buffers at the step start and optimizer state that are non-finite on any rank."""
+        names = [n for s in ("params", "start_buffers", "opt_state") for n in self.confirmed(trainer, reading, s)]
+        return _distributed.any_rank(trainer, names)
+
+    def input_findings(self, rank: int) -> list[Finding]:
+        """Non-finite and suspiciously large batch values, per micro-batch (syncs)."""
+        assert self.record is not None
+        out: list[Finding] = []
+        for leaves, _ in self.record.inputs:
+            paths = [p for p, _ in leaves]
+            values = checks.max_abs([t for _, t in leaves]).tolist()  # exact, per tensor: after a hit only
+            nonfinite = [p for p, v in zip(paths, values) if not math.isfinite(v)]
+            if nonfinite:
+                stats = checks.tensor_stats(dict(leaves)[nonfinite[0]])
+                out.append(Finding("nonfinite_input", nonfinite, {"stats": stats}, rank))
+            if self.max_abs_input is not None:
+                huge = [(p, v) for p, v in zip(paths, values) if math.isfinite(v) and v >= self.max_abs_input]
+                if huge:
+                    details = {"max_abs": huge[0][1], "threshold": self.max_abs_input}
+                    out.append(Finding("suspicious_input", [p for p, _ in huge], details, rank))
+        return out
+
+    def output_finding(self, rank: int) -> Finding | None:
+        """The first watched module whose output went non-finite (syncs)."""
+        bad_modules = self.watch.first_bad() if self.watch is not None else []
+        if not bad_modules:
+            return None
+        first, lo, hi = bad_modules[0]
+        return Finding(
+            "nonfinite_output", [first], {"min": lo, "max": hi, "also": [m for m, _, _ in bad_modules[1:6]]}, rank
+        )
+
+    def op_findings(self, first_module: str | None, rank: int) -> list[Finding]:
+        """Op calls whose inputs were outside their domain (syncs)."""
+        guard = self.opguard
+        if guard is None or not guard.records:
+            return []
+        out: list[Finding] = []
+        for record, flag in zip(guard.records, guard.flags(guard.records[0].flag.device).tolist()):
+            if flag:
+                details = dict(OpGuard.describe(record))
+                if first_module:
+                    details["upstream"] = first_module
+                out.append(
+                    Finding("op_domain", [record.op] + ([record.module] if record.module else []), details, rank)
+                )
+        return out
+
+    def loss_finding(self, rank: int) -> Finding | None:
+        """The non-finite loss values of the step's micro-batches (syncs)."""
+        assert self.record is not None
+        values = [float(x.float().mean()) for x in self.record.losses]
+        if any(not math.isfinite(v) for v in values):
+            return Finding("nonfinite_loss", ["loss"], {"values": values}, rank)
+        return None
+
+    @staticmethod
+    def buffer_finding(names: list[str], rank: int) -> Finding:
+        """Buffers that the forward pass made non-finite (BatchNorm running statistics)."""
+        return Finding("nonfinite_param", names, {"when": AFTER_FORWARD}, rank)
+
+    # ------------------------------------------------------------------ named tensors
+
+    def grads(self, optimizer: Any) -> Named:
+        """The named gradients of ``optimizer``'s parameters."""
+        names = self.param_names
+        return [
+            (names.get(id(p), "?"), p.grad)
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None and checks.is_checkable(p.grad)
+        ]
+
+    def segment(self, segment: str, trainer: pl.Trainer) -> Named:
+        """The named tensors of one state segment, for the step's flag or for an exact look after a hit."""
+        if segment == "params":
+            return self.named_params
+        if segment == "opt_state":
+            return self.optimizer_state(trainer)
+        if segment == "start_buffers" and self.record is not None and self.record.start_buffers is not None:
+            start = self.record.start_buffers
+            return [(n, start[n]) for n, _ in self.checked_buffers]
+        if segment == "live_buffers":
+            return self.checked_buffers
+        return []
+
+    def state(self, trainer: pl.Trainer, with_optimizer: bool) -> Named:
+        """Parameters and checked buffers (and optimizer state), with names, for a whole-state check."""
+        named = list(self.named_params) + [(n, b) for n, b in self._named_buffers if n not in self.unchecked_buffers]
+        return named + (self.optimizer_state(trainer) if with_optimizer else [])
+
+    def optimizer_state(self, trainer: pl.Trainer) -> Named:
+        """Every optimizer's floating state tensors, named ``optimizer[i].state[<param>].<key>``."""
+        out: Named = []
+        for i, opt in enumerate(trainer.optimizers):
+            for param, state in opt.state.items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and checks.is_checkable(value):
+                        out.append((f"optimizer[{i}].state[{self.param_names.get(id(param), '?')}].{key}", value))
+        return out
+
+    def _calling_module(self) -> str | None:
+        """The innermost module whose code is running (called only at guarded ops, a few per step).
+
+        Walking the Python frames here replaces a pre-hook on every module's forward.
+        """
+        frame = sys._getframe(2)
+        names = self._module_names
+        while frame is not None:
+            owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+            if owner is not None and id(owner) in names:
+                return names[id(owner)] or None  # the LightningModule itself: "" -> None
+            frame = frame.f_back  # type: ignore[assignment]
+        return None

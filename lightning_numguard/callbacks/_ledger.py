@@ -1,0 +1,61 @@
+"""The guard's record of what happened: events, counters, and handing them to reporting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+
+from lightning_numguard.core.events import Event
+from lightning_numguard.core.findings import Finding
+from lightning_numguard.reporting.messages import incident_message
+from lightning_numguard.reporting.report import Reporter
+
+__all__ = ["COUNTERS", "Ledger"]
+
+#: The running counters, logged as ``numguard/<name>`` scalars.
+COUNTERS: tuple[str, ...] = ("incidents", "skipped_steps", "rollbacks", "amp_overflow_steps")
+
+
+class Ledger:
+    """Events and counters of one fit; every recorded event goes to the :class:`Reporter` too."""
+
+    def __init__(self, reporter: Reporter | None = None) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.incidents_by_kind: dict[str, int] = {}
+        self.reporter = reporter
+
+    def event(
+        self,
+        trainer: pl.Trainer,
+        finding: Finding,
+        step: int,
+        action: str,
+        epoch: int | None = None,
+        batch_idx: int = -1,
+    ) -> dict[str, Any]:
+        """The event dict of ``finding``, with its message (the rank is the one that saw it, else this one)."""
+        rank = trainer.global_rank if finding.rank < 0 else finding.rank
+        return Event(
+            kind=finding.kind,
+            step=step,
+            epoch=trainer.current_epoch if epoch is None else epoch,
+            batch_idx=batch_idx,
+            rank=rank,
+            where=list(finding.where),
+            action=action,
+            message=incident_message(finding.kind, finding.where, finding.details, step, rank),
+            details=finding.details,
+        ).to_dict()
+
+    def record(self, trainer: pl.Trainer, events: list[dict[str, Any]]) -> None:
+        """Count ``events``, keep them, and report them (files and loggers on rank 0)."""
+        if not events:
+            return
+        self.counters["incidents"] += sum(1 for e in events if e["kind"] != "optimizer_coverage")
+        for e in events:
+            self.incidents_by_kind[e["kind"]] = self.incidents_by_kind.get(e["kind"], 0) + 1
+        self.events.extend(events)
+        if self.reporter is not None:
+            self.reporter.emit(trainer, events, self.counters)

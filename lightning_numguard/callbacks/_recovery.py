@@ -1,0 +1,216 @@
+"""Recovery: snapshots, skip, rollback, retry, halt, ``last_finite.ckpt`` and the checkpoint swap."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_numguard.callbacks import _distributed
+from lightning_numguard.callbacks._inspector import StepRecord
+from lightning_numguard.core import checks
+from lightning_numguard.core.quarantine import Quarantine, position_key, sample_indices
+from lightning_numguard.core.replay import loss_of
+from lightning_numguard.core.snapshot import Snapshot, Stateful, capture, restore, set_rng_state
+from lightning_numguard.core.stateful import MetricState, NumpyRNG, PrecisionState, apply_lr_backoff
+from lightning_numguard.core.tree import clone_tree, tensors, to_plain
+
+__all__ = ["Recovery", "stateful_objects"]
+
+log = logging.getLogger(__name__)
+
+
+def stateful_objects(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Stateful]:
+    """Everything besides the module and optimizers that a bitwise rollback must restore."""
+    out: dict[str, Stateful] = {}
+    for i, config in enumerate(trainer.lr_scheduler_configs):
+        out[f"lr_scheduler:{i}"] = config.scheduler
+    plugin = trainer.precision_plugin
+    if getattr(plugin, "scaler", None) is not None:
+        out["precision"] = PrecisionState(plugin)
+    from torchmetrics import Metric  # a dependency of Lightning
+
+    for name, module in pl_module.named_modules():
+        if isinstance(module, Metric):
+            out[f"metric:{name}"] = MetricState(module)
+    out["numpy_rng"] = NumpyRNG()
+    return out
+
+
+class Recovery:
+    """Keeps the last verified-finite state and puts it back.
+
+    Args:
+        dirpath: where ``last_finite.ckpt`` and ``bad_batches/`` go.
+        snapshot_device: ``"host"`` or ``"device"``.
+        skip_batches_after_rollback: batches skipped after each rollback.
+        lr_backoff: factor applied to every learning rate after each rollback.
+        retry_transient: re-run the batch once after a rollback.
+        quarantine: quarantine batches that fail twice (or fail their retry).
+    """
+
+    def __init__(
+        self,
+        dirpath: Path,
+        snapshot_device: str,
+        skip_batches_after_rollback: int,
+        lr_backoff: float,
+        retry_transient: bool,
+        quarantine: bool,
+    ) -> None:
+        self.dirpath = dirpath
+        self.snapshot_device = snapshot_device
+        self.skip_batches_after_rollback = skip_batches_after_rollback
+        self.lr_backoff = lr_backoff
+        self.retry_transient = retry_transient
+        self.use_quarantine = quarantine
+        self.quarantine = Quarantine()
+        self.snapshot: Snapshot | None = None
+        self.last_snapshot_step = -(10**9)
+        self.stateful: dict[str, Stateful] = {}
+        self.skip_remaining = 0
+        self.rollbacks_this_fit = 0
+
+    @property
+    def ckpt_path(self) -> Path:
+        """``<dirpath>/last_finite.ckpt``."""
+        return self.dirpath / "last_finite.ckpt"
+
+    # ------------------------------------------------------------------ snapshots
+
+    def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord | None = None) -> None:
+        """Keep the state at the start of this step (just verified finite), or the live state without ``rec``."""
+        self.snapshot = capture(
+            pl_module,
+            trainer.optimizers,
+            self.stateful,
+            step=rec.step if rec is not None else trainer.global_step,
+            where="host" if self.snapshot_device == "host" else "device",
+            rng=rec.start_rng if rec is not None else None,
+            model_state=rec.start_buffers if rec is not None else None,
+            stateful_state=rec.start_states if rec is not None else None,
+            reuse=self.snapshot,
+        )
+        self.last_snapshot_step = self.snapshot.step
+
+    def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, restore_rng: bool = True) -> None:
+        """Put the snapshot back in place."""
+        assert self.snapshot is not None
+        restore(self.snapshot, pl_module, trainer.optimizers, self.stateful, restore_rng=restore_rng)
+
+    # ------------------------------------------------------------------ actions
+
+    def undo_forward(self, pl_module: pl.LightningModule, rec: StepRecord) -> None:
+        """``skip``: put back the buffers and metric states the bad forward pass changed."""
+        if rec.start_buffers:
+            pl_module.load_state_dict(rec.start_buffers, strict=False)
+        for name, state in (rec.start_states or {}).items():
+            if name.startswith("metric:"):
+                self.stateful[name].load_state_dict(clone_tree(state))
+
+    def rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord) -> None:
+        """Restore the snapshot; for a new incident (``rec.events``) also back off, retry or quarantine."""
+        self.restore(trainer, pl_module)
+        if not rec.events:  # a forced skip (skip window / quarantine): not a new rollback
+            return
+        self.rollbacks_this_fit += 1
+        self.skip_remaining = self.skip_batches_after_rollback
+        if self.lr_backoff != 1.0:
+            schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
+            lrs = apply_lr_backoff(trainer.optimizers, schedulers, self.lr_backoff)
+            for e in rec.events:
+                e["details"]["lr_after_backoff"] = lrs
+        if self.retry_transient:
+            self._retry(trainer, pl_module, rec)
+        elif self.use_quarantine and self.quarantine.failures.get(position_key(rec.batch, rec.batch_idx), 0) >= 2:
+            self.quarantine_batch(trainer, rec, "failed at the same position more than once")
+        self.save_last_finite(trainer)
+
+    def _retry(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord) -> None:
+        """Run the batch once more from the restored state: transient incidents pass the second time."""
+        if rec.start_rng is not None:
+            set_rng_state(rec.start_rng)
+        pl_module.zero_grad(set_to_none=True)
+        ok = True
+        try:
+            with torch.enable_grad():
+                loss = loss_of(pl_module.training_step(rec.batch, rec.batch_idx))
+                if loss is None or not bool(torch.isfinite(loss.detach()).all()):
+                    ok = False
+                else:
+                    loss.backward()
+                    grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+                    ok = not any(checks.confirm_nonfinite(grads))
+        except Exception:
+            ok = False
+        ok = not _distributed.any_rank(trainer, [] if ok else ["retry"])
+        for e in rec.events:
+            e["details"]["retry"] = "transient: finite on retry" if ok else "persistent: non-finite again"
+        if ok and len(trainer.optimizers) == 1 and pl_module.automatic_optimization:
+            trainer.optimizers[0].step()
+            trainer.optimizers[0].zero_grad(set_to_none=True)
+            if rec.events:
+                rec.events[0]["details"].setdefault("retry_trained", True)
+            return
+        pl_module.zero_grad(set_to_none=True)
+        self.restore(trainer, pl_module)
+        if not ok and self.use_quarantine:
+            self.quarantine_batch(trainer, rec, "non-finite again when re-run from the last finite state")
+
+    def quarantine_batch(self, trainer: pl.Trainer, rec: StepRecord, reason: str) -> None:
+        """Quarantine ``rec``'s batch, saving it under ``bad_batches/`` (rank 0)."""
+        if self.quarantine.holds(rec.batch_idx):
+            return
+        entry: dict[str, Any] = {
+            "epoch": rec.epoch,
+            "batch_idx": rec.batch_idx,
+            "step": rec.step,
+            "reason": reason,
+            "sample_indices": sample_indices(rec.batch),
+        }
+        if trainer.is_global_zero:
+            folder = self.dirpath / "bad_batches"
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"epoch{rec.epoch}_batch{rec.batch_idx}_step{rec.step}.pt"
+            torch.save({**entry, "batch": to_plain(rec.batch)}, path)
+            entry["file"] = str(path)
+        self.quarantine.add(entry)
+        for e in rec.events:
+            e["details"]["quarantined"] = True
+
+    def halt(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Restore the last finite state, save it, and ask every rank to stop."""
+        if self.snapshot is not None:
+            self.restore(trainer, pl_module)
+            self.save_last_finite(trainer)
+        trainer.should_stop = True
+
+    def save_last_finite(self, trainer: pl.Trainer) -> None:
+        """Write the (restored, finite) live state as a normal Lightning checkpoint, atomically."""
+        final = self.ckpt_path
+        tmp = final.with_name(final.name + ".tmp")
+        if trainer.is_global_zero:
+            final.parent.mkdir(parents=True, exist_ok=True)
+        trainer.save_checkpoint(tmp, weights_only=False)  # collective: every rank calls it
+        if trainer.is_global_zero:
+            os.replace(tmp, final)
+
+    def swap_checkpoint(self, trainer: pl.Trainer, checkpoint: dict[str, Any], unchecked: set[str]) -> bool:
+        """Replace a checkpoint's non-finite model and optimizer states by the snapshot's (collective).
+
+        Returns whether it did. Costs one sync per checkpoint, nothing per step.
+        """
+        if self.snapshot is None:
+            return False
+        model_state = {k: v for k, v in checkpoint.get("state_dict", {}).items() if k not in unchecked}
+        found = tensors(model_state) + tensors(checkpoint.get("optimizer_states", []))
+        if not found or not _distributed.any_rank(trainer, ["bad"] if any(checks.confirm_nonfinite(found)) else []):
+            return False
+        checkpoint["state_dict"] = clone_tree(self.snapshot.model, "cpu")
+        if "optimizer_states" in checkpoint:
+            checkpoint["optimizer_states"] = clone_tree(self.snapshot.optimizers, "cpu")
+        return True

@@ -1,0 +1,113 @@
+"""The named slots of the one flag vector a step reads, their packing and the rank they carry.
+
+Each step folds everything it checked into a handful of 0-d device values, packs them into one
+float32 vector, all-reduces it with ``MAX`` across ranks and reads it on the host once. A slot is
+"seen" when its value is positive. Before the reduce each rank multiplies the vector by
+``world - rank``, so the reduced value says the *lowest* rank that saw the slot
+(:func:`encode_rank` / :func:`decode`).
+
+Slots in causal order of the step are :data:`SLOTS`. ``NORMS`` covers parameters, buffers,
+optimizer state and gradients at once: which of them is non-finite is confirmed only after a hit.
+
+Example:
+    >>> import torch
+    >>> zero = torch.zeros(())
+    >>> packed = pack(input_max=torch.tensor(float("nan")), norm_total=zero, output_total=zero,
+    ...               loss_total=zero, suspicious=zero, op=zero, quarantine=zero)
+    >>> flags = decode(encode_rank(packed, rank=1, world=2).tolist(), world=2)
+    >>> flags.seen(INPUT), flags.rank(INPUT), flags.seen(LOSS)
+    (True, 1, False)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "INPUT",
+    "LOCAL_SLOTS",
+    "LOSS",
+    "NORMS",
+    "OP",
+    "OUTPUT",
+    "QUARANTINE",
+    "SLOTS",
+    "SUSPICIOUS",
+    "StepFlags",
+    "decode",
+    "encode_rank",
+    "pack",
+]
+
+#: Slot names, in the order of the packed vector.
+SLOTS: tuple[str, ...] = ("input", "norms", "output", "loss", "suspicious", "op", "quarantine")
+INPUT, NORMS, OUTPUT, LOSS, SUSPICIOUS, OP, QUARANTINE = range(len(SLOTS))
+#: Slots whose value is local to the rank that computed it (before DDP averages the gradients).
+LOCAL_SLOTS: tuple[int, ...] = (INPUT, SUSPICIOUS, OUTPUT, OP, LOSS)
+
+
+def pack(
+    *,
+    input_max: torch.Tensor,
+    norm_total: torch.Tensor,
+    output_total: torch.Tensor,
+    loss_total: torch.Tensor,
+    suspicious: torch.Tensor,
+    op: torch.Tensor,
+    quarantine: torch.Tensor,
+) -> torch.Tensor:
+    """One float32 vector of :data:`SLOTS`: 1.0 where the slot was seen; no sync.
+
+    The first four are *totals* (a NaN or Inf anywhere propagates into a max or sum, so the slot is
+    seen when the total is non-finite); the last three are already 0/1 flags.
+    """
+    totals = torch.stack([input_max, norm_total, output_total, loss_total]).to(torch.float32)
+    flags = torch.stack([suspicious, op, quarantine]).to(device=totals.device, dtype=torch.float32)
+    return torch.cat([(~torch.isfinite(totals)).to(torch.float32), flags])
+
+
+def encode_rank(packed: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """``packed`` scaled so that a ``MAX`` reduce keeps the lowest rank that saw each slot."""
+    return packed * float(world - rank) if world > 1 else packed
+
+
+@dataclass(frozen=True)
+class StepFlags:
+    """The decoded flag vector: for each slot, the lowest rank that saw it, or ``-1``."""
+
+    ranks: tuple[int, ...]
+
+    def seen(self, slot: int) -> bool:
+        """Whether any rank saw ``slot``."""
+        return self.ranks[slot] >= 0
+
+    def rank(self, slot: int) -> int:
+        """The lowest rank that saw ``slot`` (``-1`` when none did)."""
+        return self.ranks[slot]
+
+    def seen_on(self, slot: int, rank: int, world: int) -> bool:
+        """Whether ``rank`` should look at its local records of ``slot``.
+
+        With one rank, exactly when it saw the slot; with several, whenever any rank did (the lowest
+        rank is encoded, so every rank looks and the gather keeps what each one found).
+        """
+        return self.ranks[slot] == rank or (world > 1 and self.ranks[slot] >= 0)
+
+    @property
+    def any(self) -> bool:
+        """Whether any slot was seen."""
+        return any(r >= 0 for r in self.ranks)
+
+    def any_local(self) -> bool:
+        """Whether a rank-local slot (inputs, outputs, ops, loss) was seen."""
+        return any(self.ranks[s] >= 0 for s in LOCAL_SLOTS)
+
+
+def decode(values: Sequence[float], world: int) -> StepFlags:
+    """The :class:`StepFlags` of a reduced, host-read vector."""
+    if len(values) != len(SLOTS):
+        raise ValueError(f"expected {len(SLOTS)} flag values ({', '.join(SLOTS)}), got {len(values)}")
+    return StepFlags(tuple(round(world - v) if v > 0 else -1 for v in values))
