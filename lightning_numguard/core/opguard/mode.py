@@ -1,0 +1,208 @@
+"""The :class:`OpGuard` mode: intercepts the guarded calls, records a flag, defuses the values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import signatures
+from .rules import GUARDED_OPS, ArgRule, fill_mask, violations
+
+__all__ = ["OpGuard", "OpRecord", "describe"]
+
+
+@dataclass
+class OpRecord:
+    """One checked tensor of one guarded op call.
+
+    ``binary_cross_entropy`` checks two tensors (input and target) and so leaves two records
+    per call; every other op leaves one. Calls with nothing to check (``cross_entropy``
+    with probability targets, indices of a floating dtype that the op will reject itself)
+    leave none.
+
+    Attributes:
+        op: Canonical op name from :data:`GUARDED_OPS` (``"scatter"`` also for ``Tensor.scatter_``).
+        module: What :attr:`OpGuard.module_resolver` returned at call time; ``None`` without one.
+        flag: 0-d bool tensor on the op's device, ``True`` when the rule was broken.
+        checked: Detached reference to the tensor that was checked, as it was before sanitising.
+            It aliases the caller's tensor: modifying that tensor in place changes what
+            :func:`describe` reports.
+        rule: The rule in words, e.g. ``"input in [0, 1]"``.
+        low: Lower bound of the rule (inclusive).
+        high: Upper bound of the rule (inclusive for ``binary_cross_entropy``, exclusive
+            otherwise); ``None`` when unbounded.
+        ignore_index: The value exempt from the bounds (``nll_loss``/``cross_entropy``), else ``None``.
+    """
+
+    op: str
+    module: str | None
+    flag: torch.Tensor
+    checked: torch.Tensor
+    rule: str
+    low: float | None
+    high: float | None
+    ignore_index: int | None = None
+
+
+def describe(record: OpRecord) -> dict[str, object]:
+    """Details of a violation, as data for messages; reads values on the host (syncs).
+
+    ``count`` is the number of offending elements (for ``multinomial``: entries that
+    are non-finite or negative, and every entry of a row without a positive entry).
+    ``min``/``max`` are the smallest and largest offending values, NaN left out (``None``
+    when there are none); ``nan_count`` says how many were NaN. ``first_indices`` holds
+    up to five multi-indices of offending elements into ``record.checked``. The advice for
+    the op is not here: it is ``lightning_numguard.reporting.op_hints.OP_DOMAIN_HINTS[op]``.
+
+    Returns:
+        ``op``, ``module``, ``rule``, ``count``, ``nan_count``, ``min``, ``max`` and ``first_indices``.
+    """
+    checked = record.checked
+    integral = not (checked.is_floating_point() or checked.is_complex())
+    low = 0.0 if record.low is None else record.low
+    low = int(low) if integral else low
+    high = None if record.high is None else (int(record.high) if integral else record.high)
+    mask = violations(record.op, checked, low, high, record.ignore_index)
+    values = checked[mask]
+    nans = values.isnan() if values.is_floating_point() else torch.zeros_like(values, dtype=torch.bool)
+    numbers = values[~nans].double()
+    return {
+        "op": record.op,
+        "module": record.module,
+        "rule": record.rule,
+        "count": int(mask.sum().item()),
+        "nan_count": int(nans.sum().item()),
+        "min": float(numbers.min().item()) if numbers.numel() else None,
+        "max": float(numbers.max().item()) if numbers.numel() else None,
+        "first_indices": mask.nonzero()[:5].tolist(),
+    }
+
+
+class OpGuard(TorchFunctionMode):
+    """Flag, and by default defuse, op calls whose inputs would trip a device-side assert.
+
+    While the mode is active (the callback enters it around the training forward pass),
+    each call of a guarded op is checked before its kernel runs. The check is a few
+    elementwise comparisons and one ``any()`` on the op's device; nothing is read on the
+    host. The rules, and what ``sanitize`` puts in place of a bad value:
+
+    - ``binary_cross_entropy``: input and target in ``[0, 1]`` (NaN fails) → ``0.5``;
+    - ``nll_loss``, ``cross_entropy``: an integer target in ``[0, C)`` or ``== ignore_index``
+      → ``ignore_index`` (probability targets are not checked);
+    - ``embedding``, ``embedding_bag``: index in ``[0, num_embeddings)`` → ``padding_idx``, else 0;
+    - ``gather``, ``scatter``, ``scatter_add``, ``index_select``: index in ``[0, size)`` along
+      ``dim`` (negative indices raise on CPU too) → 0;
+    - ``one_hot``: value in ``[0, num_classes)``, or ``>= 0`` when it is inferred → 0;
+    - ``multinomial``: entries finite and ``>= 0``, each row with a positive sum → a uniform row.
+
+    Function forms covered: the ``torch.nn.functional`` functions (``nn.BCELoss`` and
+    ``nn.CrossEntropyLoss`` arrive as those), the ``torch.*`` functions, the ``Tensor``
+    methods including in-place ``scatter_``/``scatter_add_``, and the raw
+    ``torch._C._nn`` loss bindings this torch has. Ops called *inside* a guarded function
+    (the ``nll_loss`` inside ``cross_entropy``) are not seen again.
+
+    Sanitising uses :func:`torch.where`, so gradients keep flowing to the valid elements
+    (a replaced element gets a zero gradient). It runs on every guarded call, hit or not,
+    because deciding would need a sync. When every class target of a mean-reduced loss
+    is replaced by ``ignore_index`` the loss is NaN (0/0); that is expected, since the
+    caller skips the step once it reads the flag.
+
+    Args:
+        ops: Names from :data:`GUARDED_OPS` to guard; ``None`` guards all of them. A single
+            string is taken as one name.
+        sanitize: Replace bad values on the device so the op runs; with ``False`` the flag is
+            still recorded but the op then asserts (CUDA) or raises (CPU) as it would unguarded.
+
+    Raises:
+        ValueError: ``ops`` names an op that is not in :data:`GUARDED_OPS`.
+
+    Attributes:
+        module_resolver: Returns the qualified name of the module running now (or ``None``);
+            called at each guarded call only (not at other ops), and its answer copied into
+            each :class:`OpRecord`. ``None`` (the default) records ``module=None``.
+        records: One :class:`OpRecord` per checked tensor since the last :meth:`reset`, in call order.
+        enabled: With ``False`` every call passes through untouched; toggle it instead of
+            entering and exiting the mode.
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> guard = OpGuard(ops=["cross_entropy"])
+        >>> guard.module_resolver = lambda: "head"
+        >>> with guard:
+        ...     loss = F.cross_entropy(torch.zeros(2, 10), torch.tensor([3, 10]))
+        >>> bool(guard.flags(torch.device("cpu")).any())
+        True
+        >>> info = OpGuard.describe(guard.records[0])
+        >>> info["module"], info["count"], info["first_indices"]
+        ('head', 1, [[1]])
+    """
+
+    describe = staticmethod(describe)
+
+    def __init__(self, ops: Iterable[str] | None = None, sanitize: bool = True) -> None:
+        super().__init__()
+        if ops is None:
+            selected = set(GUARDED_OPS)
+        else:
+            selected = {ops} if isinstance(ops, str) else set(ops)
+            unknown = sorted(str(op) for op in selected - GUARDED_OPS)
+            if unknown:
+                raise ValueError(f"OpGuard(ops=...) got unknown op name(s) {unknown}; allowed: {sorted(GUARDED_OPS)}")
+        self.sanitize = sanitize
+        self.module_resolver: Callable[[], str | None] | None = None
+        self.records: list[OpRecord] = []
+        self.enabled = True
+        self._forms = {func: form for func, form in signatures.FORMS.items() if form.op in selected}
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Run ``func``; check (and maybe sanitise) its inputs first when it is a guarded op."""
+        form = self._forms.get(func)
+        if form is None or not self.enabled:
+            return func(*args, **(kwargs or {}))
+        call = signatures._Call(form, args, kwargs or {})
+        for rule in form.check(form.op, call):
+            self._apply(form.op, call, rule)
+        return func(*call.args, **call.kwargs)
+
+    def reset(self) -> None:
+        """Forget the records (a new list: a list taken from :attr:`records` earlier stays intact)."""
+        self.records = []
+
+    def flags(self, device: torch.device) -> torch.Tensor:
+        """Every record's flag as one float32 vector on ``device``; 1.0 where the rule was broken.
+
+        Does not sync when the flags already live on ``device`` (moving a flag across
+        devices is a copy like any other).
+        """
+        if not self.records:
+            return torch.zeros(0, dtype=torch.float32, device=device)
+        return torch.stack([record.flag.to(device) for record in self.records]).to(torch.float32)
+
+    def _apply(self, op: str, call: signatures._Call, rule: ArgRule) -> None:
+        """Record whether ``call``'s argument ``rule.arg`` breaks the rule; replace bad values by ``rule.fill``."""
+        tensor: torch.Tensor = call.get(rule.arg)
+        bad = violations(op, tensor, rule.low, rule.high, rule.ignore_index)
+        self.records.append(
+            OpRecord(
+                op=op,
+                module=None if self.module_resolver is None else self.module_resolver(),
+                flag=bad.any(),
+                checked=tensor.detach(),
+                rule=rule.rule,
+                low=float(rule.low),
+                high=None if rule.high is None else float(rule.high),
+                ignore_index=rule.ignore_index,
+            )
+        )
+        if self.sanitize:
+            call.set(rule.arg, torch.where(fill_mask(op, bad), rule.fill, tensor))
