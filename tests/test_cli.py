@@ -202,6 +202,13 @@ def test_demo_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "(default: ./numguard-demo)" in out
 
 
+def test_demo_help_describes_every_fault(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for name, text in cli.FAULTS.items():
+        assert f"{name} {text}" in out
+
+
 def test_demo_arguments_and_defaults() -> None:
     parser = build_parser()
     defaults = parser.parse_args(["demo"])
