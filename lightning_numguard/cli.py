@@ -8,12 +8,9 @@ Subcommands:
 - ``numguard demo [--fault ...] [--action ...] [--steps N] [--dir DIR]``: train a tiny model with
   a fault injected and the guard on, and print its summary.
 
-Exit codes:
-
-- ``0``: a report was written, or a known cause was found;
-- ``1``: the input was read but no known cause was recognised ("no known cause");
-- ``2``: a usage error, or a path that is missing, unreadable, binary or holds nothing
-  parseable (the message on stderr names the path and what was wrong).
+Exit codes: :class:`~lightning_numguard.reporting.explain.ExitCode` (0: a report was written or a
+known cause found; 1: no known cause; 2: a usage error, or a path that is missing, unreadable,
+binary or holds nothing parseable, named on stderr with what was wrong).
 
 This module is the only place in the package that prints.
 """
@@ -23,27 +20,31 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from types import MappingProxyType
+from typing import TextIO, get_args
 
 from lightning_numguard.__about__ import __version__
+from lightning_numguard.core.events import Action
+from lightning_numguard.reporting.explain import EXIT_CODE_HELP, ExitCode
 
-__all__ = ["build_parser", "main"]
+__all__ = ["FAULTS", "build_parser", "main"]
 
-EXIT_OK = 0
-EXIT_NO_CAUSE = 1
-EXIT_USAGE = 2
+FAULTS: Mapping[str, str] = MappingProxyType(
+    {
+        "none": "no fault: a clean run",
+        "input": "NaN in one batch of images",
+        "output": "a constant feature, so the model's std normalisation divides 0 by 0",
+        "loss": "the loss multiplied by inf",
+        "grad": "a NaN gradient for the head's weight",
+        "param": "NaN written into the first convolution's weights",
+        "masked-fill": "numpy's masked-array fill value 1e20 in one batch of images",
+    }
+)
+"""The faults ``numguard demo --fault`` can inject, with what each does (the demo's one table)."""
 
-FAULTS = ("none", "input", "output", "loss", "grad", "param", "masked-fill")
-ACTIONS = ("warn", "skip", "rollback", "halt")
-
-_EPILOG = """\
-exit codes:
-  0  a report was written, or a known cause was found
-  1  the input was read but no known cause was recognised ("no known cause")
-  2  usage error, or PATH missing, unreadable, binary or with nothing parseable
-"""
+_EPILOG = "exit codes:\n" + "".join(f"  {int(code)}  {text}\n" for code, text in EXIT_CODE_HELP.items())
 
 _EXPLAIN_HELP = """\
 Explain a failed run. PATH is a run's events.jsonl (written by NumGuardCallback), a folder
@@ -57,7 +58,9 @@ overflow, AMP/GradScaler errors, cuBLAS/cuDNN errors after a device-side assert,
 _DEMO_HELP = """\
 Train a tiny model with a fault injected at one step and NumGuardCallback on, then print
 the demo's summary (what went bad, what the guard did, where events.jsonl was written).
-"""
+
+faults:
+""" + "".join(f"  {name:<12} {text}\n" for name, text in FAULTS.items())
 
 
 def _positive_int(text: str) -> int:
@@ -100,10 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=formatter,
     )
-    demo.add_argument("--fault", choices=FAULTS, default="input", help="where to inject the fault (default: input)")
+    demo.add_argument(
+        "--fault", choices=list(FAULTS), default="input", help="where to inject the fault (default: input)"
+    )
     demo.add_argument(
         "--action",
-        choices=ACTIONS,
+        choices=get_args(Action),
         default="rollback",
         help="what the guard does on an incident (default: rollback)",
     )
@@ -129,20 +134,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help, --version and usage errors
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        return exc.code if isinstance(exc.code, int) else int(ExitCode.ERROR)
     if args.command is None:
         parser.print_usage(sys.stderr)
         _emit("numguard: error: a subcommand is required (explain or demo)", sys.stderr)
-        return EXIT_USAGE
-    code: int = args.handler(args)
-    return code
+        return int(ExitCode.ERROR)
+    return int(args.handler(args))
 
 
 def _run_explain(args: argparse.Namespace) -> int:
-    from lightning_numguard.reporting.explain import EXIT_ERROR, explain
+    from lightning_numguard.reporting.explain import explain
 
     result = explain(Path(args.path))
-    if result.exit_code == EXIT_ERROR:
+    if result.exit_code == ExitCode.ERROR:
         _emit(result.text, sys.stderr)
     elif args.json:
         _emit(json.dumps({**result.summary, "exit_code": result.exit_code}, indent=2, default=str), sys.stdout)
@@ -159,7 +163,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         str(run_demo(fault=args.fault, action=args.action, steps=args.steps, out_dir=Path(args.dir))),
         sys.stdout,
     )
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _emit(text: str, stream: TextIO) -> None:

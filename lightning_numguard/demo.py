@@ -13,11 +13,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_numguard.callbacks.numguard import NumGuardCallback
+from lightning_numguard.cli import FAULTS
+from lightning_numguard.core.events import Action
 from lightning_numguard.errors import NonFiniteError, NumGuardWarning
 
-__all__ = ["FAULTS", "run_demo"]
-
-FAULTS = ("none", "input", "output", "loss", "grad", "param", "masked-fill")
+__all__ = ["FAULTS", "run_demo"]  # FAULTS lives in the CLI, which must not import this (torch) module
 
 
 class _Shapes(Dataset):
@@ -98,9 +98,19 @@ class DemoCNN(pl.LightningModule):
 
 
 def run_demo(
-    fault: str = "input", action: str = "rollback", steps: int = 30, out_dir: Path | str = "numguard-demo"
+    fault: str = "input", action: Action = "rollback", steps: int = 30, out_dir: Path | str = "numguard-demo"
 ) -> str:
-    """Train the demo CNN for ``steps`` steps with ``fault`` at step 10 under ``action``; return a summary."""
+    """Train the demo CNN for ``steps`` steps with ``fault`` at step 10 under ``action``; return a summary.
+
+    Args:
+        fault: a key of :data:`FAULTS`.
+        action: an :data:`~lightning_numguard.core.events.Action`.
+        steps: training steps.
+        out_dir: where TensorBoard logs and ``events.jsonl`` go.
+
+    Raises:
+        ValueError: ``fault`` is not a key of :data:`FAULTS`.
+    """
     if fault not in FAULTS:
         raise ValueError(f"`fault` must be one of {list(FAULTS)}, got {fault!r}")
     out = Path(out_dir)
@@ -109,7 +119,7 @@ def run_demo(
     fill = float("nan") if fault == "input" else 1e20
     data = _Shapes(batch_size * steps, fault_step if data_fault else None, batch_size, fill)
     model = DemoCNN(fault=fault if not data_fault else "none", fault_step=fault_step)
-    guard = NumGuardCallback(action=action)  # type: ignore[arg-type]
+    guard = NumGuardCallback(action=action)
     logger = TensorBoardLogger(str(out), name="demo")
     trainer = pl.Trainer(
         max_steps=steps,

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from lightning_numguard import __version__
-from lightning_numguard.cli import EXIT_NO_CAUSE, EXIT_OK, EXIT_USAGE, build_parser, main
+from lightning_numguard import __version__, cli
+from lightning_numguard.cli import build_parser, main
 from lightning_numguard.reporting import explain as explain_module
 
 EVENTS = [
@@ -79,12 +79,9 @@ def cuda_log(tmp_path: Path) -> Path:
 
 
 def test_exit_codes_match_the_library() -> None:
-    assert (EXIT_OK, EXIT_NO_CAUSE, EXIT_USAGE) == (
-        explain_module.EXIT_OK,
-        explain_module.EXIT_NO_CAUSE,
-        explain_module.EXIT_ERROR,
-    )
-    assert (EXIT_OK, EXIT_NO_CAUSE, EXIT_USAGE) == (0, 1, 2)
+    assert cli.ExitCode is explain_module.ExitCode
+    assert (cli.ExitCode.OK, cli.ExitCode.NO_CAUSE, cli.ExitCode.ERROR) == (0, 1, 2)
+    assert set(explain_module.EXIT_CODE_HELP) == set(explain_module.ExitCode)
 
 
 def test_explain_events_file(events_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -203,6 +200,13 @@ def test_demo_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--action {warn,skip,rollback,halt}" in out
     assert "(default: 30)" in out
     assert "(default: ./numguard-demo)" in out
+
+
+def test_demo_help_describes_every_fault(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for name, text in cli.FAULTS.items():
+        assert f"{name} {text}" in out
 
 
 def test_demo_arguments_and_defaults() -> None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from lightning_numguard.cli import main
+from lightning_numguard.core.events import read_events
 from lightning_numguard.demo import run_demo
 
 
@@ -25,7 +24,9 @@ def test_demo_finds_names_and_survives(tmp_path, capsys, fault, action, kind, wh
     assert f"{kind} at step 8 in {where}" in out
     assert "weights finite at the end: True" in out
     (events_file,) = tmp_path.rglob("events.jsonl")
-    first = json.loads(events_file.read_text().splitlines()[0])
+    events, problems = read_events(events_file)
+    assert problems == []
+    first = events[0]
     assert first["kind"] == kind and first["where"][0] == where and first["action"] == action
     assert str(events_file) in out
 

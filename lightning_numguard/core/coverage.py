@@ -1,4 +1,4 @@
-"""Which trainable parameters an optimizer covers, and which it should not."""
+"""Which trainable parameters an optimizer covers, and which it should not: problems as codes, no prose."""
 
 from __future__ import annotations
 
@@ -8,7 +8,28 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["CoverageReport", "check_coverage", "never_got_grad"]
+__all__ = [
+    "COVERAGE_CODES",
+    "FROZEN_IN_OPTIMIZER",
+    "IN_SEVERAL_GROUPS",
+    "NOT_IN_OPTIMIZER",
+    "NO_GRAD_IN_FIRST_STEP",
+    "CoverageReport",
+    "check_coverage",
+    "never_got_grad",
+]
+
+
+#: Frozen parameters (``requires_grad=False``) handed to an optimizer.
+FROZEN_IN_OPTIMIZER = "frozen_in_optimizer"
+#: Trainable parameters that no optimizer holds.
+NOT_IN_OPTIMIZER = "not_in_optimizer"
+#: Parameters in more than one param group or optimizer.
+IN_SEVERAL_GROUPS = "in_several_groups"
+#: Trainable parameters that received no gradient in the first step (see :func:`never_got_grad`).
+NO_GRAD_IN_FIRST_STEP = "no_grad_in_first_step"
+#: Every coverage problem code, in the order problems are reported.
+COVERAGE_CODES: tuple[str, ...] = (FROZEN_IN_OPTIMIZER, NOT_IN_OPTIMIZER, IN_SEVERAL_GROUPS, NO_GRAD_IN_FIRST_STEP)
 
 
 @dataclass(frozen=True)
@@ -19,37 +40,18 @@ class CoverageReport:
     frozen_in_optimizer: list[str] = field(default_factory=list)
     in_several_groups: list[str] = field(default_factory=list)
 
-    def problems(self) -> list[tuple[str, list[str], str]]:
-        """``(problem, names, hint)`` for each non-empty finding."""
-        out = []
-        if self.frozen_in_optimizer:
-            out.append(
-                (
-                    "frozen parameters (requires_grad=False) handed to an optimizer",
-                    self.frozen_in_optimizer,
-                    "build the optimizer from trainable parameters only, e.g. "
-                    "`Adam(p for p in model.parameters() if p.requires_grad)`; weight decay or a later "
-                    "unfreeze would otherwise move layers meant to stay fixed",
-                )
-            )
-        if self.not_in_optimizer:
-            out.append(
-                (
-                    "trainable parameters in no optimizer",
-                    self.not_in_optimizer,
-                    "add them to an optimizer's param groups, or set `requires_grad_(False)` if they are "
-                    "meant to stay fixed",
-                )
-            )
-        if self.in_several_groups:
-            out.append(
-                (
-                    "parameters in more than one param group or optimizer",
-                    self.in_several_groups,
-                    "each parameter must appear once: it is otherwise updated twice per step",
-                )
-            )
-        return out
+    def problems(self) -> list[tuple[str, list[str]]]:
+        """``(code, names)`` for each non-empty finding, codes from :data:`COVERAGE_CODES`.
+
+        The words for each code (problem and hint) are in
+        :func:`lightning_numguard.reporting.hints.coverage_problem`.
+        """
+        found = (
+            (FROZEN_IN_OPTIMIZER, self.frozen_in_optimizer),
+            (NOT_IN_OPTIMIZER, self.not_in_optimizer),
+            (IN_SEVERAL_GROUPS, self.in_several_groups),
+        )
+        return [(code, names) for code, names in found if names]
 
 
 def _names(model: nn.Module) -> dict[int, str]:

@@ -1,27 +1,27 @@
-"""The incident record and its JSON-lines codec."""
+"""The incident record: its schema, and the one JSON-lines writer and reader of ``events.jsonl``."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-__all__ = ["ACTIONS", "KINDS", "Event", "JsonlWriter", "read_jsonl"]
-
-Kind = Literal[
-    "nonfinite_input",
-    "suspicious_input",
-    "nonfinite_output",
-    "op_domain",
-    "nonfinite_loss",
-    "nonfinite_grad",
-    "nonfinite_param",
-    "optimizer_coverage",
+__all__ = [
+    "ACTIONS",
+    "KINDS",
+    "REQUIRED_FIELDS",
+    "Action",
+    "Event",
+    "JsonlWriter",
+    "read_events",
+    "validate_event",
 ]
+
 #: Incident kinds in causal order: the order events of one step are recorded in.
 KINDS: tuple[str, ...] = (
     "optimizer_coverage",
@@ -33,7 +33,10 @@ KINDS: tuple[str, ...] = (
     "nonfinite_loss",
     "nonfinite_grad",
 )
-ACTIONS: tuple[str, ...] = ("warn", "skip", "rollback", "halt", "none")
+#: What the guard may be told to do on an incident (``NumGuardCallback(action=...)``).
+Action = Literal["warn", "skip", "rollback", "halt"]
+#: Every value of an event's ``action``: an :data:`Action`, or ``"none"`` for a finding only reported.
+ACTIONS: tuple[str, ...] = (*get_args(Action), "none")
 
 
 @dataclass
@@ -48,7 +51,7 @@ class Event:
         rank: the global rank where the value was seen (the lowest, when several).
         where: names of what went bad: ``batch['x']``, a module's qualified name, a parameter's
             name, an op's name.
-        action: what was done: ``warn``, ``skip``, ``rollback``, ``halt`` or ``none``.
+        action: what was done: one of :data:`ACTIONS`.
         message: one human sentence with the hint.
         details: numbers behind the message (counts, max-|x|, first bad indices…).
     """
@@ -66,6 +69,21 @@ class Event:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (non-finite floats become the strings ``"nan"``, ``"inf"``, ``"-inf"``)."""
         return _json_safe(asdict(self))
+
+
+def _json_type(hint: Any) -> type:
+    origin = get_origin(hint)
+    return origin if isinstance(origin, type) else hint  # list[str] -> list
+
+
+#: The fields every ``events.jsonl`` line must have, with their JSON types (``details`` is optional).
+REQUIRED_FIELDS: Mapping[str, type] = MappingProxyType(
+    {
+        f.name: _json_type(get_type_hints(Event)[f.name])
+        for f in fields(Event)
+        if f.default is MISSING and f.default_factory is MISSING
+    }
+)
 
 
 def _json_safe(obj: Any) -> Any:
@@ -110,13 +128,66 @@ class JsonlWriter:
         return {"path": self.path, "_fh": None}
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """The objects of a JSON-lines file; blank lines are skipped, a corrupt line raises ``ValueError``."""
-    with Path(path).open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+def validate_event(obj: Any) -> str | None:
+    """What is wrong with one decoded ``events.jsonl`` line, or ``None`` when it is a valid event.
+
+    A valid event is a JSON object with every key of :data:`REQUIRED_FIELDS`, each of its type
+    (``true`` is not an int), and a ``where`` list of strings. Unknown kinds, actions and extra
+    keys are accepted: files of newer versions stay readable.
+    """
+    if not isinstance(obj, dict):
+        return f"not a JSON object (got {type(obj).__name__})"
+    for key, expected in REQUIRED_FIELDS.items():
+        if key not in obj:
+            return f"missing required key {key!r}"
+        value = obj[key]
+        # bool is an int subclass, but `"step": true` is corrupt, not step 1.
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            return f"{key!r} must be {_TYPE_NAMES.get(expected, expected.__name__)}, got {type(value).__name__}"
+    if not all(isinstance(name, str) for name in obj["where"]):
+        return "'where' must be a list of strings"
+    return None
+
+
+_TYPE_NAMES = {int: "an int", str: "a string", list: "a list"}
+
+
+def read_events(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Read an ``events.jsonl`` file, keeping every valid event and noting every bad line.
+
+    The one reader of event files: a line cut short by a crash, or written by hand, costs that
+    line and never the rest of the file.
+
+    Args:
+        path: the file.
+
+    Returns:
+        ``(events, problems)``: the valid events in file order, and one note per skipped line
+        (``"line 4: not valid JSON (...)"``, ``"line 7: 'step' must be an int, got str"``, a
+        line that is not UTF-8). Blank lines are neither.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    events: list[dict[str, Any]] = []
+    problems: list[str] = []
+    with Path(path).open("rb") as stream:
+        for line_no, raw in enumerate(stream, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                problems.append(f"line {line_no}: not UTF-8 text ({exc.reason} at byte {exc.start})")
+                continue
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not a JSON object ({err.msg})") from None
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                problems.append(f"line {line_no}: not valid JSON ({exc.msg})")
+                continue
+            problem = validate_event(obj)
+            if problem is None:
+                events.append(obj)
+            else:
+                problems.append(f"line {line_no}: {problem}")
+    return events, problems

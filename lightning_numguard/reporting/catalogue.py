@@ -1,4 +1,4 @@
-"""Known NaN/Inf failure signatures and the hints shared by every report.
+"""Known NaN/Inf failure signatures in the logs of runs without the guard.
 
 ``CATALOGUE`` lists what a run *without* the guard prints when it dies of a non-finite
 value: each :class:`Pattern` names the log line that gives the failure away, its usual
@@ -8,122 +8,18 @@ the first entry that matches it (so a BCE assertion is never also reported as a 
 kernel assertion). Entries marked ``follow_on`` are errors that only ever follow another
 failure (cuBLAS/cuDNN errors after a device-side assert), so they never outrank a cause.
 
-``KIND_HINTS`` holds one hint per incident kind of ``events.jsonl``; ``op_hint`` one per
-autograd op that anomaly mode or a replay names.
+The advice per incident kind and per autograd op is not here but in :mod:`.hints`, the one
+source of hint text.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 
-from lightning_numguard.core.events import ACTIONS, KINDS
-
-__all__ = ["ACTIONS", "CATALOGUE", "EVENT_KINDS", "KIND_HINTS", "Pattern", "kind_hint", "op_hint"]
-
-EVENT_KINDS: tuple[str, ...] = KINDS
-"""Every incident kind an ``events.jsonl`` line may carry."""
+__all__ = ["CATALOGUE", "Pattern"]
 
 _GUARD = "NumGuardCallback"
-
-KIND_HINTS: Mapping[str, str] = MappingProxyType(
-    {
-        "nonfinite_input": (
-            "the batch already held NaN/Inf before the model ran: check the dataset and transforms "
-            "(division by a zero std in normalisation, log of 0, masked-array fill values "
-            "1e20 / 9.96921e36 overflowing to inf); the model is not the culprit."
-        ),
-        "suspicious_input": (
-            "finite but absurdly large values in the batch, typically masked-array fill values "
-            "(1e20, 9.96921e36) leaking through plain numpy ops: use np.ma functions or fill "
-            "masked entries explicitly before converting to tensors."
-        ),
-        "nonfinite_output": (
-            "the first module whose output went non-finite from finite inputs is the culprit: look "
-            "for sqrt/log/division/pow without an eps, exp overflow, or weights already bad "
-            "(a nonfinite_param event at the same step)."
-        ),
-        "nonfinite_loss": (
-            "the loss went non-finite while the inputs and module outputs were finite: the loss "
-            "function got values outside its domain (log(0), BCE on non-probabilities: use "
-            "BCEWithLogitsLoss) or overflowed in fp16; clamp or use the numerically stable variant."
-        ),
-        "nonfinite_grad": (
-            "the forward pass was finite but the backward was not: a backward formula blew up "
-            "(sqrt(0), x/0, pow with a fractional exponent at 0); add an eps inside the op, lower the "
-            "learning rate or clip gradients. Under fp16 AMP occasional inf gradients are normal and "
-            "handled by the GradScaler."
-        ),
-        "nonfinite_param": (
-            "parameters, buffers or optimizer state went non-finite: an optimizer update with "
-            "huge/inf gradients, a learning rate that is too high, or frozen layers handed to the "
-            "optimizer; roll back and lower the learning rate."
-        ),
-        "optimizer_coverage": (
-            "the optimizer does not match the trainable parameters: pass only "
-            "filter(lambda p: p.requires_grad, model.parameters()) to the optimizer, and give every "
-            "trainable parameter to exactly one optimizer param group."
-        ),
-        "op_domain": (
-            "an op received inputs outside its domain and would have tripped a device-side assert "
-            "(BCE input outside [0, 1], class index >= n_classes, embedding index out of range); "
-            "fix the values feeding that op (often an upstream NaN, or a label/vocabulary off by one)."
-        ),
-    }
-)
-"""One hint per incident kind, for reports of ``events.jsonl``."""
-
-_OP_HINTS: Mapping[str, str] = MappingProxyType(
-    {
-        "SqrtBackward": (
-            "sqrt's gradient 1/(2*sqrt(x)) is infinite at x = 0 (the std of a constant channel, the "
-            "norm of a zero vector): put an eps inside the root, "
-            "torch.sqrt(x.var(dim, unbiased=False, keepdim=True) + eps)."
-        ),
-        "RsqrtBackward": "rsqrt(x) blows up at x = 0: use torch.rsqrt(x + eps).",
-        "DivBackward": (
-            "division by zero or a near-zero denominator (a std or norm of 0 in a normalisation): "
-            "add an eps to the denominator, (x - mean) / (std + 1e-8)."
-        ),
-        "LogBackward": (
-            "log(0) is -inf and its gradient 1/x infinite: clamp first, torch.log(x.clamp_min(eps)), "
-            "or use the stable fused form (log_softmax, BCEWithLogitsLoss, logsumexp)."
-        ),
-        "PowBackward": (
-            "x ** p with p < 1 has an infinite gradient at x = 0 (and a negative base with a "
-            "fractional exponent is NaN): add an eps to the base or clamp it, or use "
-            "torch.linalg.vector_norm for norms."
-        ),
-        "ExpBackward": "exp overflowed: subtract the max first (logsumexp) or clamp the exponent.",
-        "AcosBackward": "acos'/asin' gradient is infinite at +-1: clamp the input to (-1 + eps, 1 - eps).",
-        "AsinBackward": "acos'/asin' gradient is infinite at +-1: clamp the input to (-1 + eps, 1 - eps).",
-        "NormBackward": "the gradient of a norm at a zero vector is 0/0: add an eps, or use a squared norm.",
-        "LinalgVectorNormBackward": "the gradient of a norm at a zero vector is 0/0: add an eps.",
-    }
-)
-
-
-def op_hint(op: str) -> str | None:
-    """The fix for an autograd op that produced NaN, if the op is a known offender.
-
-    Args:
-        op: the backward node's name as anomaly mode prints it, e.g. ``"SqrtBackward0"``.
-
-    Returns:
-        One sentence of advice, or ``None`` for an op without a specific hint.
-
-    Example:
-        >>> op_hint("DivBackward0").startswith("division by zero")
-        True
-    """
-    return _OP_HINTS.get(re.sub(r"\d+$", "", op))
-
-
-def kind_hint(kind: str) -> str:
-    """The hint for one incident kind; a generic sentence for a kind this version does not know."""
-    return KIND_HINTS.get(kind, "an incident kind this version of lightning_numguard does not describe.")
 
 
 @dataclass(frozen=True)

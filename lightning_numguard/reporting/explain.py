@@ -2,18 +2,15 @@
 
 Pure functions, shared by ``numguard explain`` and anything else that wants the same text:
 
-- :func:`load_events` reads ``events.jsonl`` leniently (corrupt lines become *problems*);
+- :func:`~lightning_numguard.core.events.read_events` (the one reader) reads ``events.jsonl``
+  leniently (corrupt lines become *problems*);
 - :func:`format_report` turns events into a readable incident report;
 - :func:`explain_log` matches a log or traceback of an unguarded run against
   :data:`~lightning_numguard.reporting.catalogue.CATALOGUE`;
 - :func:`explain` / :func:`explain_path` decide which of the two a path is and return the
   report with its exit code.
 
-Exit codes (also the CLI's)::
-
-    0  EXIT_OK         a report was written, or a known cause was found
-    1  EXIT_NO_CAUSE   the input was read but no known cause was recognised
-    2  EXIT_ERROR      the path is missing, unreadable, binary or holds nothing parseable
+Exit codes (also the CLI's) are :class:`ExitCode`, with their meaning in :data:`EXIT_CODE_HELP`.
 
 Nothing here prints; the CLI does.
 """
@@ -28,16 +25,19 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from enum import IntEnum
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
-from lightning_numguard.reporting.catalogue import ACTIONS, CATALOGUE, Pattern, kind_hint, op_hint
+from lightning_numguard.core.events import ACTIONS, REQUIRED_FIELDS, read_events
+from lightning_numguard.reporting.catalogue import CATALOGUE, Pattern
+from lightning_numguard.reporting.hints import event_hint, kind_hint, op_hint
 
 __all__ = [
     "EVENTS_FILENAME",
-    "EXIT_ERROR",
-    "EXIT_NO_CAUSE",
-    "EXIT_OK",
+    "EXIT_CODE_HELP",
+    "ExitCode",
     "Explanation",
     "Match",
     "explain",
@@ -47,26 +47,29 @@ __all__ = [
     "first_culprit",
     "format_log_report",
     "format_report",
-    "load_events",
     "summarize_events",
 ]
 
-EXIT_OK = 0
-EXIT_NO_CAUSE = 1
-EXIT_ERROR = 2
+
+class ExitCode(IntEnum):
+    """The exit codes of ``numguard explain`` (and of the whole CLI)."""
+
+    OK = 0
+    NO_CAUSE = 1
+    ERROR = 2
+
+
+EXIT_CODE_HELP: Mapping[ExitCode, str] = MappingProxyType(
+    {
+        ExitCode.OK: "a report was written, or a known cause was found",
+        ExitCode.NO_CAUSE: 'the input was read but no known cause was recognised ("no known cause")',
+        ExitCode.ERROR: "usage error, or PATH missing, unreadable, binary or with nothing parseable",
+    }
+)
+"""What each exit code means, for help texts."""
 
 EVENTS_FILENAME = "events.jsonl"
 
-_REQUIRED: Mapping[str, type] = {
-    "kind": str,
-    "step": int,
-    "epoch": int,
-    "batch_idx": int,
-    "rank": int,
-    "where": list,
-    "action": str,
-    "message": str,
-}
 _SHOWN_EXTRAS = ("time", "details", "replay")
 _MAX_QUOTE = 240
 _WIDTH = 100
@@ -77,62 +80,6 @@ Event = dict[str, Any]
 
 
 # --------------------------------------------------------------------------- events.jsonl
-
-
-def load_events(path: str | os.PathLike[str]) -> tuple[list[Event], list[str]]:
-    """Read an ``events.jsonl`` file, keeping every valid event and noting every bad line.
-
-    Args:
-        path: the file.
-
-    Returns:
-        ``(events, problems)``: the valid events in file order, and one note per skipped line
-        (``"line 4: not valid JSON (...)"``, ``"line 7: 'step' must be an int, got str"``, a
-        line that is not UTF-8). Blank lines are neither.
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    events: list[Event] = []
-    problems: list[str] = []
-    with open(path, "rb") as stream:
-        for line_no, raw in enumerate(stream, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                problems.append(f"line {line_no}: not UTF-8 text ({exc.reason} at byte {exc.start})")
-                continue
-            if not line.strip():
-                continue
-            event, problem = _parse_event(line)
-            if event is not None:
-                events.append(event)
-            else:
-                problems.append(f"line {line_no}: {problem}")
-    return events, problems
-
-
-def _parse_event(line: str) -> tuple[Event | None, str]:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return None, f"not valid JSON ({exc.msg})"
-    if not isinstance(obj, dict):
-        return None, f"not a JSON object (got {type(obj).__name__})"
-    for key, expected in _REQUIRED.items():
-        if key not in obj:
-            return None, f"missing required key {key!r}"
-        value = obj[key]
-        # bool is an int subclass, but `"step": true` is corrupt, not step 1.
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            return None, f"{key!r} must be {_type_name(expected)}, got {type(value).__name__}"
-    if not all(isinstance(name, str) for name in obj["where"]):
-        return None, "'where' must be a list of strings"
-    return obj, ""
-
-
-def _type_name(expected: type) -> str:
-    return {int: "an int", str: "a string", list: "a list"}.get(expected, expected.__name__)
 
 
 def first_culprit(events: Sequence[Event]) -> Event | None:
@@ -155,7 +102,7 @@ def summarize_events(
     Args:
         events: the valid events, in file order.
         source: the ``events.jsonl`` they came from.
-        problems: the notes on skipped lines, from :func:`load_events`.
+        problems: the notes on skipped lines, from :func:`~lightning_numguard.core.events.read_events`.
 
     Returns:
         A JSON-serialisable dict: ``events_file``, ``incidents``, ``steps`` (sorted distinct
@@ -199,12 +146,18 @@ def _replay(event: Event) -> Any:
 
 
 def _event_hint(event: Event) -> str:
+    """:func:`~lightning_numguard.reporting.hints.event_hint`, the live message's advice; an
+    autograd op's hint is labelled with the op."""
+    details = event.get("details")
+    details = dict(details) if isinstance(details, Mapping) else {}
     replay = _replay(event)
-    if isinstance(replay, Mapping) and isinstance(replay.get("op"), str):
-        specific = op_hint(replay["op"])
-        if specific is not None:
-            return f"{replay['op']}: {specific}"
-    return kind_hint(event["kind"])
+    if isinstance(replay, Mapping):
+        details["replay"] = replay
+    hint = event_hint(event["kind"], details)
+    op = replay.get("op") if isinstance(replay, Mapping) else None
+    if isinstance(op, str) and hint == op_hint(op):
+        return f"{op}: {hint}"
+    return hint
 
 
 def format_report(
@@ -217,7 +170,8 @@ def format_report(
     """A readable incident report of the events of one run.
 
     Args:
-        events: the valid events, in file order (as :func:`load_events` returns them).
+        events: the valid events, in file order (as
+            :func:`~lightning_numguard.core.events.read_events` returns them).
         source: the ``events.jsonl`` they came from, named in the header.
         problems: the notes on skipped lines, listed under the header.
         others: other ``events.jsonl`` files that were found but not used (older ones in the
@@ -322,7 +276,7 @@ def _extras(event: Event, *, indent: str) -> list[str]:
         lines.append(f"{indent}replay:  {', '.join(parts)}")
     elif replay not in (None, {}):
         lines.append(f"{indent}replay:  {_scalar(replay)}")
-    for key in sorted(set(event) - set(_REQUIRED) - set(_SHOWN_EXTRAS)):
+    for key in sorted(set(event) - set(REQUIRED_FIELDS) - set(_SHOWN_EXTRAS)):
         lines.append(f"{indent}{key}: {_scalar(event[key])}")
     return lines
 
@@ -484,13 +438,13 @@ class Explanation:
     """The outcome of explaining one path.
 
     Attributes:
-        text: the human report (or, for ``exit_code == EXIT_ERROR``, the error message).
-        exit_code: ``EXIT_OK``, ``EXIT_NO_CAUSE`` or ``EXIT_ERROR``.
+        text: the human report (or, for ``ExitCode.ERROR``, the error message).
+        exit_code: the :class:`ExitCode`.
         summary: the machine-readable form (``--json``).
     """
 
     text: str
-    exit_code: int
+    exit_code: ExitCode
     summary: dict[str, Any]
 
 
@@ -513,7 +467,7 @@ def explain(path: str | os.PathLike[str]) -> Explanation:
 
     Returns:
         The report, its exit code and its summary; never raises for a bad path (that is an
-        ``EXIT_ERROR`` explanation whose text names the path and the problem).
+        ``ExitCode.ERROR`` explanation whose text names the path and the problem).
     """
     target = Path(path)
     if not target.exists():
@@ -541,15 +495,15 @@ def explain(path: str | os.PathLike[str]) -> Explanation:
         return _error(target, f"cannot read it ({exc.strerror or exc})")
 
 
-def explain_path(path: str | os.PathLike[str]) -> tuple[str, int]:
-    """:func:`explain`, as ``(text, exit_code)``; with ``EXIT_ERROR`` the text is the error message."""
+def explain_path(path: str | os.PathLike[str]) -> tuple[str, ExitCode]:
+    """:func:`explain`, as ``(text, exit_code)``; with ``ExitCode.ERROR`` the text is the error message."""
     result = explain(path)
     return result.text, result.exit_code
 
 
 def _error(path: Path, problem: str) -> Explanation:
     message = f"numguard explain: {path}: {problem}"
-    return Explanation(message, EXIT_ERROR, {"input": "error", "path": str(path), "error": problem})
+    return Explanation(message, ExitCode.ERROR, {"input": "error", "path": str(path), "error": problem})
 
 
 def _read_head(path: Path) -> bytes:
@@ -576,13 +530,13 @@ def _looks_like_events(path: Path) -> bool:
 
 
 def _explain_events(path: Path, others: Sequence[Path]) -> Explanation:
-    events, problems = load_events(path)
+    events, problems = read_events(path)
     if not events and problems:
         listed = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
         return _error(path, f"no valid event in {len(problems)} non-empty line(s): {listed}")
     summary = summarize_events(events, path, problems)
     summary["other_events_files"] = [str(other) for other in others]
-    return Explanation(format_report(events, path, problems, others=others), EXIT_OK, summary)
+    return Explanation(format_report(events, path, problems, others=others), ExitCode.OK, summary)
 
 
 def _explain_text(path: Path) -> Explanation:
@@ -594,4 +548,4 @@ def _explain_text(path: Path) -> Explanation:
         "likely_cause": matches[0].name if matches else None,
         "matches": [match.to_dict() for match in matches],
     }
-    return Explanation(format_log_report(matches, path), EXIT_OK if matches else EXIT_NO_CAUSE, summary)
+    return Explanation(format_log_report(matches, path), ExitCode.OK if matches else ExitCode.NO_CAUSE, summary)

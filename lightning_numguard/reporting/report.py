@@ -16,22 +16,9 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from lightning_numguard.core.events import JsonlWriter
 from lightning_numguard.errors import NumGuardWarning
 
-__all__ = ["Reporter", "logger_step"]
+__all__ = ["Reporter"]
 
 log = logging.getLogger(__name__)
-
-
-def logger_step(trainer: pl.Trainer) -> int:
-    """The step Lightning's own loggers use (``self.log`` values line up with it).
-
-    This is the one place that reads a private trainer attribute: Lightning's
-    ``LearningRateMonitor`` and ``DeviceStatsMonitor`` log at the same step, and there is no
-    public accessor for it.
-    """
-    try:
-        return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
-    except AttributeError:  # pragma: no cover - future Lightning
-        return int(trainer.global_step)
 
 
 class Reporter:

@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from lightning_numguard.core.coverage import check_coverage, never_got_grad
+from lightning_numguard.reporting.hints import coverage_problem
 
 
 def model():
@@ -15,7 +16,8 @@ def test_frozen_params_handed_to_the_optimizer_rcan_story():
     opt = torch.optim.Adam(m.parameters())  # like `optim.Adam(netG.parameters())` in the seed post
     report = check_coverage(m, [opt])
     assert report.frozen_in_optimizer == ["0.weight", "0.bias"]
-    ((problem, names, hint),) = report.problems()
+    ((code, names),) = report.problems()
+    problem, hint = coverage_problem(code)
     assert "frozen" in problem and names == ["0.weight", "0.bias"] and "requires_grad" in hint
 
 

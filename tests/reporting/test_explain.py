@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 
-from lightning_numguard.reporting.catalogue import CATALOGUE, EVENT_KINDS, KIND_HINTS, kind_hint, op_hint
+from lightning_numguard.core.events import KINDS, read_events
+from lightning_numguard.reporting.catalogue import CATALOGUE
 from lightning_numguard.reporting.explain import (
-    EXIT_ERROR,
-    EXIT_NO_CAUSE,
-    EXIT_OK,
+    ExitCode,
     explain,
     explain_log,
     explain_path,
@@ -22,9 +21,9 @@ from lightning_numguard.reporting.explain import (
     first_culprit,
     format_log_report,
     format_report,
-    load_events,
     summarize_events,
 )
+from lightning_numguard.reporting.hints import KIND_HINTS, kind_hint, op_hint
 
 # --------------------------------------------------------------------------- log snippets
 # Exact texts from the two seed posts where they exist, otherwise torch's own wording.
@@ -207,7 +206,7 @@ def test_catalogue_entry_matches_its_log(name: str, snippet: str) -> None:
     assert match.line == lines[match.line_no - 1].strip()
     assert match.cause
     assert match.fix
-    assert match.pattern.hint_kind in EVENT_KINDS
+    assert match.pattern.hint_kind in KINDS
 
 
 def test_every_catalogue_entry_has_a_log_snippet() -> None:
@@ -337,7 +336,7 @@ def test_format_log_report_without_matches() -> None:
 
 
 def test_every_kind_has_a_hint() -> None:
-    assert set(KIND_HINTS) == set(EVENT_KINDS)
+    assert set(KIND_HINTS) == set(KINDS)
     assert "does not describe" in kind_hint("brand_new_kind")
 
 
@@ -397,8 +396,8 @@ def events_file(tmp_path: Path) -> Path:
     return _write_events(tmp_path / "events.jsonl", EVENTS)
 
 
-def test_load_events_round_trips(events_file: Path) -> None:
-    events, problems = load_events(events_file)
+def test_read_events_round_trips(events_file: Path) -> None:
+    events, problems = read_events(events_file)
     assert events == EVENTS
     assert problems == []
 
@@ -409,7 +408,7 @@ def test_first_culprit_is_first_event_of_earliest_step() -> None:
 
 
 def test_report_of_hand_written_events(events_file: Path) -> None:
-    events, problems = load_events(events_file)
+    events, problems = read_events(events_file)
     report = format_report(events, events_file, problems)
     lines = report.splitlines()
 
@@ -489,7 +488,7 @@ def test_corrupt_lines_are_skipped_with_their_line_numbers(tmp_path: Path) -> No
     path = _write_events(tmp_path / "events.jsonl", EVENTS, bad)
     with path.open("ab") as stream:
         stream.write(b'{"kind": "\xff"}\n')
-    events, problems = load_events(path)
+    events, problems = read_events(path)
     assert events == EVENTS
     assert problems == [
         "line 3: not valid JSON (Expecting ',' delimiter)",
@@ -501,7 +500,7 @@ def test_corrupt_lines_are_skipped_with_their_line_numbers(tmp_path: Path) -> No
         "line 14: not UTF-8 text (invalid start byte at byte 10)",
     ]
     text, code = explain_path(path)
-    assert code == EXIT_OK
+    assert code == ExitCode.OK
     assert "  skipped:    7 corrupt line(s)" in text
     assert "line 3: not valid JSON" in text
     assert "First culprit: nonfinite_input at batch['image']" in text
@@ -511,7 +510,7 @@ def test_empty_events_file_means_no_incidents(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     path.write_text("\n\n", encoding="utf-8")
     text, code = explain_path(path)
-    assert code == EXIT_OK
+    assert code == ExitCode.OK
     assert text.endswith("no incidents recorded")
     assert explain(path).summary["incidents"] == 0
 
@@ -520,7 +519,7 @@ def test_events_file_with_nothing_parseable_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     path.write_text("garbage\n{not json\n", encoding="utf-8")
     text, code = explain_path(path)
-    assert code == EXIT_ERROR
+    assert code == ExitCode.ERROR
     assert str(path) in text
     assert "no valid event in 2 non-empty line(s): line 1: not valid JSON" in text
 
@@ -533,7 +532,7 @@ def test_folder_uses_the_newest_events_file(tmp_path: Path) -> None:
     assert find_events_files(tmp_path) == [new, old]
 
     result = explain(tmp_path)
-    assert result.exit_code == EXIT_OK
+    assert result.exit_code == ExitCode.OK
     assert f"  file:       {new}" in result.text
     assert "(the newest of 2 events.jsonl files; not used:)" in result.text
     assert str(old) in result.text
@@ -545,14 +544,14 @@ def test_folder_uses_the_newest_events_file(tmp_path: Path) -> None:
 def test_folder_without_events_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "train.log").write_text("Loss is nan\n", encoding="utf-8")
     text, code = explain_path(tmp_path)
-    assert code == EXIT_ERROR
+    assert code == ExitCode.ERROR
     assert text == f"numguard explain: {tmp_path}: no events.jsonl found in this folder or below it"
 
 
 def test_jsonl_content_under_another_name_is_read_as_events(tmp_path: Path) -> None:
     path = _write_events(tmp_path / "incidents.log", EVENTS, ("not json",))
     result = explain(path)
-    assert result.exit_code == EXIT_OK
+    assert result.exit_code == ExitCode.OK
     assert result.summary["input"] == "events"
     assert result.summary["incidents"] == 6
 
@@ -561,7 +560,7 @@ def test_text_log_is_explained(tmp_path: Path) -> None:
     path = tmp_path / "train.log"
     path.write_text(SEED_GENERAL, encoding="utf-8")
     result = explain(path)
-    assert result.exit_code == EXIT_OK
+    assert result.exit_code == ExitCode.OK
     assert result.text.startswith(f"numguard explain: {path}\n\nLikely cause: numpy_overflow (line 1)\n")
     assert "  > xxx.py:xxx: RuntimeWarning: overflow encountered in reduce" in result.text
     assert result.summary["likely_cause"] == "numpy_overflow"
@@ -577,7 +576,7 @@ def test_unknown_text_has_no_known_cause(tmp_path: Path) -> None:
     path = tmp_path / "train.log"
     path.write_text("Epoch 0: 100%|##########| 10/10 [00:01<00:00]\nall good\n", encoding="utf-8")
     text, code = explain_path(path)
-    assert code == EXIT_NO_CAUSE
+    assert code == ExitCode.NO_CAUSE
     assert text == f"no known cause found in {path}"
 
 
@@ -585,14 +584,14 @@ def test_non_utf8_log_is_still_read(tmp_path: Path) -> None:
     path = tmp_path / "train.log"
     path.write_bytes(b"caf\xe9 \xff\nRuntimeError: all elements of input should be between 0 and 1\n")
     result = explain(path)
-    assert result.exit_code == EXIT_OK
+    assert result.exit_code == ExitCode.OK
     assert result.summary["matches"][0]["line_no"] == 2
 
 
 def test_missing_path_is_an_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope" / "events.jsonl"
     text, code = explain_path(missing)
-    assert code == EXIT_ERROR
+    assert code == ExitCode.ERROR
     assert text == f"numguard explain: {missing}: no such file or directory"
 
 
@@ -600,6 +599,6 @@ def test_binary_file_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "model.ckpt"
     path.write_bytes(b"PK\x03\x04\x00\x00binary\x00data")
     text, code = explain_path(path)
-    assert code == EXIT_ERROR
+    assert code == ExitCode.ERROR
     assert str(path) in text
     assert "binary file" in text

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import (
 from tensorboard.util import tensor_util
 
 from lightning_numguard import NumGuardCallback
-from lightning_numguard.core.events import ACTIONS, KINDS
+from lightning_numguard.core.events import ACTIONS, KINDS, REQUIRED_FIELDS, read_events
 from lightning_numguard.errors import NumGuardWarning
 from tests.helpers import EVERY_CHECK, FaultData, FaultModel, loader, trainer
 
@@ -26,16 +25,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:The number of training batches .
 
 FAULT_STEPS = (3, 6)
 COUNTER_TAGS = ("numguard/incidents", "numguard/skipped_steps", "numguard/rollbacks")
-CONTRACT_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "kind": str,
-    "step": int,
-    "epoch": int,
-    "batch_idx": int,
-    "rank": int,
-    "where": list,
-    "action": str,
-    "message": str,
-}
 OUTPUT_AT_3 = r"module `body\.1` produced the first non-finite output at step 3 on rank 0"
 LOSS_AT_2 = r"the loss is non-finite at step 2 on rank 0"
 LOSS_AT_3 = r"the loss is non-finite at step 3 on rank 0"
@@ -61,7 +50,9 @@ def _fit(tmp_path: Path, cb: NumGuardCallback, site: str, steps: tuple[int, ...]
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    events, problems = read_events(path)
+    assert problems == [], problems
+    return events
 
 
 def _tb(log_dir: str) -> EventAccumulator:
@@ -156,7 +147,7 @@ def test_events_jsonl_fields_and_callback_events(tb_run: SimpleNamespace) -> Non
     lines = _read_jsonl(tb_run.cb.resolved_dirpath / "events.jsonl")
     assert lines, "no events were written"
     for event in lines:
-        for name, typ in CONTRACT_FIELDS.items():
+        for name, typ in REQUIRED_FIELDS.items():
             assert name in event, (name, event)
             assert isinstance(event[name], typ), (name, event[name])
             assert not isinstance(event[name], bool), (name, event[name])

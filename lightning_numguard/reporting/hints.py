@@ -1,0 +1,303 @@
+"""The one source of hint text: what to try next, per incident kind, op, coverage problem and fill value.
+
+Live warnings (:func:`~lightning_numguard.reporting.messages.incident_message`) and
+``numguard explain`` both take their advice from here, through :func:`event_hint`, so that
+one event gets the same advice wherever it is shown.
+
+- :data:`KIND_HINTS` / :func:`kind_hint`: one sentence per incident kind;
+- :data:`OP_DOMAIN_HINTS` / :func:`op_domain_hint`: one per op the op guard validates;
+- :func:`op_hint`: one per autograd node (``SqrtBackward0``) that a replay or anomaly mode names;
+- :data:`COVERAGE_PROBLEMS` / :func:`coverage_problem`: the problem and the hint per coverage
+  code of :mod:`lightning_numguard.core.coverage`;
+- :data:`FILL_VALUES` / :func:`fill_value_name` / :func:`fill_value_hint`: sentinel values that
+  mean "missing" in common data stacks;
+- :func:`event_hint`: the hint for one event, given its kind and details.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+__all__ = [
+    "COVERAGE_PROBLEMS",
+    "FILL_VALUES",
+    "KIND_HINTS",
+    "OP_DOMAIN_HINTS",
+    "consequence_hint",
+    "coverage_hint",
+    "coverage_problem",
+    "event_hint",
+    "fill_value_hint",
+    "fill_value_name",
+    "kind_hint",
+    "op_domain_hint",
+    "op_hint",
+]
+
+# --------------------------------------------------------------------------- incident kinds
+
+KIND_HINTS: Mapping[str, str] = MappingProxyType(
+    {
+        "optimizer_coverage": "build the optimizer from `[p for p in model.parameters() if p.requires_grad]` "
+        "and give every trainable parameter exactly one param group",
+        "nonfinite_input": "the data is bad before the model sees it: check the dataset/transforms for NaN "
+        "(missing values, log(0), 0/0) and clean or drop those samples",
+        "suspicious_input": "finite values this large overflow in the first layers; mask or clip them in the "
+        "data pipeline",
+        "nonfinite_param": "the weights themselves are no longer finite (an earlier bad update, or the optimizer "
+        "state): restore a finite state and lower the learning rate",
+        "nonfinite_output": "this module is the first to produce NaN/Inf from finite inputs: look for division "
+        "by a zero std, sqrt/log of 0 or negatives, exp overflow; add an eps or clamp",
+        "op_domain": "an op received inputs outside its domain and would have tripped a device-side assert "
+        "(BCE input outside [0, 1], class index >= n_classes, embedding index out of range); fix the values "
+        "feeding that op (often an upstream NaN, or a label/vocabulary off by one)",
+        "nonfinite_loss": "inputs and module outputs were finite, so the loss computation itself overflowed: "
+        "use the numerically stable form (BCEWithLogitsLoss, log_softmax + nll_loss) or add an eps",
+        "nonfinite_grad": "the forward pass was finite but the backward was not: a sqrt/pow/norm at 0 or a "
+        "division by a small number in backward; add an eps or lower the learning rate",
+    }
+)
+"""One sentence of advice per incident kind (every kind of :data:`~lightning_numguard.core.events.KINDS`)."""
+
+_UNKNOWN_KIND = "an incident kind this version of lightning_numguard does not describe."
+
+
+def kind_hint(kind: str) -> str:
+    """The hint for one incident kind; a generic sentence for a kind this version does not know."""
+    return KIND_HINTS.get(kind, _UNKNOWN_KIND)
+
+
+#: Kinds whose hint assumes that nothing upstream of them went bad in the same step.
+_DOWNSTREAM_KINDS = ("nonfinite_output", "nonfinite_loss", "nonfinite_grad")
+
+
+def consequence_hint(after: str) -> str:
+    """The hint of a finding that follows the step's root cause ``after`` (a kind)."""
+    return f"a consequence of the earlier {after} in this step: fix that first"
+
+
+# --------------------------------------------------------------------------- op-domain ops
+
+_INDEX_HINT = (
+    "an index is negative or not smaller than the size of the indexed dimension: check the `dim` "
+    "argument and how the index was computed (these ops do not wrap negative indices)"
+)
+_CLASS_HINT = (
+    "a target class index is negative or not smaller than the number of classes C = input.size(1): "
+    "make the output layer as wide as the label range (labels starting at 1, an extra background "
+    "class) and mark padding with ignore_index (default -100)"
+)
+_EMBEDDING_HINT = (
+    "a token id is negative or not smaller than num_embeddings: make the vocabulary size match the "
+    "tokenizer (added special tokens, the padding id) or clamp out-of-vocabulary ids to an UNK id"
+)
+
+OP_DOMAIN_HINTS: dict[str, str] = {
+    "binary_cross_entropy": (
+        "use BCEWithLogitsLoss (it applies the sigmoid itself and is safe under autocast); "
+        "or the input is already NaN/Inf upstream"
+    ),
+    "nll_loss": _CLASS_HINT,
+    "cross_entropy": _CLASS_HINT,
+    "embedding": _EMBEDDING_HINT,
+    "embedding_bag": _EMBEDDING_HINT,
+    "gather": _INDEX_HINT,
+    "scatter": _INDEX_HINT,
+    "scatter_add": _INDEX_HINT,
+    "index_select": _INDEX_HINT,
+    "one_hot": (
+        "a label is negative or not smaller than num_classes: pass a num_classes that covers the label "
+        "range and map ignore/padding labels (-100, -1) to a valid class before one_hot"
+    ),
+    "multinomial": (
+        "the probabilities hold NaN/Inf or negative values, or a row is all zeros: sample from "
+        "softmax(logits) (never negative), look for NaN upstream, and never mask out a whole row"
+    ),
+}
+"""One hint per op the op guard validates (every op of ``GUARDED_OPS``)."""
+
+
+def op_domain_hint(op: str) -> str | None:
+    """The fix for a guarded op whose inputs were outside its domain; ``None`` for an op without one."""
+    return OP_DOMAIN_HINTS.get(op)
+
+
+def _upstream_hint(module: str) -> str:
+    return f"the input is already non-finite upstream: first non-finite module was `{module}`"
+
+
+# --------------------------------------------------------------------------- autograd nodes
+
+_AUTOGRAD_HINTS: Mapping[str, str] = MappingProxyType(
+    {
+        "SqrtBackward": (
+            "sqrt's gradient 1/(2*sqrt(x)) is infinite at x = 0 (the std of a constant channel, the "
+            "norm of a zero vector): put an eps inside the root, "
+            "torch.sqrt(x.var(dim, unbiased=False, keepdim=True) + eps)."
+        ),
+        "RsqrtBackward": "rsqrt(x) blows up at x = 0: use torch.rsqrt(x + eps).",
+        "DivBackward": (
+            "division by zero or a near-zero denominator (a std or norm of 0 in a normalisation): "
+            "add an eps to the denominator, (x - mean) / (std + 1e-8)."
+        ),
+        "LogBackward": (
+            "log(0) is -inf and its gradient 1/x infinite: clamp first, torch.log(x.clamp_min(eps)), "
+            "or use the stable fused form (log_softmax, BCEWithLogitsLoss, logsumexp)."
+        ),
+        "PowBackward": (
+            "x ** p with p < 1 has an infinite gradient at x = 0 (and a negative base with a "
+            "fractional exponent is NaN): add an eps to the base or clamp it, or use "
+            "torch.linalg.vector_norm for norms."
+        ),
+        "ExpBackward": "exp overflowed: subtract the max first (logsumexp) or clamp the exponent.",
+        "AcosBackward": "acos'/asin' gradient is infinite at +-1: clamp the input to (-1 + eps, 1 - eps).",
+        "AsinBackward": "acos'/asin' gradient is infinite at +-1: clamp the input to (-1 + eps, 1 - eps).",
+        "NormBackward": "the gradient of a norm at a zero vector is 0/0: add an eps, or use a squared norm.",
+        "LinalgVectorNormBackward": "the gradient of a norm at a zero vector is 0/0: add an eps.",
+    }
+)
+
+
+def op_hint(op: str) -> str | None:
+    """The fix for an autograd op that produced NaN, if the op is a known offender.
+
+    Args:
+        op: the backward node's name as anomaly mode prints it, e.g. ``"SqrtBackward0"``.
+
+    Returns:
+        One sentence of advice, or ``None`` for an op without a specific hint.
+
+    Example:
+        >>> op_hint("DivBackward0").startswith("division by zero")
+        True
+    """
+    return _AUTOGRAD_HINTS.get(re.sub(r"\d+$", "", op))
+
+
+# --------------------------------------------------------------------------- optimizer coverage
+
+COVERAGE_PROBLEMS: Mapping[str, tuple[str, str]] = MappingProxyType(
+    {
+        "frozen_in_optimizer": (
+            "frozen parameters (requires_grad=False) handed to an optimizer",
+            "build the optimizer from trainable parameters only, e.g. "
+            "`Adam(p for p in model.parameters() if p.requires_grad)`; weight decay or a later "
+            "unfreeze would otherwise move layers meant to stay fixed",
+        ),
+        "not_in_optimizer": (
+            "trainable parameters in no optimizer",
+            "add them to an optimizer's param groups, or set `requires_grad_(False)` if they are meant to stay fixed",
+        ),
+        "in_several_groups": (
+            "parameters in more than one param group or optimizer",
+            "each parameter must appear once: it is otherwise updated twice per step",
+        ),
+        "no_grad_in_first_step": (
+            "trainable parameters that received no gradient in the first step",
+            "they are unused in the forward pass (or detached): freeze them or remove them "
+            "from the optimizer; under DDP also set find_unused_parameters",
+        ),
+    }
+)
+"""``(problem, hint)`` per code of :data:`lightning_numguard.core.coverage.COVERAGE_CODES`.
+
+Keyed by the codes' strings, so that reading hints never imports torch (``numguard explain``).
+"""
+
+
+def coverage_problem(code: str) -> tuple[str, str]:
+    """``(problem, hint)`` for a coverage code (``"frozen_in_optimizer"``, ...).
+
+    Raises:
+        KeyError: ``code`` is not a coverage code.
+    """
+    return COVERAGE_PROBLEMS[code]
+
+
+def coverage_hint(code: str) -> str:
+    """The hint for a coverage code (the second half of :func:`coverage_problem`)."""
+    return COVERAGE_PROBLEMS[code][1]
+
+
+# --------------------------------------------------------------------------- fill values
+
+FILL_VALUES: Mapping[str, float] = MappingProxyType(
+    {
+        "numpy's masked-array default fill value 1e20": 1e20,
+        "netCDF's default float fill value 9.96921e36": 9.969209968386869e36,
+        "float32's largest value (3.40282e38)": 3.4028234663852886e38,
+        "float64's largest value": 1.7976931348623157e308,
+    }
+)
+"""Sentinel values that mean "missing" in common data stacks, by name."""
+
+
+def fill_value_name(value: float | None) -> str | None:
+    """The name of the known fill value ``value`` equals (within float32 rounding), or ``None``."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return None
+    for name, fill in FILL_VALUES.items():
+        if math.isclose(abs(value), fill, rel_tol=1e-6):
+            return name
+    return None
+
+
+def fill_value_hint(name: str) -> str:
+    """The hint for a batch holding the fill value called ``name`` (a key of :data:`FILL_VALUES`)."""
+    return (
+        f"looks like a masked-array fill value leaked into the batch ({name}); fill masked "
+        "entries with a real value (`np.ma.filled(a, 0)`) and keep the mask as a separate input"
+    )
+
+
+# --------------------------------------------------------------------------- one event
+
+
+def event_hint(kind: str, details: Mapping[str, Any]) -> str:
+    """The advice for one event: what a live message ends with and what ``numguard explain`` shows.
+
+    The most specific hint known: a finding that follows the step's root cause (``details["after"]``)
+    points at it; a fill value, a guarded op, a replayed autograd op or a coverage problem gets
+    its own hint; anything else the hint of its kind.
+
+    Args:
+        kind: the event's kind.
+        details: the event's ``details`` (``max_abs``, ``op``, ``hint``, ``upstream``,
+            ``replay``, ``after``, ``when``, ...; all optional).
+
+    Returns:
+        One sentence; :func:`kind_hint` for a kind without anything more specific.
+    """
+    after = details.get("after")
+    downstream = kind in _DOWNSTREAM_KINDS or (
+        kind == "nonfinite_param" and details.get("when") == "after the forward pass"
+    )
+    if after and downstream:
+        return consequence_hint(after)
+    if kind == "suspicious_input":
+        fill = fill_value_name(details.get("max_abs"))
+        if fill:
+            return fill_value_hint(fill)
+    elif kind == "op_domain":
+        op = details.get("op")
+        hint = details.get("hint") or (op_domain_hint(op) if isinstance(op, str) else None)
+        upstream = details.get("upstream")
+        if upstream:
+            hint = (hint + "; " if hint else "") + _upstream_hint(upstream)
+        if hint:
+            return str(hint)
+    elif kind == "nonfinite_grad":
+        replay = details.get("replay")
+        op = replay.get("op") if isinstance(replay, Mapping) else None
+        specific = op_hint(op) if isinstance(op, str) else None
+        if specific:
+            return specific
+    elif kind == "optimizer_coverage":
+        hint = details.get("hint")
+        if isinstance(hint, str):
+            return hint
+    return kind_hint(kind)
