@@ -19,6 +19,7 @@ site           what goes non-finite
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytorch_lightning as pl
@@ -28,6 +29,18 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 SITES = ("input", "masked", "output", "loss", "grad", "param", "buffer", "opt_state", "op")
+#: Text that the guard's warning about a fault at each site contains (for ``guard_warning``).
+SITE_CULPRIT = {
+    "input": "batch['x']",
+    "masked": "batch['x']",
+    "output": "module `body.1`",
+    "loss": "the loss is non-finite",
+    "grad": "head.weight",
+    "param": "body.0.weight",
+    "buffer": "body.2.running_var",
+    "opt_state": ".exp_avg_sq",
+    "op": "binary_cross_entropy",
+}
 
 
 class FaultData(Dataset):
@@ -190,3 +203,13 @@ def all_finite(state: dict[str, Any]) -> bool:
 
 #: Every per-step check, forward hooks on module outputs included (not a default: replay names the module).
 EVERY_CHECK = ["inputs", "outputs", "ops", "loss", "grads", "params", "optimizer_state"]
+
+
+def guard_warning(culprit: str, step: int | None = None) -> str:
+    """A ``pytest.warns(match=...)`` pattern: the guard's warning naming ``culprit`` at ``step`` on rank 0.
+
+    ``culprit`` is literal text of the message (a place such as ``batch['x']``); ``step=None``
+    accepts any step.
+    """
+    at = r"\d+" if step is None else str(step)
+    return rf"^NumGuard: .*{re.escape(culprit)}.* at step {at} on rank 0"

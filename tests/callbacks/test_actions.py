@@ -10,9 +10,9 @@ import pytest
 import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 
-from lightning_numguard import NonFiniteError, NumGuardCallback, NumGuardConfigError
+from lightning_numguard import NonFiniteError, NumGuardCallback, NumGuardConfigError, NumGuardError
 from lightning_numguard.errors import NumGuardWarning
-from tests.helpers import EVERY_CHECK, FaultData, FaultModel, all_finite, loader, trainer
+from tests.helpers import EVERY_CHECK, SITE_CULPRIT, FaultData, FaultModel, all_finite, guard_warning, loader, trainer
 
 EXPECTED_FIRST = {
     "input": ("nonfinite_input", "batch['x']"),
@@ -41,9 +41,9 @@ def ckpt_files(folder):
 @pytest.mark.parametrize("site", sorted(EXPECTED_FIRST))
 def test_warn_names_the_first_culprit(tmp_path, site):
     # under warn nothing is replayed: module outputs are named by the per-step forward hooks
-    with pytest.warns(NumGuardWarning, match="NumGuard: "):
-        guard, _, t = fit(tmp_path, site, "warn", max_steps=5, guard_kwargs={"check": EVERY_CHECK})
     kind, where = EXPECTED_FIRST[site]
+    with pytest.warns(NumGuardWarning, match=guard_warning(where, 3)):
+        guard, _, t = fit(tmp_path, site, "warn", max_steps=5, guard_kwargs={"check": EVERY_CHECK})
     first = guard.events[0]
     assert (first["kind"], first["where"][0]) == (kind, where)
     assert first["step"] == 3 and first["batch_idx"] == 3 and first["rank"] == 0
@@ -61,9 +61,9 @@ def test_no_events_on_a_clean_run(tmp_path):
 @pytest.mark.parametrize("site", sorted(EXPECTED_FIRST))
 def test_default_checks_name_the_first_culprit(tmp_path, site):
     """Without per-step output hooks, the replay of the bad batch names the module."""
-    with pytest.warns(NumGuardWarning):
-        guard, _, _ = fit(tmp_path, site, "skip")
     kind, where = EXPECTED_FIRST[site]
+    with pytest.warns(NumGuardWarning, match=guard_warning(where, 3)):
+        guard, _, _ = fit(tmp_path, site, "skip")
     first = guard.events[0]
     assert (first["kind"], first["where"][0]) == (kind, where)
     assert first["step"] == 3
@@ -85,7 +85,7 @@ def test_skip_makes_the_step_a_bitwise_no_op(tmp_path, site):
                 self.opt_after = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
 
     cap = Capture()
-    with pytest.warns(NumGuardWarning):
+    with pytest.warns(NumGuardWarning, match=guard_warning(EXPECTED_FIRST[site][1], 3)):
         guard, model, _ = fit(tmp_path, site, "skip", extra=[cap])
     assert guard.counters["skipped_steps"] == 1
     assert cap.before.keys() == cap.after.keys()
@@ -99,7 +99,7 @@ def test_skip_makes_the_step_a_bitwise_no_op(tmp_path, site):
 
 
 def test_skip_escalates_to_rollback_when_the_weights_are_no_longer_finite(tmp_path):
-    with pytest.warns(NumGuardWarning):
+    with pytest.warns(NumGuardWarning, match=guard_warning("body.0.weight", 3)):
         guard, model, _ = fit(tmp_path, "param", "skip")
     assert guard.events[0]["kind"] == "nonfinite_param"
     assert guard.events[0]["action"] == "rollback"
@@ -112,7 +112,7 @@ def test_halt_saves_the_last_finite_state_and_no_callback_saves_poison(tmp_path,
     ckpt_dir = tmp_path / "ckpts"
     saver = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1, save_top_k=-1)
     on_exc = OnExceptionCheckpoint(dirpath=str(tmp_path / "exc"))
-    with pytest.warns(NumGuardWarning):
+    with pytest.warns(NumGuardWarning, match=guard_warning(SITE_CULPRIT[site])):
         guard, model, t = fit(tmp_path, site, "halt", extra=[saver, on_exc], enable_checkpointing=True)
     assert t.should_stop
     assert t.global_step < 8
@@ -134,7 +134,10 @@ def test_halt_saves_the_last_finite_state_and_no_callback_saves_poison(tmp_path,
 
 
 def test_halt_raises_when_min_steps_would_keep_lightning_going(tmp_path):
-    with pytest.warns(NumGuardWarning), pytest.raises(NonFiniteError, match="halted training at step 3"):
+    with (
+        pytest.warns(NumGuardWarning, match=guard_warning("batch['x']", 3)),
+        pytest.raises(NonFiniteError, match="halted training at step 3"),
+    ):
         fit(tmp_path, "input", "halt", min_steps=6)
     assert (tmp_path / "ng" / "last_finite.ckpt").exists()
     ckpt = torch.load(tmp_path / "ng" / "last_finite.ckpt", weights_only=False)
@@ -145,7 +148,7 @@ def test_on_save_checkpoint_never_writes_poisoned_weights(tmp_path):
     # Adam's state goes NaN at step 3; the update makes the weights NaN; ModelCheckpoint saves at the
     # end of that step, before the next step's read could see it.
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1)
-    with pytest.warns(NumGuardWarning):
+    with pytest.warns(NumGuardWarning, match=guard_warning("`checkpoint` while saving a checkpoint")):
         guard, model, _ = fit(tmp_path, "opt_state", "rollback", extra=[saver], enable_checkpointing=True)
     for f in ckpt_files(str(tmp_path / "ckpts")):
         assert all_finite(torch.load(f, weights_only=False)["state_dict"]), f
@@ -155,7 +158,7 @@ def test_on_save_checkpoint_never_writes_poisoned_weights(tmp_path):
 
 def test_optimizer_state_check_catches_poisoned_moments_before_the_step(tmp_path):
     checks = ["inputs", "outputs", "loss", "grads", "params", "optimizer_state"]
-    with pytest.warns(NumGuardWarning):
+    with pytest.warns(NumGuardWarning, match=guard_warning(".exp_avg_sq`", 3)):
         guard, model, _ = fit(tmp_path, "opt_state", "rollback", guard_kwargs={"check": checks})
     first = guard.events[0]
     assert first["kind"] == "nonfinite_param" and first["step"] == 3
@@ -259,7 +262,10 @@ def test_coverage_reports_frozen_layers_once_and_can_raise(tmp_path):
     assert coverage[0]["action"] == "none"
 
     strict = NumGuardCallback(dirpath=str(tmp_path / "ng2"), check_optimizer_coverage="error")
-    with pytest.warns(NumGuardWarning), pytest.raises(Exception, match="frozen parameters"):
+    with (
+        pytest.warns(NumGuardWarning, match="frozen parameters"),
+        pytest.raises(NumGuardError, match="frozen parameters"),
+    ):
         trainer(tmp_path, [strict], max_steps=3).fit(Frozen(), loader(FaultData()))
     off = NumGuardCallback(dirpath=str(tmp_path / "ng3"), check_optimizer_coverage="off")
     trainer(tmp_path, [off], max_steps=3).fit(Frozen(), loader(FaultData()))
@@ -290,7 +296,7 @@ def test_large_finite_gradients_are_not_incidents(tmp_path):
 
 
 def test_gradient_accumulation_attributes_the_bad_micro_batch(tmp_path):
-    with pytest.warns(NumGuardWarning):
+    with pytest.warns(NumGuardWarning, match=guard_warning("batch['x']", 0)):
         guard, model, t = fit(tmp_path, "input", "rollback", step=1, max_steps=4, accumulate_grad_batches=2)
     # batch 1 (poisoned by FaultData(bad_batch=1)) is the second micro-batch of step 0
     first = guard.events[0]
@@ -333,7 +339,7 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
 
 
 def test_skip_escalates_on_poisoned_optimizer_state(tmp_path):
-    with pytest.warns(NumGuardWarning):
+    with pytest.warns(NumGuardWarning, match=guard_warning(".exp_avg_sq")):
         guard, model, _ = fit(tmp_path, "opt_state", "skip")
     assert guard.events[0]["kind"] == "nonfinite_param"
     assert guard.events[0]["action"] == "rollback"
@@ -370,8 +376,6 @@ def test_buffers_non_finite_by_design_are_left_unchecked(tmp_path):
     ],
 )
 def test_malformed_callback_state_is_refused_and_nothing_changes(state, key):
-    from lightning_numguard import NumGuardError
-
     guard = NumGuardCallback()
     guard.load_state_dict({"counters": {"rollbacks": 2}, "quarantined": [{"batch_idx": 1, "step": 4}]})
     before = guard.state_dict()
