@@ -119,7 +119,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_float32_matmul_precision("high")
     t_start = time.perf_counter()
     result: dict[str, Any] = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": " ".join(
+            [os.path.basename(sys.executable), "-m", __spec__.name if __spec__ else __name__]
+            + (sys.argv[1:] if argv is None else argv)
+        ),
         "environment": environment(args),
         "config": {
             k: getattr(args, k)

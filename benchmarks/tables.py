@@ -55,11 +55,11 @@ class Verdict:
         fmt = {"×": ".3f", "reads/step": ".1f", "%": ".2f"}.get(self.unit, ".2f")
         if self.value is None or self.met is None:
             return f"- {self.what}: not measured{': ' + self.note if self.note else ''}"
-        value = f"{self.value:{fmt}}"
-        verdict = "met" if self.met else f"**MISSED** by {self.value - self.target:{fmt}}"
+        unit = self.unit if self.unit in ("×", "%") else f" {self.unit}"
+        verdict = "met" if self.met else f"**MISSED** by {self.value - self.target:{fmt}}{unit}"
         note = f" ({self.note})" if self.note else ""
         return (
-            f"- {self.what}: {value} {self.unit} [{self.clock}] — target ≤ {self.target:g} {self.unit}: {verdict}{note}"
+            f"- {self.what}: {self.value:{fmt}}{unit} [{self.clock}] — target ≤ {self.target:g}{unit}: {verdict}{note}"
         )
 
     def to_json(self) -> dict[str, Any]:
