@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # NumGuard overhead on one CUDA GPU: a ~134M-parameter transformer LM in bf16-mixed, every variant
-# of benchmarks/overhead.py interleaved, timed with CUDA events. Finishes in under 5 minutes.
+# of `python -m benchmarks.overhead` interleaved, timed with CUDA events. Finishes in under 5 minutes.
 #
 #   benchmarks/gpu.sh OUTDIR
 #
 # Needs python3 with torch (CUDA), pytorch-lightning, torchmetrics and tensorboard; no network:
-# it runs this checkout through PYTHONPATH (nothing is installed or downloaded) and makes its data
+# it runs this checkout as `python3 -m benchmarks.overhead` from the repository root, with the root on
+# PYTHONPATH too (nothing is installed or downloaded) and makes its data
 # in process. Writes OUTDIR/overhead.json, OUTDIR/overhead.md, OUTDIR/run.log (and
 # OUTDIR/nvidia-smi.txt when nvidia-smi exists).
 set -euo pipefail
@@ -47,7 +48,7 @@ PY
 
 # --budget-s keeps the whole run (timed rounds, host-read counts, cProfile, micro) inside ~4.5 min;
 # rounds beyond what fits are dropped, never fewer than 2.
-python3 benchmarks/overhead.py \
+python3 -m benchmarks.overhead \
     --device cuda --precision bf16-mixed --lm-size 100m --models lm \
     --rounds 6 --steps 30 --warmup 8 --count-steps 6 --micro-reps 30 \
     --budget-s 240 --profile --out "$OUTDIR" 2>&1 | tee "$OUTDIR/run.log"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import inspect
 import os
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 
 from lightning_numguard import NonFiniteError, NumGuardCallback, NumGuardConfigError, NumGuardError
+from lightning_numguard.core.syncs import SyncCounter
 from lightning_numguard.errors import NumGuardWarning
 from tests.helpers import EVERY_CHECK, SITE_CULPRIT, FaultData, FaultModel, all_finite, guard_warning, loader, trainer
 
@@ -166,47 +166,26 @@ def test_optimizer_state_check_catches_poisoned_moments_before_the_step(tmp_path
     assert all_finite(model.state_dict())
 
 
-SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy", "__index__")
-
-
-def test_at_most_one_host_sync_per_training_step(tmp_path, monkeypatch):
-    """Counts synchronising calls whose caller is the guard's code during the training steps."""
-    package = os.path.dirname(inspect.getfile(NumGuardCallback)).rsplit(os.sep, 1)[0]
-    counts = {"in_step": 0, "steps": 0}
-    in_step = {"on": False}
+def test_at_most_one_host_sync_per_training_step(tmp_path):
+    """Counts the host reads the guard causes (a guard frame on the stack) during the training steps."""
+    counter = SyncCounter(package="lightning_numguard")
 
     class Window(Callback):
         def on_train_batch_start(self, *a):
-            in_step["on"] = True
-            counts["steps"] += 1
+            counter.step_started()
 
         def on_train_batch_end(self, *a):
-            in_step["on"] = False
+            counter.step_ended()
 
-    originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
-
-    def counting(name):
-        orig = originals[name]
-
-        def wrapper(self, *args, **kwargs):
-            caller = inspect.currentframe().f_back
-            if in_step["on"] and caller.f_code.co_filename.startswith(package):
-                counts["in_step"] += 1
-            return orig(self, *args, **kwargs)
-
-        return wrapper
-
-    for name in SYNC_METHODS:
-        monkeypatch.setattr(torch.Tensor, name, counting(name))
     # the guard first, so its on_train_batch_end runs before the window closes
     guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=2)
     model = FaultModel()
     t = trainer(tmp_path, [Window(), guard], max_steps=8)
     t.callbacks = [c for c in t.callbacks if c is not guard] + [guard]
-    t.fit(model, loader(FaultData()))
-    monkeypatch.undo()
-    assert counts["steps"] == 8
-    assert counts["in_step"] == 8  # exactly one read per step, snapshot steps included
+    with counter:
+        t.fit(model, loader(FaultData()))
+    assert len(counter.step_total) == 8
+    assert counter.caused == 8, counter.sites  # exactly one read per step, snapshot steps included
 
 
 @pytest.mark.parametrize(

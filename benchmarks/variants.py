@@ -1,0 +1,90 @@
+"""The variants compared by ``benchmarks.overhead``: name -> (extra ``Trainer`` kwargs, callbacks).
+
+Variants:
+  baseline                      plain ``pl.Trainer`` (logger=False, no checkpointing, progress bar, summary)
+  numguard_default              ``NumGuardCallback()`` (default checks, snapshot every 50 steps)
+  numguard_all                  every check every step: output hooks, parameters, optimizer state
+  numguard_all_no_outputs       every check but ``outputs`` (the forward hooks off)
+  numguard_no_ops               defaults without ``ops`` (no TorchFunctionMode)
+  numguard_snapshot_every_step  defaults with ``snapshot_every_n_steps=1``
+  detect_anomaly                ``Trainer(detect_anomaly=True)``
+  spike_detection               Lightning's ``SpikeDetection`` callback (loss spikes, ``mode="min"``)
+  naive_isfinite                ``bool(torch.isfinite(p.grad).all())`` per parameter tensor,
+                                in ``on_before_optimizer_step``
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from pytorch_lightning.callbacks import Callback, SpikeDetection
+
+from lightning_numguard.callbacks import NumGuardCallback
+
+__all__ = ["ALL_CHECKS", "DEFAULT_CHECKS", "VARIANTS", "NaiveIsFinite", "incidents", "make_variant"]
+
+VARIANTS = (
+    "baseline",
+    "numguard_default",
+    "numguard_all",
+    "numguard_all_no_outputs",
+    "numguard_no_ops",
+    "numguard_snapshot_every_step",
+    "detect_anomaly",
+    "spike_detection",
+    "naive_isfinite",
+)
+ALL_CHECKS = ["inputs", "outputs", "ops", "loss", "grads", "buffers", "params", "optimizer_state"]
+DEFAULT_CHECKS = list(inspect.signature(NumGuardCallback).parameters["check"].default)
+
+
+class NaiveIsFinite(Callback):
+    """What people write first: one ``bool()`` (a host sync on GPU) per gradient tensor."""
+
+    def __init__(self) -> None:
+        self.bad_steps = 0
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        for p in pl_module.parameters():
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                self.bad_steps += 1
+                optimizer.zero_grad(set_to_none=True)
+                return
+
+
+def make_variant(name: str, tmp: Path) -> tuple[dict[str, Any], list[Callback]]:
+    """``(extra Trainer kwargs, callbacks)`` for variant ``name``; fresh objects every call."""
+    ng = str(tmp / "numguard")
+    if name == "baseline":
+        return {}, []
+    if name == "numguard_default":
+        return {}, [NumGuardCallback(dirpath=ng)]
+    if name == "numguard_all":
+        return {}, [NumGuardCallback(dirpath=ng, check=list(ALL_CHECKS))]
+    if name == "numguard_snapshot_every_step":
+        return {}, [NumGuardCallback(dirpath=ng, snapshot_every_n_steps=1)]
+    if name == "numguard_all_no_outputs":
+        return {}, [NumGuardCallback(dirpath=ng, check=[c for c in ALL_CHECKS if c != "outputs"])]
+    if name == "numguard_no_ops":
+        return {}, [NumGuardCallback(dirpath=ng, check=[c for c in DEFAULT_CHECKS if c != "ops"])]
+    if name == "detect_anomaly":
+        return {"detect_anomaly": True}, []
+    if name == "spike_detection":
+        return {}, [SpikeDetection(mode="min", exclude_batches_path=str(tmp / "spike"))]
+    if name == "naive_isfinite":
+        return {}, [NaiveIsFinite()]
+    raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
+
+
+def incidents(callbacks: list[Callback]) -> int:
+    """Incidents the variant's callbacks recorded in one fit (none is expected: the data is finite)."""
+    n = 0
+    for cb in callbacks:
+        if isinstance(cb, NumGuardCallback):
+            n += sum(1 for e in cb.events if e["kind"] != "optimizer_coverage")
+        if isinstance(cb, NaiveIsFinite):
+            n += cb.bad_steps
+    return n
