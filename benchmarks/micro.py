@@ -1,6 +1,6 @@
 """Micro-measurements of the guard's building blocks, interleaved, median of many calls.
 
-(a) the gradient check alone (``norm_candidates`` + ``nonfinite_any``) against the AdamW
+(a) the gradient check alone (``norm_candidates`` + one ``isfinite``) against the AdamW
     ``optimizer.step()`` on the same parameters, and the alternatives: ``_foreach_norm(ord=inf)``,
     per-tensor ``isfinite().all()`` (stacked, no sync; and with one ``bool()`` per tensor),
     ``torch._amp_foreach_non_finite_check_and_unscale_``;
@@ -108,11 +108,11 @@ def grad_check(
     inv_scale = torch.ones(1, device=grads[0].device)
 
     def numguard_grads() -> torch.Tensor:
-        return checks.nonfinite_any(checks.norm_candidates(grads))
+        return (~torch.isfinite(checks.norm_candidates(grads))).any()
 
     def numguard_params_and_grads() -> torch.Tensor:
         # what the default check set (which includes "params") norms in the one read per step
-        return checks.nonfinite_any(checks.norm_candidates(tensors + grads))
+        return (~torch.isfinite(checks.norm_candidates(tensors + grads))).any()
 
     def foreach_norm_inf() -> torch.Tensor:
         return (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))).any()
@@ -180,7 +180,7 @@ def snapshot_and_restore(
 
     def optimizer_state_check() -> torch.Tensor:
         # the callback verifies the optimizer state finite before each snapshot
-        return checks.nonfinite_any(checks.norm_candidates(opt_state))
+        return (~torch.isfinite(checks.norm_candidates(opt_state))).any()
 
     times = interleaved(
         {"capture": do_capture, "optimizer_state_check": optimizer_state_check, "restore": do_restore},

@@ -10,7 +10,6 @@ are reached through the trainer passed in), so ``core/`` may use it too.
 from __future__ import annotations
 
 import logging
-import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,14 +111,10 @@ def nn_bindings() -> Any:
     """``torch._C._nn``, where the raw loss bindings that ``nn.*Loss`` reach live.
 
     The op guard matches these function objects to see calls that bypass ``torch.nn.functional``.
-    If the namespace is gone, an empty one is returned: those raw forms are then not guarded
-    (``F.*`` and ``torch.*`` forms still are) and a debug line says so.
+    If the namespace is gone, ``None`` is returned: those raw forms are then not guarded
+    (``F.*`` and ``torch.*`` forms still are) and the op table's debug line says so.
     """
-    bindings = getattr(getattr(torch, "_C", None), "_nn", None)
-    if bindings is None:  # pragma: no cover - present in every supported torch
-        log.debug("torch._C._nn is missing: raw loss bindings are not guarded")
-        return types.SimpleNamespace()
-    return bindings
+    return getattr(getattr(torch, "_C", None), "_nn", None)
 
 
 def sync_scheduler_last_lr(scheduler: Any) -> None:

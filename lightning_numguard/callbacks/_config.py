@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
+from lightning_numguard.core.events import Action
 from lightning_numguard.errors import NumGuardConfigError
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
     "positive_or_none",
 ]
 
-Action = Literal["warn", "skip", "rollback", "halt"]
 Check = Literal["inputs", "outputs", "ops", "loss", "grads", "buffers", "params", "optimizer_state"]
 ACTIONS: tuple[str, ...] = get_args(Action)
 CHECKS: tuple[str, ...] = get_args(Check)

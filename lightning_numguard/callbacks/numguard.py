@@ -31,10 +31,11 @@ from lightning_numguard.callbacks._ledger import Ledger
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
 from lightning_numguard.core import checks, policy
 from lightning_numguard.core import flags as slots
-from lightning_numguard.core.coverage import check_coverage, never_got_grad
+from lightning_numguard.core.coverage import NO_GRAD_IN_FIRST_STEP, check_coverage, never_got_grad
 from lightning_numguard.core.findings import Finding
 from lightning_numguard.core.quarantine import parse_state, position_key
 from lightning_numguard.errors import NonFiniteError, NumGuardError
+from lightning_numguard.reporting.hints import coverage_problem
 from lightning_numguard.reporting.report import Reporter
 
 __all__ = ["CHECKS", "DEFAULT_CHECKS", "NumGuardCallback"]
@@ -284,9 +285,7 @@ class NumGuardCallback(Callback):
         self._inspector.resolve(pl_module, self._recovery.stateful)
         if self.check_optimizer_coverage != "off":
             problems = check_coverage(pl_module, trainer.optimizers).problems()
-            self._coverage(
-                trainer, [Finding("optimizer_coverage", n, {"problem": p, "hint": h}) for p, n, h in problems]
-            )
+            self._coverage(trainer, [_coverage_finding(code, names) for code, names in problems])
         named = self._inspector.state(trainer, with_optimizer=True)
         bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]  # once per fit
         bad = self._inspector.leave_unchecked(_distributed.any_rank(trainer, bad))
@@ -502,12 +501,7 @@ class NumGuardCallback(Callback):
         self._coverage_grad_checked = True
         missing = never_got_grad(pl_module, [p for g in optimizer.param_groups for p in g["params"]])
         if missing:
-            details = {
-                "problem": "trainable parameters that received no gradient in the first step",
-                "hint": "they are unused in the forward pass (or detached): freeze them or remove them "
-                "from the optimizer; under DDP also set find_unused_parameters",
-            }
-            self._coverage(trainer, [Finding("optimizer_coverage", missing, details)])
+            self._coverage(trainer, [_coverage_finding(NO_GRAD_IN_FIRST_STEP, missing)])
 
     def _coverage(self, trainer: pl.Trainer, findings: list[Finding]) -> None:
         if not findings:
@@ -516,3 +510,8 @@ class NumGuardCallback(Callback):
         self._ledger.record(trainer, events)
         if self.check_optimizer_coverage == "error":
             raise NumGuardError("NumGuard: " + " | ".join(e["message"] for e in events))
+
+
+def _coverage_finding(code: str, names: list[str]) -> Finding:
+    problem, hint = coverage_problem(code)
+    return Finding("optimizer_coverage", names, {"problem": problem, "hint": hint, "code": code})

@@ -28,12 +28,10 @@ import torch
 from lightning_numguard._compat import foreach_norm_f32
 
 __all__ = [
-    "any_nonfinite_candidate",
     "confirm_nonfinite",
     "is_checkable",
     "max_abs",
     "max_abs_total",
-    "nonfinite_any",
     "norm_candidates",
     "norm_total",
     "tensor_stats",
@@ -104,21 +102,9 @@ def norm_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.T
     return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
 
 
-def any_nonfinite_candidate(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """0-d float32 on ``device``: 1.0 if some tensor's float32 L2 norm is non-finite; no sync."""
-    return (~torch.isfinite(norm_total(tensors, device))).to(torch.float32)
-
-
 def is_checkable(t: torch.Tensor) -> bool:
-    """Whether ``t`` can go to :func:`any_nonfinite_candidate` as it is (strided, floating, non-empty)."""
+    """Whether ``t`` can go to :func:`norm_total` as it is (strided, floating, non-empty)."""
     return t.layout is torch.strided and t.is_floating_point() and t.numel() > 0
-
-
-def nonfinite_any(values: torch.Tensor) -> torch.Tensor:
-    """0-d float32 tensor: 1.0 if any entry of ``values`` is non-finite, else 0.0 (no sync)."""
-    if values.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=values.device)
-    return (~torch.isfinite(values)).any().to(torch.float32)
 
 
 def max_abs(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_numguard.core.opguard import GUARDED_OPS, OpGuard
-from lightning_numguard.reporting.op_hints import OP_DOMAIN_HINTS
+from lightning_numguard.reporting.hints import OP_DOMAIN_HINTS
 
 NAN = float("nan")
 INF = float("inf")

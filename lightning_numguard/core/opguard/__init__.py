@@ -22,7 +22,7 @@ The package is split by concern:
   ``Tensor.*``, ``torch._C._nn.*``); a name this torch lacks is left out, never an import error;
 - ``mode``: :class:`OpGuard`, :class:`OpRecord` and :func:`describe`.
 
-The advice shown for each op lives outside ``core``, in ``lightning_numguard.reporting.op_hints``.
+The advice shown for each op lives outside ``core``, in ``lightning_numguard.reporting.hints``.
 
 Example:
     >>> import torch

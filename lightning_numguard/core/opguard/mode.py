@@ -56,7 +56,7 @@ def describe(record: OpRecord) -> dict[str, object]:
     ``min``/``max`` are the smallest and largest offending values, NaN left out (``None``
     when there are none); ``nan_count`` says how many were NaN. ``first_indices`` holds
     up to five multi-indices of offending elements into ``record.checked``. The advice for
-    the op is not here: it is ``lightning_numguard.reporting.op_hints.OP_DOMAIN_HINTS[op]``.
+    the op is not here: it is ``lightning_numguard.reporting.hints.OP_DOMAIN_HINTS[op]``.
 
     Returns:
         ``op``, ``module``, ``rule``, ``count``, ``nan_count``, ``min``, ``max`` and ``first_indices``.

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_numguard._compat import nn_bindings
 from lightning_numguard.core.opguard.rules import (
     Check,
     check_class_targets,
@@ -193,5 +194,5 @@ def _build_forms(
     return forms
 
 
-FORMS: dict[Callable[..., Any], _Form] = _build_forms(getattr(torch._C, "_nn", None))
+FORMS: dict[Callable[..., Any], _Form] = _build_forms(nn_bindings())
 """Every guarded function object of this torch, to its form."""
