@@ -156,3 +156,22 @@ def test_each_core_module_itself_is_lightning_free() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert _ok_lines(result.stdout) == CORE_MODULES
+
+
+#: The table tests of the pure decisions: they must run with Lightning unimportable.
+PURE_TABLE_TESTS = ("test_policy.py", "test_flags.py", "test_findings.py", "test_quarantine.py", "test_replay.py")
+
+
+def test_the_decision_tables_run_without_lightning() -> None:
+    """The policy, flag, finding, quarantine and replay tables pass in an interpreter that cannot import Lightning."""
+    files = [str(REPO / "tests" / "core" / name) for name in PURE_TABLE_TESTS]
+    result = _run(
+        f"""
+        import pytest
+        code = pytest.main(["-q", "-p", "no:cacheprovider", *{files!r}])
+        leaked = sorted(m for m in sys.modules if m.partition(".")[0] in BLOCKED)
+        print("EXIT", int(code), "LEAKED", leaked)
+        """
+    )
+    assert "EXIT 0 LEAKED []" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout
