@@ -8,6 +8,9 @@ collaborators with one job each (see ``ARCHITECTURE.md``):
 * :mod:`lightning_numguard.core.policy`: what to do about it;
 * :class:`~lightning_numguard.callbacks._recovery.Recovery`: snapshots, skip, rollback, retry, halt;
 * :class:`~lightning_numguard.callbacks._ledger.Ledger`: events and counters, handed to reporting.
+
+The file is longer than the project's ~400-line guide only because of the class docstring: it is the
+contract, the ``--help`` text of LightningCLI and the documentation of every argument.
 """
 
 from __future__ import annotations
@@ -25,17 +28,16 @@ from typing_extensions import override
 from lightning_numguard import _compat
 from lightning_numguard.callbacks import _config, _distributed
 from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action
+from lightning_numguard.callbacks._coverage import CoverageCheck
 from lightning_numguard.callbacks._diagnosis import diagnose
 from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
 from lightning_numguard.callbacks._ledger import Ledger
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
 from lightning_numguard.core import checks, policy
 from lightning_numguard.core import flags as slots
-from lightning_numguard.core.coverage import NO_GRAD_IN_FIRST_STEP, check_coverage, never_got_grad
 from lightning_numguard.core.findings import Finding
 from lightning_numguard.core.quarantine import parse_state, position_key
 from lightning_numguard.errors import NonFiniteError, NumGuardError
-from lightning_numguard.reporting.hints import coverage_problem
 from lightning_numguard.reporting.report import Reporter
 
 __all__ = ["CHECKS", "DEFAULT_CHECKS", "NumGuardCallback"]
@@ -198,7 +200,7 @@ class NumGuardCallback(Callback):
             self.retry_transient,
             self.quarantine,
         )
-        self._coverage_grad_checked = False
+        self._coverage = CoverageCheck(self.check_optimizer_coverage)
 
     # ------------------------------------------------------------------ public state
 
@@ -283,9 +285,7 @@ class NumGuardCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._recovery.stateful = stateful_objects(trainer, pl_module)
         self._inspector.resolve(pl_module, self._recovery.stateful)
-        if self.check_optimizer_coverage != "off":
-            problems = check_coverage(pl_module, trainer.optimizers).problems()
-            self._coverage(trainer, [_coverage_finding(code, names) for code, names in problems])
+        self._coverage.at_fit_start(trainer, pl_module, self._ledger)
         named = self._inspector.state(trainer, with_optimizer=True)
         bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]  # once per fit
         bad = self._inspector.leave_unchecked(_distributed.any_rank(trainer, bad))
@@ -403,7 +403,7 @@ class NumGuardCallback(Callback):
         rec = self._inspector.record
         assert rec is not None
         if optimizer is not None and rec.forced_skip is None:
-            self._check_grad_coverage(trainer, pl_module, optimizer)
+            self._coverage.at_first_step(trainer, pl_module, optimizer, self._ledger)
         due = policy.snapshot_due(
             self.action, trainer.global_step, self._recovery.last_snapshot_step, self.snapshot_every_n_steps
         )
@@ -493,25 +493,3 @@ class NumGuardCallback(Callback):
                 f"NumGuard: the weights or optimizer state are already non-finite at fit start ({bad[:3]}); "
                 "there is no finite state to protect. Resume from an earlier checkpoint."
             )
-
-    def _check_grad_coverage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        """Once per fit, at the first optimizer step: trainable parameters that got no gradient."""
-        if self._coverage_grad_checked or self.check_optimizer_coverage == "off":
-            return
-        self._coverage_grad_checked = True
-        missing = never_got_grad(pl_module, [p for g in optimizer.param_groups for p in g["params"]])
-        if missing:
-            self._coverage(trainer, [_coverage_finding(NO_GRAD_IN_FIRST_STEP, missing)])
-
-    def _coverage(self, trainer: pl.Trainer, findings: list[Finding]) -> None:
-        if not findings:
-            return
-        events = [self._ledger.event(trainer, f, trainer.global_step, "none") for f in findings]
-        self._ledger.record(trainer, events)
-        if self.check_optimizer_coverage == "error":
-            raise NumGuardError("NumGuard: " + " | ".join(e["message"] for e in events))
-
-
-def _coverage_finding(code: str, names: list[str]) -> Finding:
-    problem, hint = coverage_problem(code)
-    return Finding("optimizer_coverage", names, {"problem": problem, "hint": hint, "code": code})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,28 +35,24 @@ def select_modules(
 
 
 class _Hook:
-    """A forward (pre-)hook bound weakly to its watch.
+    """A forward hook bound weakly to its watch.
 
     ``copy.deepcopy(model)`` (EMA, SWA) copies hooks along with the model; the weak
     reference is shared, not copied, and the ``id`` check makes the copy's hooks inert.
     """
 
-    __slots__ = ("module_id", "pre", "slot", "watch")
+    __slots__ = ("module_id", "slot", "watch")
 
-    def __init__(self, watch: OutputWatch, slot: int, module_id: int, pre: bool) -> None:
+    def __init__(self, watch: OutputWatch, slot: int, module_id: int) -> None:
         self.watch = weakref.ref(watch)
         self.slot = slot
         self.module_id = module_id
-        self.pre = pre
 
-    def __call__(self, module: nn.Module, args: Any, output: Any = None) -> None:
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         watch = self.watch()
         if watch is None or id(module) != self.module_id:
             return
-        if self.pre:
-            watch._enter(self.slot)
-        else:
-            watch._exit(self.slot, output)
+        watch._exit(self.slot, output)
 
 
 class OutputWatch:
@@ -73,9 +69,6 @@ class OutputWatch:
         root: the module whose submodules are watched.
         include: glob patterns of qualified names to watch.
         exclude: glob patterns of qualified names not to watch.
-        on_enter: called with the qualified name of each module as its forward starts and with
-            the enclosing module's name (or ``None``) as it ends; used by the op guard to say
-            which module called an op. ``None`` registers no pre-hooks.
     """
 
     def __init__(
@@ -83,14 +76,11 @@ class OutputWatch:
         root: nn.Module,
         include: Sequence[str] = ("*",),
         exclude: Sequence[str] = (),
-        on_enter: Callable[[str | None], None] | None = None,
     ) -> None:
         modules = select_modules(root, include, exclude)
         self.names: list[str] = [n for n, _ in modules]
         self._modules = [weakref.ref(m) for _, m in modules]
-        self._on_enter = on_enter
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._stack: list[int] = []
         self._last_out: torch.Tensor | None = None
         self.records: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
         self.enabled = True
@@ -103,9 +93,7 @@ class OutputWatch:
             module = ref()
             if module is None:
                 continue
-            self._handles.append(module.register_forward_hook(_Hook(self, slot, id(module), pre=False)))
-            if self._on_enter is not None:
-                self._handles.append(module.register_forward_pre_hook(_Hook(self, slot, id(module), pre=True)))
+            self._handles.append(module.register_forward_hook(_Hook(self, slot, id(module))))
 
     def detach(self) -> None:
         """Remove every hook this watch registered."""
@@ -121,18 +109,9 @@ class OutputWatch:
     def reset(self) -> None:
         """Forget the records of the current step."""
         self.records.clear()
-        self._stack.clear()
         self._last_out = None
 
-    def _enter(self, slot: int) -> None:
-        self._stack.append(slot)
-        if self._on_enter is not None:
-            self._on_enter(self.names[slot])
-
     def _exit(self, slot: int, output: Any) -> None:
-        if self._on_enter is not None and self._stack:
-            self._stack.pop()
-            self._on_enter(self.names[self._stack[-1]] if self._stack else None)
         if not self.enabled or not torch.is_grad_enabled():
             return
         if isinstance(output, torch.Tensor):

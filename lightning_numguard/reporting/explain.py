@@ -5,8 +5,8 @@ Pure functions, shared by ``numguard explain`` and anything else that wants the 
 - :func:`~lightning_numguard.core.events.read_events` (the one reader) reads ``events.jsonl``
   leniently (corrupt lines become *problems*);
 - :func:`format_report` turns events into a readable incident report;
-- :func:`explain_log` matches a log or traceback of an unguarded run against
-  :data:`~lightning_numguard.reporting.catalogue.CATALOGUE`;
+- :func:`~lightning_numguard.reporting.logs.explain_log` (re-exported here) matches a log or
+  traceback of an unguarded run against :data:`~lightning_numguard.reporting.catalogue.CATALOGUE`;
 - :func:`explain` / :func:`explain_path` decide which of the two a path is and return the
   report with its exit code.
 
@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import json
 import os
-import string
-import textwrap
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from enum import IntEnum
 from pathlib import Path
@@ -31,8 +29,8 @@ from types import MappingProxyType
 from typing import Any
 
 from lightning_numguard.core.events import ACTIONS, REQUIRED_FIELDS, read_events
-from lightning_numguard.reporting.catalogue import CATALOGUE, Pattern
 from lightning_numguard.reporting.hints import event_hint, kind_hint, op_hint
+from lightning_numguard.reporting.logs import Match, explain_log, format_log_report, wrap
 
 __all__ = [
     "EVENTS_FILENAME",
@@ -206,9 +204,9 @@ def format_report(
         f"First culprit: {culprit['kind']} at {_where(culprit, limit=None)}",
         f"  step {culprit['step']}, epoch {culprit['epoch']}, batch {culprit['batch_idx']}, "
         f"rank {culprit['rank']}; action: {culprit['action']}",
-        _wrap("  message: ", culprit["message"]),
+        wrap("  message: ", culprit["message"]),
         *_extras(culprit, indent="  "),
-        _wrap("  hint:    ", _event_hint(culprit)),
+        wrap("  hint:    ", _event_hint(culprit)),
         "",
         "Timeline (in recorded order; '>' marks the first culprit)",
     ]
@@ -234,14 +232,8 @@ def format_report(
     counts = ", ".join(f"{action} {count}" for action, count in summary["actions"].items())
     lines += ["", f"Actions taken: {counts}", "", "Hints"]
     for kind, count in summary["kinds"].items():
-        lines.append(_wrap(f"  {kind} ({count}): ", kind_hint(kind), indent="    "))
+        lines.append(wrap(f"  {kind} ({count}): ", kind_hint(kind), indent="    "))
     return "\n".join(lines)
-
-
-def _wrap(label: str, text: str, *, indent: str | None = None) -> str:
-    """``label`` + ``text``, wrapped at ``_WIDTH`` with continuation lines aligned under the text."""
-    subsequent = " " * len(label) if indent is None else indent
-    return textwrap.fill(text, _WIDTH, initial_indent=label, subsequent_indent=subsequent, break_on_hyphens=False)
 
 
 def _columns(cells: Sequence[str], widths: Sequence[int]) -> str:
@@ -296,138 +288,6 @@ def _key_values(mapping: Mapping[str, Any]) -> str:
 
 def _scalar(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
-
-
-# --------------------------------------------------------------------------- text logs
-
-
-@dataclass(frozen=True)
-class Match:
-    """One catalogue entry found in a log.
-
-    Attributes:
-        pattern: the catalogue entry.
-        line_no: the 1-based number of the first line it matched.
-        line: that line, stripped (and shortened when very long).
-        count: how many lines it matched in all.
-        groups: the named groups of the first match (``op`` for anomaly mode, ...).
-    """
-
-    pattern: Pattern
-    line_no: int
-    line: str
-    count: int = 1
-    groups: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        """The catalogue entry's name."""
-        return self.pattern.name
-
-    @property
-    def cause(self) -> str:
-        """The likely cause, with the matched details (op, parameter, ...) filled in."""
-        return _fill(self.pattern.cause, self.groups)
-
-    @property
-    def fix(self) -> str:
-        """The fix, with an op-specific hint when the match names a known op."""
-        fix = _fill(self.pattern.fix, self.groups)
-        specific = op_hint(self.groups["op"]) if "op" in self.groups else None
-        return fix if specific is None else f"{specific} {fix}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable view, for ``--json``."""
-        return {
-            "name": self.name,
-            "line_no": self.line_no,
-            "line": self.line,
-            "count": self.count,
-            "groups": dict(self.groups),
-            "cause": self.cause,
-            "fix": self.fix,
-            "hint_kind": self.pattern.hint_kind,
-            "follow_on": self.pattern.follow_on,
-        }
-
-
-class _Keep(dict[str, str]):
-    def __missing__(self, key: str) -> str:
-        return "{" + key + "}"
-
-
-def _fill(template: str, groups: Mapping[str, str]) -> str:
-    return string.Formatter().vformat(template, (), _Keep(groups))
-
-
-def explain_log(text: str | Iterable[str], catalogue: Sequence[Pattern] = CATALOGUE) -> list[Match]:
-    """Find every known failure signature in a log or traceback.
-
-    Each line is attributed to the first catalogue entry that matches it (the catalogue is in
-    severity order, most specific first). Every entry found is reported once, at its first line.
-
-    Args:
-        text: the log, as one string or as lines.
-        catalogue: the entries to look for.
-
-    Returns:
-        The matches ordered by the line where each first appears, follow-on errors (cuBLAS,
-        cuDNN, a generic device-side assert) after every real cause: the first match is the
-        likely root cause. Empty when nothing is recognised.
-
-    Example:
-        >>> [m.name for m in explain_log("RuntimeError: all elements of input should be between 0 and 1")]
-        ['bce_input_range']
-    """
-    lines = text.splitlines() if isinstance(text, str) else text
-    first: dict[str, Match] = {}
-    counts: Counter[str] = Counter()
-    for line_no, line in enumerate(lines, start=1):
-        for pattern in catalogue:
-            found = pattern.regex.search(line)
-            if found is None:
-                continue
-            counts[pattern.name] += 1
-            if pattern.name not in first:
-                groups = {key: value for key, value in found.groupdict().items() if value is not None}
-                first[pattern.name] = Match(pattern, line_no, _quote(line), 1, groups)
-            break
-    matches = [
-        Match(match.pattern, match.line_no, match.line, counts[name], match.groups) for name, match in first.items()
-    ]
-    return sorted(matches, key=lambda match: (match.pattern.follow_on, match.line_no))
-
-
-def _quote(line: str) -> str:
-    line = line.strip()
-    return line if len(line) <= _MAX_QUOTE else line[: _MAX_QUOTE - 3] + "..."
-
-
-def format_log_report(matches: Sequence[Match], source: str | os.PathLike[str]) -> str:
-    """A readable report of the matches :func:`explain_log` found in ``source``.
-
-    Returns:
-        The likely cause first (quoted line, cause, fix, the guard's incident kind), then every
-        other match in order; ``"no known cause found in SOURCE"`` when there is none.
-    """
-    if not matches:
-        return f"no known cause found in {source}"
-    lines = [f"numguard explain: {source}", ""]
-    for index, match in enumerate(matches):
-        title = "Likely cause:" if index == 0 else f"{index + 1}."
-        if index == 1:
-            lines += ["Also found (in order of first appearance):", ""]
-        times = f", {match.count} matching lines" if match.count > 1 else ""
-        kind = match.pattern.hint_kind
-        lines += [
-            f"{title} {match.name} (line {match.line_no}{times})",
-            f"  > {match.line}",
-            _wrap("  cause: ", match.cause),
-            _wrap("  fix:   ", match.fix),
-            _wrap("  guard: ", f"NumGuardCallback records this as {kind}: {kind_hint(kind)}"),
-            "",
-        ]
-    return "\n".join(lines).rstrip()
 
 
 # --------------------------------------------------------------------------- paths
