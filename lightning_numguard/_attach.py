@@ -42,7 +42,7 @@ _OFF = ("", "0", "false", "no", "off")
 
 
 def pytorch_lightning_callbacks() -> list[Any]:
-    """Entry point of ``pytorch_lightning.callbacks_factory``: ``[NumGuardCallback(...)]`` when opted in, else ``[]``."""
+    """Entry point of ``pytorch_lightning.callbacks_factory``: ``[NumGuardCallback(...)]`` if opted in, else ``[]``."""
     from lightning_numguard.callbacks.numguard import NumGuardCallback
 
     return _callbacks(NumGuardCallback)
@@ -83,11 +83,13 @@ def _read_config(path: Path) -> dict[str, Any]:
         """``yaml.safe_load``'s loader, reading ``1.0e6`` and ``1e18`` as floats (YAML 1.2, as LightningCLI does)."""
 
     Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"), list("-+.0123456789")
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+        list("-+.0123456789"),
     )
     where = f"NumGuard: {ENV_CONFIG}={str(path)!r}"
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)  # noqa: S506 - a SafeLoader
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)  # a SafeLoader subclass
     except OSError as err:
         raise NumGuardConfigError(f"{where} cannot be read ({err.strerror}); point it at a YAML file.") from None
     except yaml.YAMLError as err:

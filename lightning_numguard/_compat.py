@@ -97,7 +97,7 @@ def callbacks_of_trainer_being_built() -> list[Any] | None:
     frame = inspect.currentframe()
     try:
         while frame is not None:
-            owner = frame.f_locals.get("self")
+            owner: Any = frame.f_locals.get("self")
             if type(owner).__name__ == "_CallbackConnector" and hasattr(owner, "trainer"):
                 return list(getattr(owner.trainer, "callbacks", None) or [])
             frame = frame.f_back

@@ -29,7 +29,9 @@ from lightning_numguard.callbacks import numguard as _numguard
 __all__ = ["NumGuardCallback"]
 
 
-class NumGuardCallback(_numguard.NumGuardCallback, _LightningCallback):
+# mypy compares the hook annotations of the two bases (pytorch_lightning vs lightning.pytorch types); at
+# runtime both packages call the hooks with their own Trainer and module, which the implementation duck-types.
+class NumGuardCallback(_numguard.NumGuardCallback, _LightningCallback):  # type: ignore[misc]
     # The docstring (the contract and LightningCLI's --help) is the implementation's, with this import path.
     __doc__ = (_numguard.NumGuardCallback.__doc__ or "").replace(
         "from pytorch_lightning import Trainer\n        from lightning_numguard import NumGuardCallback",

@@ -98,7 +98,9 @@ def test_rollback_and_tensorboard_text_under_l_trainer(tmp_path: Path) -> None:
 
     ea = EventAccumulator(logger.log_dir)
     ea.Reload()
-    texts = [tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in ea.Tensors("numguard/events/text_summary")]
+    texts = [
+        tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in ea.Tensors("numguard/events/text_summary")
+    ]
     assert len(texts) == 1 and "**nonfinite_loss** (step 3" in texts[0], texts
     assert [(e.step, e.value) for e in ea.Scalars("numguard/rollbacks")] == [(3, 1.0)]
 
@@ -125,7 +127,11 @@ trainer:
 def test_lightning_cli_yaml_parses_and_runs(tmp_path: Path) -> None:
     cfg = _yaml(tmp_path, "lightning_numguard.lightning.NumGuardCallback")
     cli = LightningCLI(
-        BoringModel, BoringDataModule, args=["fit", "--config", str(cfg)], save_config_callback=None, seed_everything_default=False
+        BoringModel,
+        BoringDataModule,
+        args=["fit", "--config", str(cfg)],
+        save_config_callback=None,
+        seed_everything_default=False,
     )
     (guard,) = [c for c in cli.trainer.callbacks if isinstance(c, NumGuardCallback)]
     assert (guard.action, guard.snapshot_every_n_steps, guard.check) == ("skip", 5, ["inputs", "loss", "grads"])

@@ -9,7 +9,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
@@ -22,7 +22,7 @@ __all__ = ["Reporter", "is_tensorboard"]
 log = logging.getLogger(__name__)
 
 
-def is_tensorboard(logger: object) -> bool:
+def is_tensorboard(logger: Any) -> TypeGuard[TensorBoardLogger]:
     """Whether ``logger`` is the ``TensorBoardLogger`` of ``pytorch_lightning`` or of ``lightning.pytorch``.
 
     The two packages define distinct classes; the second is only looked up when already imported (a

@@ -98,7 +98,10 @@ def test_summary_logged_as_a_warning_after_incidents(tmp_path: Path, caplog: pyt
     (record,) = [r for r in caplog.records if r.getMessage().startswith("NumGuard: ")]
     assert record.levelno == logging.WARNING and record.name.startswith("lightning_numguard")
     text = record.getMessage()
-    assert text.splitlines()[0] == "NumGuard: 5 incidents in 6 steps; 1 step skipped, 1 rollback (1 step lost to rollbacks)."
+    assert (
+        text.splitlines()[0]
+        == "NumGuard: 5 incidents in 6 steps; 1 step skipped, 1 rollback (1 step lost to rollbacks)."
+    )
     # the root cause first, then its consequences, each kind with its first culprit
     assert text.splitlines()[1:3] == [
         "  nonfinite_param   x2   first at step 3: body.0.weight",
@@ -159,7 +162,11 @@ SUMMARY_TABLE = [
         "  events: /r/events.jsonl",
     ),
     (
-        [_event("nonfinite_output", 4, ["body.1"]), _event("optimizer_coverage", 0, []), _event("nonfinite_output", 7, ["x"])],
+        [
+            _event("nonfinite_output", 4, ["body.1"]),
+            _event("optimizer_coverage", 0, []),
+            _event("nonfinite_output", 7, ["x"]),
+        ],
         {"incidents": 2, "skipped_steps": 2, "rollbacks": 2},
         5,
         "NumGuard: 2 incidents in 10 steps; 2 steps skipped, 2 rollbacks (5 steps lost to rollbacks).\n"
