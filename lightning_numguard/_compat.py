@@ -18,6 +18,7 @@ import torch
 from lightning_numguard.errors import NumGuardError
 
 __all__ = [
+    "callbacks_of_trainer_being_built",
     "foreach_copy_",
     "foreach_norm_f32",
     "lightning_will_stop",
@@ -79,6 +80,30 @@ def lightning_will_stop(trainer: Any) -> bool:
     return (not min_steps or trainer.global_step >= min_steps) and (
         not min_epochs or trainer.current_epoch >= min_epochs
     )
+
+
+def callbacks_of_trainer_being_built() -> list[Any] | None:
+    """The callbacks a ``Trainer`` under construction already holds, seen from a callback factory.
+
+    Lightning calls the ``*.callbacks_factory`` entry points with no arguments, from
+    ``_CallbackConnector.on_trainer_init`` (both packages), after it set ``trainer.callbacks`` to the
+    user's list and before it adds what the factories return; no public API shows that list to a
+    factory. The connector is found as ``self`` in a calling frame, by its class name and its
+    ``trainer`` attribute. Missing (another caller, a renamed class): ``None``, and the zero-code
+    attach adds its callback without looking, as Lightning's own factories do.
+    """
+    import inspect
+
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner: Any = frame.f_locals.get("self")
+            if type(owner).__name__ == "_CallbackConnector" and hasattr(owner, "trainer"):
+                return list(getattr(owner.trainer, "callbacks", None) or [])
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
 
 
 # --------------------------------------------------------------------------------------- torch

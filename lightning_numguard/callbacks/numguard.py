@@ -32,6 +32,7 @@ from lightning_numguard.callbacks._coverage import CoverageCheck
 from lightning_numguard.callbacks._diagnosis import diagnose
 from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
 from lightning_numguard.callbacks._ledger import Ledger
+from lightning_numguard.callbacks._progress import FitProgress
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
 from lightning_numguard.core import checks, policy
 from lightning_numguard.core import flags as slots
@@ -201,6 +202,7 @@ class NumGuardCallback(Callback):
             self.quarantine,
         )
         self._coverage = CoverageCheck(self.check_optimizer_coverage)
+        self._progress = FitProgress()
 
     # ------------------------------------------------------------------ public state
 
@@ -339,6 +341,7 @@ class NumGuardCallback(Callback):
             self._read(trainer, pl_module, None)
         self._inspector.end()
         self._finish(trainer, pl_module, rec)
+        self._progress.after_step(trainer, pl_module, rec, self._recovery.snapshot, self.counters)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -376,13 +379,20 @@ class NumGuardCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._progress.report(trainer, self.events, self.counters, self._events_path())
         self._close()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if trainer.state.fn == "fit":
+            self._progress.report(trainer, self.events, self.counters, self._events_path(), type(exception).__name__)
         self._close()
 
     # ------------------------------------------------------------------ verbs
+
+    def _events_path(self) -> Path | None:
+        return self._reporter.writer.path if self._reporter is not None else None
 
     def _close(self) -> None:
         self._inspector.detach()

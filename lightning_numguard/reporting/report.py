@@ -6,9 +6,10 @@ Only global rank 0 writes files and loggers; every rank keeps the same ``events`
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
@@ -16,9 +17,20 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from lightning_numguard.core.events import JsonlWriter
 from lightning_numguard.errors import NumGuardWarning
 
-__all__ = ["Reporter"]
+__all__ = ["Reporter", "is_tensorboard"]
 
 log = logging.getLogger(__name__)
+
+
+def is_tensorboard(logger: Any) -> TypeGuard[TensorBoardLogger]:
+    """Whether ``logger`` is the ``TensorBoardLogger`` of ``pytorch_lightning`` or of ``lightning.pytorch``.
+
+    The two packages define distinct classes; the second is only looked up when already imported (a
+    logger of it exists only then), so recognising it never imports the ``lightning`` package.
+    """
+    other = sys.modules.get("lightning.pytorch.loggers")
+    types = (TensorBoardLogger, getattr(other, "TensorBoardLogger", TensorBoardLogger))
+    return isinstance(logger, types)
 
 
 class Reporter:
@@ -53,7 +65,7 @@ class Reporter:
         for lg in trainer.loggers:
             try:
                 lg.log_metrics(scalars, step=step)
-                if isinstance(lg, TensorBoardLogger):
+                if is_tensorboard(lg):
                     lg.experiment.add_text("numguard/events", text, global_step=step)
                     lg.experiment.flush()
                 else:

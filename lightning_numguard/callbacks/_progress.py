@@ -1,0 +1,78 @@
+"""What the guard shows while training and after it: progress-bar counts and the end-of-fit summary.
+
+Progress bar: once something has happened, ``numguard/incidents`` and ``numguard/rollbacks`` (each
+from its first non-zero value on) go to Lightning's progress bar through ``pl_module.log(...,
+prog_bar=True, logger=False)``, which both ``TQDMProgressBar`` and ``RichProgressBar`` display. The
+counters are host integers logged as CPU tensors: reading them back for the bar costs no device
+synchronisation, and nothing is logged before the first incident or without a progress bar.
+
+Summary: at the end of ``fit`` (or when it raises), one report through the ``lightning_numguard``
+logger (WARNING when something happened, INFO otherwise) and, under a ``RichProgressBar``, a table
+printed through Rich's console (the one the bar draws on). Text and table come from
+:mod:`lightning_numguard.reporting.summary`; only global rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from lightning_numguard.reporting.summary import FitSummary, rich_table, summarize, summary_text
+
+__all__ = ["PROGRESS_BAR_KEYS", "FitProgress"]
+
+log = logging.getLogger(__name__)
+
+#: Counters shown in the progress bar, each once it is non-zero (the key is ``numguard/<counter>``).
+PROGRESS_BAR_KEYS: tuple[str, ...] = ("incidents", "rollbacks")
+
+
+def _uses_rich_bar(trainer: Any) -> bool:
+    bar = getattr(trainer, "progress_bar_callback", None)
+    return any(cls.__name__ == "RichProgressBar" for cls in type(bar).__mro__) if bar is not None else False
+
+
+class FitProgress:
+    """Per-fit tally the step records do not keep (steps lost to rollbacks), the bar entries and the summary."""
+
+    def __init__(self) -> None:
+        self.steps_lost_to_rollbacks = 0
+        self.reported = False
+
+    def after_step(self, trainer: Any, pl_module: Any, rec: Any, snapshot: Any, counters: dict[str, int]) -> None:
+        """At batch end, after the step's action: count the steps a new rollback discarded; update the bar."""
+        if rec.action == "rollback" and rec.events and snapshot is not None:
+            self.steps_lost_to_rollbacks += max(0, int(rec.step) - int(snapshot.step))
+        if getattr(trainer, "progress_bar_callback", None) is None:
+            return
+        for key in PROGRESS_BAR_KEYS:
+            if counters.get(key, 0) > 0:
+                value = torch.tensor(counters[key])  # on the host: the bar reads it without a device sync
+                pl_module.log(
+                    f"numguard/{key}", value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1
+                )
+
+    def report(
+        self,
+        trainer: Any,
+        events: list[dict[str, Any]],
+        counters: dict[str, int],
+        events_path: Any,
+        ended: str = "finished",
+    ) -> FitSummary | None:
+        """Log the end-of-fit summary once per fit (global rank 0), and print it as a table under a Rich bar."""
+        if self.reported:
+            return None
+        self.reported = True
+        if not trainer.is_global_zero:
+            return None
+        path = str(events_path) if events_path is not None and events_path.exists() else None
+        summary = summarize(events, counters, self.steps_lost_to_rollbacks, trainer.global_step, path, ended)
+        log.log(logging.WARNING if summary.eventful else logging.INFO, "%s", summary_text(summary))
+        if summary.eventful and _uses_rich_bar(trainer):
+            from rich import get_console  # RichProgressBar draws on Rich's global console (reconfigured by it)
+
+            get_console().print(rich_table(summary))
+        return summary

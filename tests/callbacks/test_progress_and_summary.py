@@ -1,0 +1,205 @@
+"""Counts in Lightning's progress bars (TQDM and Rich) once something happened, and the end-of-fit summary."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pytorch_lightning.callbacks import Callback, RichProgressBar, TQDMProgressBar
+from rich.console import Console
+
+from lightning_numguard import NumGuardCallback
+from lightning_numguard.core.syncs import SyncCounter
+from lightning_numguard.errors import NumGuardWarning
+from lightning_numguard.reporting.summary import rich_table, summarize, summary_text
+from tests.helpers import FaultData, FaultModel, loader, trainer
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The number of training batches .* logging interval", "ignore::lightning_numguard.errors.NumGuardWarning"
+)
+KEYS = ("numguard/incidents", "numguard/rollbacks")
+
+
+class BarSpy(Callback):
+    """The guard's progress-bar entries as the bar sees them at the start of every batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        bar_metrics = trainer.progress_bar_callback.get_metrics(trainer, pl_module)
+        self.seen.append({k: v for k, v in bar_metrics.items() if k.startswith("numguard/")})
+
+
+def _fit(
+    tmp_path: Path,
+    bar: Callback | None,
+    site: str | None = "loss",
+    action: str = "rollback",
+    trainer_kw: dict[str, Any] | None = None,
+    **kw: Any,
+) -> Any:
+    guard = NumGuardCallback(action=action, dirpath=str(tmp_path / "ng"), **kw)
+    spy = BarSpy()
+    callbacks: list[Callback] = [guard] + ([bar, spy] if bar is not None else [])
+    t = trainer(tmp_path, callbacks, max_steps=6, enable_progress_bar=bar is not None, **(trainer_kw or {}))
+    t.fit(FaultModel(site=site, step=3), loader(FaultData()))
+    return guard, spy, t
+
+
+@pytest.mark.parametrize("bar_class", [TQDMProgressBar, RichProgressBar])
+def test_counts_appear_in_the_bar_only_once_something_happened(tmp_path: Path, bar_class: type) -> None:
+    guard, spy, t = _fit(tmp_path, bar_class())
+    assert guard.counters["incidents"] == 1 and guard.counters["rollbacks"] == 1
+    # batches 0-3 start before the step-3 incident was logged; from batch 4 on the bar shows it
+    assert spy.seen[:4] == [{}, {}, {}, {}]
+    assert all(s == {"numguard/incidents": 1, "numguard/rollbacks": 1} for s in spy.seen[4:]), spy.seen
+    assert {k: t.progress_bar_metrics[k] for k in KEYS} == {"numguard/incidents": 1, "numguard/rollbacks": 1}
+    assert not set(KEYS) & set(t.logged_metrics)  # logger=False: the loggers get the scalars from the reporter
+
+
+def test_a_clean_run_shows_nothing_in_the_bar(tmp_path: Path) -> None:
+    guard, spy, t = _fit(tmp_path, TQDMProgressBar(), site=None)
+    assert guard.events == [] and spy.seen == [{}] * 6
+    assert not set(KEYS) & set(t.progress_bar_metrics)
+
+
+def test_the_bar_entries_cost_no_extra_host_read(tmp_path: Path) -> None:
+    """Still one host read per step caused by the guard, steps after an incident included."""
+    counter = SyncCounter(package="lightning_numguard")
+
+    class Window(Callback):
+        def on_train_batch_start(self, *a: Any) -> None:
+            counter.step_started()
+
+        def on_train_batch_end(self, *a: Any) -> None:
+            counter.step_ended()
+
+    guard = NumGuardCallback(action="skip", dirpath=str(tmp_path / "ng"), replay=False)
+    t = trainer(tmp_path, [Window(), guard, TQDMProgressBar()], max_steps=8, enable_progress_bar=True)
+    t.callbacks = [c for c in t.callbacks if c is not guard] + [guard]  # the guard's batch end inside the window
+    with counter:
+        t.fit(FaultModel(site="loss", step=2), loader(FaultData()))
+    assert guard.counters["incidents"] == 1 and t.progress_bar_metrics["numguard/incidents"] == 1
+    steps_after = counter.step_caused[3:]
+    assert len(counter.step_caused) == 8 and steps_after == [1] * 5, counter.step_caused
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def test_summary_logged_as_a_warning_after_incidents(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A weight poisoned before step 3: the rollback goes back to the snapshot of step 2, losing step 2's update."""
+    with caplog.at_level(logging.INFO, logger="lightning_numguard"):
+        guard, _, _ = _fit(tmp_path, None, site="param", snapshot_every_n_steps=2)
+    assert [(e["kind"], e["step"], e["action"]) for e in guard.events][:1] == [("nonfinite_param", 3, "rollback")]
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("NumGuard: ")]
+    assert record.levelno == logging.WARNING and record.name.startswith("lightning_numguard")
+    text = record.getMessage()
+    assert (
+        text.splitlines()[0]
+        == "NumGuard: 5 incidents in 6 steps; 1 step skipped, 1 rollback (1 step lost to rollbacks)."
+    )
+    # the root cause first, then its consequences, each kind with its first culprit
+    assert text.splitlines()[1:3] == [
+        "  nonfinite_param   x2   first at step 3: body.0.weight",
+        "  nonfinite_output  x1   first at step 3: body.0",
+    ]
+    assert f"events: {tmp_path / 'ng' / 'events.jsonl'}" in text
+
+
+def test_summary_of_a_clean_run_is_info(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="lightning_numguard"):
+        _fit(tmp_path, None, site=None)
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("NumGuard: ")]
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == "NumGuard: no incidents in 6 steps. no events written"
+
+
+def test_summary_when_halt_raises(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="lightning_numguard"), pytest.raises(Exception, match="halted"):
+        _fit(tmp_path, None, action="halt", trainer_kw={"min_steps": 6})
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("NumGuard: ")]
+    assert record.getMessage().startswith("NumGuard: 1 incident in 4 steps (the fit ended with NonFiniteError)")
+
+
+def test_summary_table_under_the_rich_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _fit(tmp_path, RichProgressBar())
+    out = capsys.readouterr().out
+    assert "NumGuard" in out and "nonfinite_loss" in out and "first culprit" in out
+
+
+# ----------------------------------------------------------------------------- the pure summary
+
+
+def _event(kind: str, step: int, where: list[str]) -> dict[str, Any]:
+    return {"kind": kind, "step": step, "where": where}
+
+
+SUMMARY_TABLE = [
+    (
+        [],
+        {},
+        0,
+        "NumGuard: no incidents in 10 steps. events: /r/events.jsonl",
+    ),
+    (
+        [],
+        {"amp_overflow_steps": 2},
+        0,
+        "NumGuard: no incidents in 10 steps; 0 steps skipped, 0 rollbacks, 2 AMP overflow steps (the GradScaler's, "
+        "not incidents). events: /r/events.jsonl",
+    ),
+    (
+        [_event("nonfinite_input", 3, ["batch['x']"]), _event("nonfinite_loss", 3, ["loss"])],
+        {"incidents": 2, "skipped_steps": 1},
+        0,
+        "NumGuard: 2 incidents in 10 steps; 1 step skipped, 0 rollbacks.\n"
+        "  nonfinite_input  x1   first at step 3: batch['x']\n"
+        "  nonfinite_loss   x1   first at step 3: loss\n"
+        "  events: /r/events.jsonl",
+    ),
+    (
+        [
+            _event("nonfinite_output", 4, ["body.1"]),
+            _event("optimizer_coverage", 0, []),
+            _event("nonfinite_output", 7, ["x"]),
+        ],
+        {"incidents": 2, "skipped_steps": 2, "rollbacks": 2},
+        5,
+        "NumGuard: 2 incidents in 10 steps; 2 steps skipped, 2 rollbacks (5 steps lost to rollbacks).\n"
+        "  nonfinite_output    x2   first at step 4: body.1\n"
+        "  optimizer_coverage  x1   first at step 0\n"
+        "  events: /r/events.jsonl",
+    ),
+]
+
+
+@pytest.mark.parametrize(("events", "counters", "lost", "expected"), SUMMARY_TABLE)
+def test_summary_text_table(events: list[dict[str, Any]], counters: dict[str, int], lost: int, expected: str) -> None:
+    assert summary_text(summarize(events, counters, lost, 10, "/r/events.jsonl")) == expected
+
+
+def test_summary_kinds_in_order_of_first_appearance() -> None:
+    s = summarize([_event("b", 5, ["q"]), _event("a", 6, []), _event("b", 9, ["z"])], {"incidents": 3}, 0, 9, None)
+    assert [(k.kind, k.count, k.first_step, k.first_culprit) for k in s.kinds] == [("b", 2, 5, "q"), ("a", 1, 6, "")]
+    assert s.eventful and summary_text(s).endswith("  no events written")
+
+
+def test_rich_table_renders_every_kind() -> None:
+    s = summarize([_event("nonfinite_grad", 2, ["head.weight"])], {"incidents": 1, "rollbacks": 1}, 1, 8, "/r/e.jsonl")
+    console = Console(record=True, width=100)
+    console.print(rich_table(s))
+    text = console.export_text()
+    assert "nonfinite_grad" in text and "head.weight" in text and "1 step lost to rollbacks" in text
+
+
+def test_warnings_are_unchanged_by_the_summary(tmp_path: Path) -> None:
+    """The summary is a log record, not a warning: the incident warnings stay one per kind and place."""
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"))
+    t = trainer(tmp_path, [guard], max_steps=6)
+    with pytest.warns(NumGuardWarning) as records:
+        t.fit(FaultModel(site="loss", step=3), loader(FaultData()))
+    assert len([r for r in records if issubclass(r.category, NumGuardWarning)]) == 1
