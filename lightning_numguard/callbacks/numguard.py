@@ -32,6 +32,7 @@ from lightning_numguard.callbacks._coverage import CoverageCheck
 from lightning_numguard.callbacks._diagnosis import diagnose
 from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
 from lightning_numguard.callbacks._ledger import Ledger
+from lightning_numguard.callbacks._metrics import LoggedValues
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
 from lightning_numguard.core import checks, policy
 from lightning_numguard.core import flags as slots
@@ -201,6 +202,7 @@ class NumGuardCallback(Callback):
             self.quarantine,
         )
         self._coverage = CoverageCheck(self.check_optimizer_coverage)
+        self._logged = LoggedValues()
 
     # ------------------------------------------------------------------ public state
 
@@ -286,6 +288,11 @@ class NumGuardCallback(Callback):
         self._recovery.stateful = stateful_objects(trainer, pl_module)
         self._inspector.resolve(pl_module, self._recovery.stateful)
         self._coverage.at_fit_start(trainer, pl_module, self._ledger)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After Lightning restored optimizers, schedulers and the scaler from a checkpoint (it does so after
+        # on_fit_start): a snapshot taken earlier would roll a resumed run back to fresh optimizers.
         named = self._inspector.state(trainer, with_optimizer=True)
         bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]  # once per fit
         bad = self._inspector.leave_unchecked(_distributed.any_rank(trainer, bad))
@@ -303,6 +310,8 @@ class NumGuardCallback(Callback):
         rec = self._inspector.begin(trainer, pl_module, batch, batch_idx, self.action != "warn", stateful)
         if new_step:
             self._mark_forced_skip(rec, batch, batch_idx, trainer.global_step)
+            if self.action != "warn":
+                self._logged.mark(trainer)
         self._inspector.enter_ops()
 
     @override
@@ -470,6 +479,8 @@ class NumGuardCallback(Callback):
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord) -> None:
         """Carry out the step's action at batch end, then record its events."""
+        if rec.bad:  # what the discarded step logged must not reach monitors, schedulers or loggers
+            self._logged.discard(trainer)
         if rec.action == "skip":
             self._recovery.undo_forward(pl_module, rec)
         elif rec.action == "rollback":
