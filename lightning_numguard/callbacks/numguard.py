@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from lightning_numguard import _compat
 from lightning_numguard.callbacks import _config, _distributed
+from lightning_numguard.callbacks._amp import AmpCounters
 from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action
 from lightning_numguard.callbacks._coverage import CoverageCheck
 from lightning_numguard.callbacks._diagnosis import diagnose
@@ -113,7 +114,9 @@ class NumGuardCallback(Callback):
     ``numguard/incidents``          incidents recorded so far (scalar)
     ``numguard/skipped_steps``      optimizer steps turned into no-ops (scalar)
     ``numguard/rollbacks``          rollbacks so far (scalar)
-    ``numguard/amp_overflow_steps`` steps the AMP GradScaler skipped itself (scalar)
+    ``numguard/amp_overflow_steps`` steps the AMP GradScaler skipped itself (scalar; under a
+                                    GradScaler also every ``log_every_n_steps``, with your metrics)
+    ``numguard/loss_scale``         the GradScaler's loss scale (scalar, every ``log_every_n_steps``)
     ``numguard/events``             one markdown paragraph per incident (text)
     ==============================  =====================================================
 
@@ -203,6 +206,7 @@ class NumGuardCallback(Callback):
         )
         self._coverage = CoverageCheck(self.check_optimizer_coverage)
         self._logged = LoggedValues()
+        self._amp = AmpCounters()
 
     # ------------------------------------------------------------------ public state
 
@@ -353,6 +357,7 @@ class NumGuardCallback(Callback):
             self._read(trainer, pl_module, None)
         self._inspector.end()
         self._finish(trainer, pl_module, rec)
+        self._amp.log(trainer, pl_module, self.counters["amp_overflow_steps"])
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -456,6 +461,9 @@ class NumGuardCallback(Callback):
         found = diagnose(trainer, pl_module, self._inspector, reading, self.replay and self.action != "warn")
         if found.amp_overflow:
             self.counters["amp_overflow_steps"] += 1
+            collapsed = self._amp.after_overflow(trainer)
+            if collapsed is not None and self._reporter is not None:
+                self._reporter.say_once(trainer, "loss_scale_collapse", collapsed)
         if not found.findings:
             if due:
                 self._recovery.take(trainer, pl_module, rec)
