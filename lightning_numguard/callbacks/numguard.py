@@ -368,9 +368,10 @@ class NumGuardCallback(Callback):
         if not bad:
             return
         action = "none" if self.action == "warn" or self._recovery.snapshot is None else "rollback"
+        details: dict[str, Any] = {"when": "end of training"}
         if action == "rollback":
-            self._recovery.restore(trainer, pl_module, restore_rng=False)
-        finding = Finding("nonfinite_param", bad, {"when": "end of training"})
+            details = self._recovery.repair_at_end(trainer, pl_module, bad)
+        finding = Finding("nonfinite_param", bad, details)
         self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, action)])
 
     @override
