@@ -35,6 +35,7 @@ from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
 from lightning_numguard.callbacks._ledger import Ledger
 from lightning_numguard.callbacks._metrics import LoggedValues
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
+from lightning_numguard.callbacks._strategies import check_strategy
 from lightning_numguard.core import checks, policy
 from lightning_numguard.core import flags as slots
 from lightning_numguard.core.findings import Finding
@@ -283,6 +284,7 @@ class NumGuardCallback(Callback):
             return
         self._inspector.detach()
         _compat.require_accumulation_api(trainer)
+        check_strategy(trainer.strategy, self.action)
         root = Path(trainer.log_dir or trainer.default_root_dir)
         self._fresh_run(Path(self.dirpath) if self.dirpath else root / "numguard")
         self._inspector.attach(pl_module)
