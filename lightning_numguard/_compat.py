@@ -19,20 +19,20 @@ from lightning_numguard.errors import NumGuardError
 
 __all__ = [
     "foreach_copy_",
-    "logger_metric_dicts",
-    "result_metric_state",
-    "scaler_tensors",
-    "set_result_metric_state",
-    "train_results",
     "foreach_norm_f32",
     "lightning_will_stop",
+    "logger_metric_dicts",
     "metric_counters",
     "metric_state",
     "nn_bindings",
     "require_accumulation_api",
+    "result_metric_state",
+    "scaler_tensors",
     "set_metric_counters",
+    "set_result_metric_state",
     "should_accumulate",
     "sync_scheduler_last_lr",
+    "train_results",
 ]
 
 log = logging.getLogger(__name__)

@@ -298,7 +298,9 @@ class StepInspector:
         totals = []
         for i, m in enumerate(rec.micro):
             parts = [x.to(device, torch.float32).sum() for x in (m.input_max, m.loss) if x is not None]
-            parts += [torch.stack(pair).to(device, torch.float32).sum() for _, pair in outputs[bounds[i] : bounds[i + 1]]]
+            parts += [
+                torch.stack(pair).to(device, torch.float32).sum() for _, pair in outputs[bounds[i] : bounds[i + 1]]
+            ]
             totals.append(torch.stack(parts).sum() if parts else torch.zeros((), device=device))
         finite = torch.isfinite(torch.stack(totals)).tolist()  # after a hit only
         first = next((i for i, ok in enumerate(finite) if not ok), 0)

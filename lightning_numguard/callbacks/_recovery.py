@@ -132,7 +132,9 @@ class Recovery:
             self.snapshot.step,
             lost,
         )
-        when = f"at the end of training (rolled back to the snapshot of step {self.snapshot.step}: {lost} steps given up)"
+        when = (
+            f"at the end of training (rolled back to the snapshot of step {self.snapshot.step}: {lost} steps given up)"
+        )
         return {"when": when, "snapshot_step": self.snapshot.step, "steps_given_up": lost}
 
     # ------------------------------------------------------------------ actions

@@ -69,7 +69,8 @@ class PrecisionState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "scale_tensor" in state:
             scale, tracker = _compat.scaler_tensors(self.plugin.scaler)
-            assert isinstance(scale, torch.Tensor) and isinstance(tracker, torch.Tensor)
+            assert isinstance(scale, torch.Tensor)
+            assert isinstance(tracker, torch.Tensor)
             scale.copy_(state["scale_tensor"])
             tracker.copy_(state["growth_tracker_tensor"])
             return

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch import nn
 
-import pytorch_lightning as pl
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.errors import NumGuardWarning
 from tests.helpers import FaultData, FaultModel, loader, trainer

@@ -61,7 +61,8 @@ def test_a_rolled_back_nan_never_reaches_early_stopping_checkpoint_or_loggers(tm
     assert t.current_epoch == 3 and not stop.stopped_epoch  # the full max_epochs
     assert best.best_model_score is not None and math.isfinite(float(best.best_model_score))
     assert probe.seen and all(math.isfinite(v) for v in probe.seen)
-    rows = list(csv.DictReader(open(t.logger.log_dir + "/metrics.csv")))
+    with open(t.logger.log_dir + "/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
     logged = [float(r[k]) for r in rows for k in ("train_loss_step", "train_loss_epoch") if r.get(k)]
     assert len(logged) >= 3 * 8 - 1 and all(math.isfinite(v) for v in logged)
 

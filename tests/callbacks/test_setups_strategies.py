@@ -42,7 +42,9 @@ def test_a_known_strategy_subclass_is_not_warned_about(tmp_path, recwarn):
 
 class CompiledModel(FaultModel):
     def configure_model(self) -> None:
-        self.head = torch.compile(self.head, backend="eager")  # dynamo (graph breaks) without codegen; after the guard's setup attached its hooks
+        self.head = torch.compile(
+            self.head, backend="eager"
+        )  # dynamo (graph breaks) without codegen; after the guard's setup attached its hooks
 
 
 def test_a_clean_compiled_run_has_no_alarm_and_no_graph_break(tmp_path, recwarn):
