@@ -22,13 +22,18 @@ __all__ = [
     "foreach_copy_",
     "foreach_norm_f32",
     "lightning_will_stop",
+    "logger_metric_dicts",
     "metric_counters",
     "metric_state",
     "nn_bindings",
     "require_accumulation_api",
+    "result_metric_state",
+    "scaler_tensors",
     "set_metric_counters",
+    "set_result_metric_state",
     "should_accumulate",
     "sync_scheduler_last_lr",
+    "train_results",
 ]
 
 log = logging.getLogger(__name__)
@@ -104,6 +109,62 @@ def callbacks_of_trainer_being_built() -> list[Any] | None:
         return None
     finally:
         del frame
+
+
+def train_results(trainer: Any) -> dict[str, Any] | None:
+    """The training loop's result collection (``fit_loop.epoch_loop._results``): what ``self.log`` accumulated.
+
+    Lightning has no public way to withdraw a value a step logged; a step the guard discards must not leave
+    its NaN in an epoch mean (``EarlyStopping.check_finite`` would stop the run, ``ModelCheckpoint`` would
+    record ``inf``). Missing: ``None``, and the caller warns once that logged values are not withdrawn.
+    """
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    results = getattr(loop, "_results", None)
+    return results if isinstance(results, dict) else None
+
+
+def logger_metric_dicts(trainer: Any) -> list[dict[str, Any]] | None:
+    """The logger connector's ``callback_metrics``, ``progress_bar_metrics`` and ``logged_metrics`` dicts.
+
+    The public properties return these dicts after merging the current results into them; the guard must
+    put back their contents as they were before a discarded step, so it needs the dicts themselves
+    (``trainer._logger_connector._callback_metrics`` and its two siblings). Missing: ``None`` (not withdrawn).
+    """
+    connector = getattr(trainer, "_logger_connector", None)
+    names = ("_callback_metrics", "_progress_bar_metrics", "_logged_metrics")
+    dicts = [getattr(connector, n, None) for n in names]
+    return dicts if all(isinstance(d, dict) for d in dicts) else None  # type: ignore[return-value]
+
+
+_RESULT_FIELDS = ("value", "cumulated_batch_size", "_forward_cache", "has_reset")
+
+
+def result_metric_state(metric: Any) -> dict[str, Any]:
+    """References to a Lightning ``_ResultMetric``'s accumulators (no copy, no sync).
+
+    ``_ResultMetric.update`` rebinds ``value`` and ``cumulated_batch_size`` to new tensors (``self.value =
+    self.value + v * n``) and never writes them in place, so holding the references at a step's start is a
+    verified copy of the epoch accumulators at no cost. ``_forward_cache`` is the step's ``on_step`` value.
+    """
+    return {name: getattr(metric, name) for name in _RESULT_FIELDS if hasattr(metric, name)}
+
+
+def set_result_metric_state(metric: Any, state: dict[str, Any]) -> None:
+    """Put back what :func:`result_metric_state` read, drop the step's value and the cached ``compute()``."""
+    for name, value in state.items():
+        object.__setattr__(metric, name, value)
+    object.__setattr__(metric, "_forward_cache", None)
+    object.__setattr__(metric, "_computed", None)
+
+
+def scaler_tensors(scaler: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A ``GradScaler``'s ``_scale`` and ``_growth_tracker`` tensors (``None`` before its first ``scale()``).
+
+    ``GradScaler.state_dict()`` reads both with ``.item()`` (two host syncs per snapshot); copying the
+    tensors on the device costs none. Missing names: ``(None, None)``, and the caller falls back to
+    ``state_dict()``.
+    """
+    return getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
 
 
 # --------------------------------------------------------------------------------------- torch

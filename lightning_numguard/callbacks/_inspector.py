@@ -40,6 +40,17 @@ Named = list[tuple[str, torch.Tensor]]
 
 
 @dataclass
+class MicroBatch:
+    """One micro-batch of an accumulation window: its batch and what it recorded (device tensors, no sync)."""
+
+    batch_idx: int
+    batch: Any
+    input_max: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    first_output: int = 0  # index of its first record in the output watch
+
+
+@dataclass
 class StepRecord:
     """What one optimizer step (one accumulation window) has recorded so far, on the device."""
 
@@ -59,6 +70,11 @@ class StepRecord:
     events: list[dict[str, Any]] = field(default_factory=list)
     action: str = "none"
     step: int = 0
+    # every micro-batch of the window (one entry without accumulation); after a hit ``batch`` and
+    # ``batch_idx`` above are those of the first bad micro-batch (``bad_micro_batch`` is its index here)
+    micro: list[MicroBatch] = field(default_factory=list)
+    bad_micro_batch: int = 0
+    seen_at_read: tuple[int, int] = (0, 0)  # losses and output records already read by an earlier optimizer
 
 
 @dataclass
@@ -165,10 +181,13 @@ class StepInspector:
                 # numpy's RNG is left to the snapshot: reading its state costs ~0.1 ms, more than all the rest
                 rec.start_states = clone_states(stateful, self._metric_keys)
                 rec.start_rng = rng_state()
+        micro = MicroBatch(batch_idx, batch, first_output=len(self.watch.records) if self.watch is not None else 0)
+        rec.micro.append(micro)
         if "inputs" in self.check:
             leaves = floating_leaves(batch)
             if leaves:
                 rec.inputs.append((leaves, checks.max_abs_total([t for _, t in leaves], pl_module.device)))
+                micro.input_max = rec.inputs[-1][1]
         return rec
 
     def enter_ops(self) -> None:
@@ -196,6 +215,8 @@ class StepInspector:
         """Keep the loss of this micro-batch for the step's read."""
         if "loss" in self.check and self.record is not None:
             self.record.losses.append(loss.detach())
+            if self.record.micro:
+                self.record.micro[-1].loss = self.record.losses[-1]
 
     def end(self) -> StepRecord | None:
         """Close the step record and clear the instruments for the next step."""
@@ -209,9 +230,10 @@ class StepInspector:
     def forget_forward(self) -> None:
         """Drop what the forward pass recorded (a further optimizer of the same batch reads its gradients only)."""
         assert self.record is not None
-        self.record.inputs, self.record.losses = [], []
+        n_losses, n_outputs = self.record.seen_at_read  # keep what came after the last read (manual optimization)
+        self.record.inputs, self.record.losses = [], self.record.losses[n_losses:]
         if self.watch is not None:
-            self.watch.reset()
+            self.watch.records[:n_outputs] = []
         if self.opguard is not None:
             self.opguard.reset()
 
@@ -222,6 +244,7 @@ class StepInspector:
         rec = self.record
         assert rec is not None
         rec.read_done = True
+        rec.seen_at_read = (len(rec.losses), len(self.watch.records) if self.watch is not None else 0)
         rec.step = trainer.global_step
         device = pl_module.device
         # Everything norm-checked goes into one flag: one _foreach_norm per (device, dtype) group.
@@ -259,6 +282,30 @@ class StepInspector:
         return Reading(flags.decode(reduced.tolist(), world), segments)  # the one host read of the step
 
     # ------------------------------------------------------------------ after a hit
+
+    def point_to_bad_micro_batch(self) -> None:
+        """Under gradient accumulation, make ``record.batch``/``batch_idx`` the first micro-batch that went bad.
+
+        Its input, its loss or one of its watched outputs is non-finite (one sync, after a hit only). When none
+        of them says (a bad gradient or state), the window's first micro-batch stays.
+        """
+        rec = self.record
+        if rec is None or len(rec.micro) < 2:
+            return
+        device = rec.micro[0].input_max.device if rec.micro[0].input_max is not None else torch.device("cpu")
+        outputs = self.watch.records if self.watch is not None else []
+        bounds = [m.first_output for m in rec.micro] + [len(outputs)]
+        totals = []
+        for i, m in enumerate(rec.micro):
+            parts = [x.to(device, torch.float32).sum() for x in (m.input_max, m.loss) if x is not None]
+            parts += [
+                torch.stack(pair).to(device, torch.float32).sum() for _, pair in outputs[bounds[i] : bounds[i + 1]]
+            ]
+            totals.append(torch.stack(parts).sum() if parts else torch.zeros((), device=device))
+        finite = torch.isfinite(torch.stack(totals)).tolist()  # after a hit only
+        first = next((i for i, ok in enumerate(finite) if not ok), 0)
+        rec.bad_micro_batch = first
+        rec.batch, rec.batch_idx = rec.micro[first].batch, rec.micro[first].batch_idx
 
     def confirmed(self, trainer: pl.Trainer, reading: Reading, segment: str) -> list[str]:
         """The names in ``segment`` that are exactly non-finite (syncs; after a hit only)."""

@@ -102,6 +102,41 @@ class Recovery:
         assert self.snapshot is not None
         restore(self.snapshot, pl_module, trainer.optimizers, self.stateful, restore_rng=restore_rng)
 
+    def repair_at_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, bad: list[str]) -> dict[str, Any]:
+        """End of fit: put back only ``bad`` tensors that took no part in training, else the whole snapshot.
+
+        A parameter without a gradient (frozen, or unused by the loss) cannot have changed the other
+        tensors: restoring it alone from the snapshot keeps every step of the run. Anything else is a full
+        rollback, and the details say how many steps it gives up. Returns the event's details.
+        """
+        assert self.snapshot is not None
+        params = dict(pl_module.named_parameters())
+        idle = [n for n in bad if n in params and params[n].grad is None and n in self.snapshot.model]
+        if len(idle) == len(bad):
+            with torch.no_grad():
+                for name in idle:
+                    params[name].copy_(self.snapshot.model[name].to(params[name].device))
+            log.warning(
+                "numguard restored only %s from the snapshot of step %s at the end of training: they took no part "
+                "in training (no gradient), so no training step is given up",
+                idle,
+                self.snapshot.step,
+            )
+            when = "at the end of training (restored alone from the snapshot: unused by training, no step given up)"
+            return {"when": when, "restored_only": idle, "steps_given_up": 0}
+        lost = max(trainer.global_step - self.snapshot.step, 0)
+        self.restore(trainer, pl_module, restore_rng=False)
+        log.warning(
+            "numguard rolled the whole model back to the snapshot of step %s at the end of training: %s training "
+            "step(s) are given up (take snapshots more often with snapshot_every_n_steps to lose fewer)",
+            self.snapshot.step,
+            lost,
+        )
+        when = (
+            f"at the end of training (rolled back to the snapshot of step {self.snapshot.step}: {lost} steps given up)"
+        )
+        return {"when": when, "snapshot_step": self.snapshot.step, "steps_given_up": lost}
+
     # ------------------------------------------------------------------ actions
 
     def undo_forward(self, pl_module: pl.LightningModule, rec: StepRecord) -> None:

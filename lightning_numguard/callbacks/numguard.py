@@ -27,13 +27,16 @@ from typing_extensions import override
 
 from lightning_numguard import _compat
 from lightning_numguard.callbacks import _config, _distributed
+from lightning_numguard.callbacks._amp import AmpCounters
 from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action
 from lightning_numguard.callbacks._coverage import CoverageCheck
 from lightning_numguard.callbacks._diagnosis import diagnose
 from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
 from lightning_numguard.callbacks._ledger import Ledger
+from lightning_numguard.callbacks._metrics import LoggedValues
 from lightning_numguard.callbacks._progress import FitProgress
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
+from lightning_numguard.callbacks._strategies import check_strategy
 from lightning_numguard.core import checks, policy
 from lightning_numguard.core import flags as slots
 from lightning_numguard.core.findings import Finding
@@ -113,7 +116,9 @@ class NumGuardCallback(Callback):
     ``numguard/incidents``          incidents recorded so far (scalar)
     ``numguard/skipped_steps``      optimizer steps turned into no-ops (scalar)
     ``numguard/rollbacks``          rollbacks so far (scalar)
-    ``numguard/amp_overflow_steps`` steps the AMP GradScaler skipped itself (scalar)
+    ``numguard/amp_overflow_steps`` steps the AMP GradScaler skipped itself (scalar; under a
+                                    GradScaler also every ``log_every_n_steps``, with your metrics)
+    ``numguard/loss_scale``         the GradScaler's loss scale (scalar, every ``log_every_n_steps``)
     ``numguard/events``             one markdown paragraph per incident (text)
     ==============================  =====================================================
 
@@ -203,6 +208,8 @@ class NumGuardCallback(Callback):
         )
         self._coverage = CoverageCheck(self.check_optimizer_coverage)
         self._progress = FitProgress()
+        self._logged = LoggedValues()
+        self._amp = AmpCounters()
 
     # ------------------------------------------------------------------ public state
 
@@ -279,6 +286,7 @@ class NumGuardCallback(Callback):
             return
         self._inspector.detach()
         _compat.require_accumulation_api(trainer)
+        check_strategy(trainer.strategy, self.action)
         root = Path(trainer.log_dir or trainer.default_root_dir)
         self._fresh_run(Path(self.dirpath) if self.dirpath else root / "numguard")
         self._inspector.attach(pl_module)
@@ -288,6 +296,11 @@ class NumGuardCallback(Callback):
         self._recovery.stateful = stateful_objects(trainer, pl_module)
         self._inspector.resolve(pl_module, self._recovery.stateful)
         self._coverage.at_fit_start(trainer, pl_module, self._ledger)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After Lightning restored optimizers, schedulers and the scaler from a checkpoint (it does so after
+        # on_fit_start): a snapshot taken earlier would roll a resumed run back to fresh optimizers.
         named = self._inspector.state(trainer, with_optimizer=True)
         bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]  # once per fit
         bad = self._inspector.leave_unchecked(_distributed.any_rank(trainer, bad))
@@ -303,8 +316,15 @@ class NumGuardCallback(Callback):
         new_step = self._inspector.record is None
         stateful = self._recovery.stateful
         rec = self._inspector.begin(trainer, pl_module, batch, batch_idx, self.action != "warn", stateful)
+        if not new_step and self.quarantine and rec.forced_skip is None:  # a later micro-batch of the window
+            flag = self._recovery.quarantine.flag(batch, batch_idx, trainer.global_step)
+            if flag is not None:
+                old = rec.quarantine_flag
+                rec.quarantine_flag = flag if old is None else torch.maximum(old, flag.to(old.device))
         if new_step:
             self._mark_forced_skip(rec, batch, batch_idx, trainer.global_step)
+            if self.action != "warn":
+                self._logged.mark(trainer)
         self._inspector.enter_ops()
 
     @override
@@ -342,6 +362,7 @@ class NumGuardCallback(Callback):
         self._inspector.end()
         self._finish(trainer, pl_module, rec)
         self._progress.after_step(trainer, pl_module, rec, self._recovery.snapshot, self.counters)
+        self._amp.log(trainer, pl_module, self.counters["amp_overflow_steps"])
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -352,9 +373,10 @@ class NumGuardCallback(Callback):
         if not bad:
             return
         action = "none" if self.action == "warn" or self._recovery.snapshot is None else "rollback"
+        details: dict[str, Any] = {"when": "end of training"}
         if action == "rollback":
-            self._recovery.restore(trainer, pl_module, restore_rng=False)
-        finding = Finding("nonfinite_param", bad, {"when": "end of training"})
+            details = self._recovery.repair_at_end(trainer, pl_module, bad)
+        finding = Finding("nonfinite_param", bad, details)
         self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, action)])
 
     @override
@@ -448,9 +470,13 @@ class NumGuardCallback(Callback):
         reading: Any,
         due: bool,
     ) -> None:
+        self._inspector.point_to_bad_micro_batch()  # under accumulation: the micro-batch that went bad
         found = diagnose(trainer, pl_module, self._inspector, reading, self.replay and self.action != "warn")
         if found.amp_overflow:
             self.counters["amp_overflow_steps"] += 1
+            collapsed = self._amp.after_overflow(trainer)
+            if collapsed is not None and self._reporter is not None:
+                self._reporter.say_once(trainer, "loss_scale_collapse", collapsed)
         if not found.findings:
             if due:
                 self._recovery.take(trainer, pl_module, rec)
@@ -480,6 +506,8 @@ class NumGuardCallback(Callback):
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord) -> None:
         """Carry out the step's action at batch end, then record its events."""
+        if rec.bad:  # what the discarded step logged must not reach monitors, schedulers or loggers
+            self._logged.discard(trainer)
         if rec.action == "skip":
             self._recovery.undo_forward(pl_module, rec)
         elif rec.action == "rollback":

@@ -56,9 +56,24 @@ class PrecisionState:
         self.plugin = plugin
 
     def state_dict(self) -> dict[str, Any]:
+        """The scaler's scale and growth tracker as tensors (the snapshot copies them: no host sync).
+
+        ``GradScaler.state_dict()`` reads both with ``.item()``; it is used only before the first
+        ``scale()`` (no tensors yet, nothing to sync) or when the private names are gone.
+        """
+        scale, tracker = _compat.scaler_tensors(getattr(self.plugin, "scaler", None))
+        if isinstance(scale, torch.Tensor) and isinstance(tracker, torch.Tensor):
+            return {"scale_tensor": scale, "growth_tracker_tensor": tracker}
         return dict(self.plugin.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "scale_tensor" in state:
+            scale, tracker = _compat.scaler_tensors(self.plugin.scaler)
+            assert isinstance(scale, torch.Tensor)
+            assert isinstance(tracker, torch.Tensor)
+            scale.copy_(state["scale_tensor"])
+            tracker.copy_(state["growth_tracker_tensor"])
+            return
         self.plugin.load_state_dict(state)
 
 

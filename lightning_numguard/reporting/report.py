@@ -40,6 +40,7 @@ class Reporter:
         self.dirpath = dirpath
         self.writer = JsonlWriter(dirpath / "events.jsonl")
         self._warned: set[tuple[str, str]] = set()
+        self._said: set[str] = set()
         self.warn = warn
 
     def emit(self, trainer: pl.Trainer, events: list[dict[str, Any]], counters: dict[str, int]) -> None:
@@ -72,6 +73,15 @@ class Reporter:
                     lg.save()
             except Exception as err:  # a broken logger must not kill training
                 log.warning("numguard could not write to logger %s: %s", type(lg).__name__, err)
+
+    def say_once(self, trainer: pl.Trainer, key: str, message: str) -> None:
+        """A condition that is not an incident (a collapsing fp16 loss scale): a log line and one warning per fit."""
+        if key in self._said:
+            return
+        self._said.add(key)
+        log.warning("numguard: %s", message)
+        if self.warn and trainer.is_global_zero:
+            warnings.warn(f"NumGuard: {message}", NumGuardWarning, stacklevel=2)
 
     def close(self) -> None:
         """Flush and close the event file."""
