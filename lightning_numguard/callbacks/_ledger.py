@@ -45,15 +45,37 @@ class Ledger:
             rank=rank,
             where=list(finding.where),
             action=action,
-            message=incident_message(finding.kind, finding.where, finding.details, step, rank),
+            message=incident_message(
+                finding.kind,
+                finding.where,
+                finding.details,
+                step,
+                rank,
+                op=finding.op,
+                module=finding.module,
+                site=finding.site,
+                source=finding.source,
+            ),
             details=finding.details,
+            op=finding.op,
+            module=finding.module,
+            site=finding.site,
+            source=finding.source,
+            root_cause=finding.root_cause,
+            consequence_of=finding.consequence_of,
         ).to_dict()
 
     def record(self, trainer: pl.Trainer, events: list[dict[str, Any]]) -> None:
-        """Count ``events``, keep them, and report them (files and loggers on rank 0)."""
+        """Count ``events``, keep them, and report them (files and loggers on rank 0).
+
+        ``incidents`` counts root causes only: a consequence (``root_cause: false``) is recorded,
+        labelled and reported, but it is the same incident.
+        """
         if not events:
             return
-        self.counters["incidents"] += sum(1 for e in events if e["kind"] != "optimizer_coverage")
+        self.counters["incidents"] += sum(
+            1 for e in events if e["kind"] != "optimizer_coverage" and e.get("root_cause", True)
+        )
         for e in events:
             self.incidents_by_kind[e["kind"]] = self.incidents_by_kind.get(e["kind"], 0) + 1
         self.events.extend(events)

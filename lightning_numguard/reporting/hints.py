@@ -50,15 +50,15 @@ KIND_HINTS: Mapping[str, str] = MappingProxyType(
         "data pipeline",
         "nonfinite_param": "the weights themselves are no longer finite (an earlier bad update, or the optimizer "
         "state): restore a finite state and lower the learning rate",
-        "nonfinite_output": "this module is the first to produce NaN/Inf from finite inputs: look for division "
-        "by a zero std, sqrt/log of 0 or negatives, exp overflow; add an eps or clamp",
+        "nonfinite_output": "look in this module for division by a zero std, sqrt/log of 0 or negatives, "
+        "exp overflow; add an eps or clamp",
         "op_domain": "an op received inputs outside its domain and would have tripped a device-side assert "
         "(BCE input outside [0, 1], class index >= n_classes, embedding index out of range); fix the values "
         "feeding that op (often an upstream NaN, or a label/vocabulary off by one)",
-        "nonfinite_loss": "inputs and module outputs were finite, so the loss computation itself overflowed: "
-        "use the numerically stable form (BCEWithLogitsLoss, log_softmax + nll_loss) or add an eps",
-        "nonfinite_grad": "the forward pass was finite but the backward was not: a sqrt/pow/norm at 0 or a "
-        "division by a small number in backward; add an eps or lower the learning rate",
+        "nonfinite_loss": "compute the loss in its numerically stable form (BCEWithLogitsLoss, log_softmax + "
+        "nll_loss, logsumexp) or add an eps where it divides or takes a log",
+        "nonfinite_grad": "look for a sqrt/pow/norm at 0 or a division by a small number, whose gradient is "
+        "infinite; add an eps, or lower the learning rate",
     }
 )
 """One sentence of advice per incident kind (every kind of :data:`~lightning_numguard.core.events.KINDS`)."""
