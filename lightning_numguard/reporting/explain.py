@@ -347,6 +347,8 @@ def explain(path: str | os.PathLike[str]) -> Explanation:
         return _error(target, f"cannot read it ({exc.strerror or exc})")
     if b"\x00" in head:
         return _error(target, "binary file, not an events.jsonl or a text log")
+    if not head.strip() and target.name != EVENTS_FILENAME:  # an empty events.jsonl: a run without incidents
+        return _error(target, "empty file: there is nothing to explain")
     try:
         if target.name == EVENTS_FILENAME or _looks_like_events(target):
             return _explain_events(target, others)

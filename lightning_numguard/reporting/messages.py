@@ -115,3 +115,48 @@ def incident_message(
     else:
         text = f"{kind} in {names} {at}"
     return f"{text}; {hint}" if hint else text
+
+
+def action_message(
+    action: str,
+    configured: str,
+    step: int,
+    root: dict[str, Any] | None,
+    escalation: str | None = None,
+    snapshot_step: int | None = None,
+    checkpoint: str | None = None,
+    events_file: str | None = None,
+) -> str:
+    """The one log line of an action taken: what was done, why, and where the files are.
+
+    Args:
+        action: what was done (``skip``, ``rollback``, ``halt``).
+        configured: the callback's ``action`` (differs from ``action`` after an escalation).
+        step: the global step.
+        root: the step's root-cause event, if any.
+        escalation: why ``configured`` escalated to ``action``.
+        snapshot_step: the step of the finite state restored.
+        checkpoint: ``last_finite.ckpt``'s path, when one was written.
+        events_file: ``events.jsonl``'s path, when one was written.
+    """
+    cause = f"{root['kind']} in {', '.join(root['where'][:3]) or '-'}" if root else "non-finite values"
+    restored = f" (restored the last finite state, from step {snapshot_step})" if snapshot_step is not None else ""
+    if action == "skip":
+        text = f"NumGuard skipped the optimizer step at step {step} because of {cause}"
+    elif action == "rollback":
+        text = f"NumGuard rolled back at step {step}{restored} because of {cause}"
+    elif action == "halt":
+        text = f"NumGuard halted training at step {step}{restored} because of {cause}"
+    else:
+        text = f"NumGuard took action {action!r} at step {step} because of {cause}"
+    if action != configured:
+        text += f"; escalated from {configured!r} to {action!r}" + (f": {escalation}" if escalation else "")
+    if action == "halt":
+        text += (
+            f"; last finite checkpoint: {checkpoint}"
+            if checkpoint
+            else "; no last_finite.ckpt was written (no finite snapshot, or no dirpath to write to: "
+            "set NumGuardCallback(dirpath=...))"
+        )
+    text += f"; events: {events_file}" if events_file else "; events are in callback.events (no events.jsonl written)"
+    return text + "."

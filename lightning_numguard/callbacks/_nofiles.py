@@ -1,0 +1,48 @@
+"""Runs in which the guard writes no file: ``fast_dev_run``, and no logger, no checkpointing and no ``dirpath``.
+
+Lightning promises no logging or checkpointing under ``fast_dev_run``, and writes nothing into the
+working directory without a logger and checkpointing; the guard keeps those promises. Its events
+stay in memory (``callback.events``) and in the log; a halt restores the last finite state in
+memory and says that no ``last_finite.ckpt`` was written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+
+from lightning_numguard.callbacks._inspector import StepRecord
+from lightning_numguard.callbacks._recovery import Recovery
+from lightning_numguard.core.quarantine import sample_indices
+
+__all__ = ["FilelessRecovery", "writes_files"]
+
+
+def writes_files(trainer: pl.Trainer, dirpath: str | None) -> bool:
+    """Whether the guard may write files for ``trainer`` (``dirpath`` is the user's argument)."""
+    if trainer.fast_dev_run:
+        return False
+    return bool(dirpath) or bool(trainer.loggers) or trainer.checkpoint_callback is not None
+
+
+class FilelessRecovery(Recovery):
+    """:class:`Recovery` that writes no ``last_finite.ckpt`` and no ``bad_batches/`` file."""
+
+    def save_last_finite(self, trainer: pl.Trainer) -> None:
+        """Nothing to write: the restored state lives on in memory."""
+
+    def quarantine_batch(self, trainer: pl.Trainer, rec: StepRecord, reason: str) -> None:
+        """Quarantine ``rec``'s batch without saving it."""
+        if self.quarantine.holds(rec.batch_idx):
+            return
+        entry: dict[str, Any] = {
+            "epoch": rec.epoch,
+            "batch_idx": rec.batch_idx,
+            "step": rec.step,
+            "reason": reason,
+            "sample_indices": sample_indices(rec.batch),
+        }
+        self.quarantine.add(entry)
+        for e in rec.events:
+            e["details"]["quarantined"] = True
