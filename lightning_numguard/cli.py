@@ -35,7 +35,7 @@ from lightning_numguard.reporting.explain import EXIT_CODE_HELP, ExitCode
 __all__ = ["DEMO_DIR", "FAULTS", "build_parser", "fault_step", "main"]
 
 #: Where ``numguard demo`` writes by default (``.gitignore`` lists it).
-DEMO_DIR = "numguard-demo"
+DEMO_DIR = "./numguard-demo"
 
 
 def fault_step(steps: int) -> int:
@@ -130,9 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="what the guard does on an incident (default: rollback)",
     )
     demo.add_argument("--steps", type=_positive_int, default=30, metavar="N", help="training steps (default: 30)")
-    demo.add_argument(
-        "--dir", default=DEMO_DIR, metavar="DIR", help=f"output folder (default: ./{DEMO_DIR})"
-    )
+    demo.add_argument("--dir", default=DEMO_DIR, metavar="DIR", help=f"output folder (default: {DEMO_DIR})")
     demo.set_defaults(handler=_run_demo)
     return parser
 

@@ -97,9 +97,7 @@ class DemoCNN(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
 
 
-def run_demo(
-    fault: str = "input", action: Action = "rollback", steps: int = 30, out_dir: Path | str = DEMO_DIR
-) -> str:
+def run_demo(fault: str = "input", action: Action = "rollback", steps: int = 30, out_dir: Path | str = DEMO_DIR) -> str:
     """Train the demo CNN for ``steps`` steps with ``fault`` at step 10 under ``action``; return a summary.
 
     Args:

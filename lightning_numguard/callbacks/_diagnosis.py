@@ -88,10 +88,10 @@ def diagnose(
     if seen.seen(flags.OP):
         for finding in inspector.op_findings(first_module, rank):
             op, module = finding.where[0], finding.details.get("module")
-            site = sites.get(op) or {}
+            line = sites.get(op) or {}
             finding.where, finding.op, finding.module = [op], op, module
-            if site.get("file"):
-                finding.source = f"{site['file']}:{site['line']}"
+            if line.get("file"):
+                finding.source = f"{line['file']}:{line['line']}"
             found.append(finding)
     loss = inspector.loss_finding(rank) if seen.seen_on(flags.LOSS, rank, world) and rec.losses else None
     if loss is not None:

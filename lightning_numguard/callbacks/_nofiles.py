@@ -21,7 +21,7 @@ __all__ = ["FilelessRecovery", "writes_files"]
 
 def writes_files(trainer: pl.Trainer, dirpath: str | None) -> bool:
     """Whether the guard may write files for ``trainer`` (``dirpath`` is the user's argument)."""
-    if trainer.fast_dev_run:
+    if getattr(trainer, "fast_dev_run", False):  # set by Trainer.__init__ (public, not in the stubs)
         return False
     return bool(dirpath) or bool(trainer.loggers) or trainer.checkpoint_callback is not None
 

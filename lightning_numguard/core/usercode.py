@@ -39,7 +39,7 @@ def is_library_file(filename: str) -> bool:
 
 def user_frame(start: FrameType | None = None) -> FrameType | None:
     """The innermost frame, from ``start`` (the caller's caller by default) outwards, that is user code."""
-    frame = start if start is not None else sys._getframe(2)
+    frame: FrameType | None = start if start is not None else sys._getframe(2)
     while frame is not None and is_library_file(frame.f_code.co_filename):
         frame = frame.f_back
     return frame

@@ -6,15 +6,18 @@ import pytest
 
 from tests.diagnosis.scenarios import CASES, Case, message_holds, run_guarded
 
-
 #: Scenarios the guard does not get right yet: kept, visible, and failing loudly once fixed (strict).
 KNOWN_WRONG = {"fp16_attention": "the scenario's overflow is not yet reproduced as an incident under the GradScaler"}
 
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_WRONG[c.name], strict=True)) if c.name in KNOWN_WRONG else c
-     for c in CASES],
+    [
+        pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_WRONG[c.name], strict=True))
+        if c.name in KNOWN_WRONG
+        else c
+        for c in CASES
+    ],
     ids=[c.name for c in CASES],
 )
 def test_first_culprit_and_op(case: Case, tmp_path):

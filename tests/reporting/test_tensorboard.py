@@ -70,9 +70,11 @@ def _texts(ea: EventAccumulator) -> dict[int, str]:
 
 
 def _expected_counters(events: list[dict[str, Any]], step: int) -> dict[str, float]:
-    """Incidents up to and including ``step`` (coverage findings are not incidents)."""
+    """Incidents up to and including ``step``: root causes only (issue 10; coverage findings are not incidents)."""
     return {
-        "numguard/incidents": float(sum(1 for e in events if e["step"] <= step and e["kind"] != "optimizer_coverage")),
+        "numguard/incidents": float(
+            sum(1 for e in events if e["step"] <= step and e["kind"] != "optimizer_coverage" and e["root_cause"])
+        ),
         "numguard/skipped_steps": float(FAULT_STEPS.index(step) + 1),
         "numguard/rollbacks": float(FAULT_STEPS.index(step) + 1),
     }
@@ -215,13 +217,14 @@ def test_tensorboard_and_csv_loggers_both_get_the_counters(tmp_path: Path) -> No
 
 
 def test_no_logger_writes_events_under_default_root_dir(tmp_path: Path) -> None:
+    # issue 10: with logger=False, no checkpointing and no dirpath the guard writes no file (as Lightning)
     root = tmp_path / "root"
     cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK)
     with pytest.warns(NumGuardWarning, match=LOSS_AT_3):
         tr = _fit(root, cb, "loss", FAULT_STEPS, logger=False)
     assert tr.loggers == []
-    assert cb.resolved_dirpath == root / "numguard"
-    lines = _read_jsonl(root / "numguard" / "events.jsonl")
+    assert cb.resolved_dirpath is None and not (root / "numguard").exists()
+    lines = cb.events
     assert [(e["kind"], e["step"], e["action"]) for e in lines] == [
         ("nonfinite_loss", 3, "skip"),
         ("nonfinite_loss", 6, "skip"),
