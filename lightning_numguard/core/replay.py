@@ -83,6 +83,18 @@ def _site(file: str, line: int) -> dict[str, Any]:
     return {"file": file, "line": line, "code": linecache.getline(file, line).strip()}
 
 
+def _overflow_facts(inputs: Any, out: Any) -> dict[str, Any]:
+    """The culprit op's output dtype and its inputs' largest finite ``|x|`` (an overflow from finite values)."""
+    floats = [t for t in tensors(out) if t.is_floating_point()]
+    facts: dict[str, Any] = {"dtype": str(floats[0].dtype).replace("torch.", "")} if floats else {}
+    with torch.no_grad():
+        peaks = [float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max()) for t in tensors(inputs) if t.is_floating_point() and t.numel()]
+    peaks += [abs(v) for v in inputs[0] if isinstance(v, float) and math.isfinite(v)]
+    if peaks:
+        facts["max_abs_in"] = max(peaks)
+    return facts
+
+
 class _ForwardTrace(TorchFunctionMode):
     """Watches every torch call of the forward pass for the first non-finite value and where it came from."""
 
@@ -114,7 +126,7 @@ class _ForwardTrace(TorchFunctionMode):
         )
         entry = {"op": op, "module": self.stack[-1] if self.stack else None, **self.sites[op]}
         if (nan_out and not nan_in) or (inf_out and scalars_ok and _finite(inputs)):
-            self.culprit = entry
+            self.culprit = {**entry, **_overflow_facts(inputs, out)}
         elif not _finite(inputs) and self.inputs_bad is None and self.constant is None:
             self.inputs_bad = entry
         elif not scalars_ok and self.constant is None:
@@ -257,7 +269,7 @@ def replay(
             chosen = trace.culprit or (None if trace.inputs_bad else trace.constant)
             if chosen is not None:
                 result.update(stage="forward", op=chosen["op"], op_module=chosen["module"])
-                result.update({k: chosen[k] for k in ("file", "line", "code") if k in chosen})
+                result.update({k: chosen[k] for k in ("file", "line", "code", "dtype", "max_abs_in") if k in chosen})
                 result["forward_op"], result["forward_op_module"] = chosen["op"], chosen["module"]
                 if "file" in chosen:
                     result["forward_trace"] = f"{chosen['file']}:{chosen['line']}: {chosen.get('code', '')}"

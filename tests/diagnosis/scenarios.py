@@ -26,9 +26,9 @@ class Attention(nn.Module):
         self.q, self.k, self.mode = nn.Linear(8, 8), nn.Linear(8, 8), mode
 
     def forward(self, h: torch.Tensor, bad: bool) -> torch.Tensor:
-        q, k = self.q(h), self.k(h)
         if bad and self.mode == "fp16":
-            q = q * 2e4  # large activations: the logits overflow float16 (max 65504)
+            h = h * 1e3  # large but finite activations: q and k fit float16, their product does not (max 65504)
+        q, k = self.q(h), self.k(h)
         scores = q @ k.transpose(-1, -2)
         if bad and self.mode == "masked":
             scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool), float("-inf"))  # all masked
@@ -134,6 +134,7 @@ class Case:
     kind: str  # the first event's kind
     op: str | None  # the first event's op (None: no op is to blame)
     module: str | None = None
+    hint: str | None = None  # words the first event's message must hold (the advice that fits this culprit)
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     steps: int = 3
@@ -142,7 +143,7 @@ class Case:
 def _fp16() -> dict[str, Any]:
     from pytorch_lightning.plugins import MixedPrecision
 
-    return {"plugins": [MixedPrecision("16-mixed", "cpu")]}
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
 
 
 CASES: list[Case] = [
@@ -167,6 +168,7 @@ CASES: list[Case] = [
         "nonfinite_output",
         "matmul",
         "attn",
+        hint="overflowed float16",
         trainer_kwargs={"__fp16__": True},
     ),
     Case(
@@ -176,6 +178,7 @@ CASES: list[Case] = [
         "nonfinite_output",
         "linear",
         "body",
+        hint="the learning rate is probably too high",
         model_kwargs={"lr": 1e12},
         steps=6,
     ),

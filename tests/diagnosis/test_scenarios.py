@@ -6,20 +6,8 @@ import pytest
 
 from tests.diagnosis.scenarios import CASES, Case, message_holds, run_guarded
 
-#: Scenarios the guard does not get right yet: kept, visible, and failing loudly once fixed (strict).
-KNOWN_WRONG = {"fp16_attention": "the scenario's overflow is not yet reproduced as an incident under the GradScaler"}
 
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_WRONG[c.name], strict=True))
-        if c.name in KNOWN_WRONG
-        else c
-        for c in CASES
-    ],
-    ids=[c.name for c in CASES],
-)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_first_culprit_and_op(case: Case, tmp_path):
     event = run_guarded(case, str(tmp_path))["event"]
     assert event, f"{case.name}: the guard found nothing"
@@ -29,3 +17,5 @@ def test_first_culprit_and_op(case: Case, tmp_path):
     if case.op is not None and event["kind"] != "optimizer_coverage":
         assert (event.get("source") or "").split(":")[0].endswith("scenarios.py"), event.get("source")
     assert message_holds(event), event["message"]
+    if case.hint is not None:
+        assert case.hint in event["message"], event["message"]
