@@ -7,7 +7,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_numguard.core.events import Event
+from lightning_numguard.core.events import Event, counts_as_incident
 from lightning_numguard.core.findings import Finding
 from lightning_numguard.reporting.messages import action_message, incident_message
 from lightning_numguard.reporting.report import Reporter
@@ -76,9 +76,7 @@ class Ledger:
         """
         if not events:
             return
-        self.counters["incidents"] += sum(
-            1 for e in events if e["kind"] != "optimizer_coverage" and e.get("root_cause", True)
-        )
+        self.counters["incidents"] += sum(1 for e in events if counts_as_incident(e))
         for e in events:
             self.incidents_by_kind[e["kind"]] = self.incidents_by_kind.get(e["kind"], 0) + 1
         self.events.extend(events)
@@ -107,7 +105,7 @@ class Ledger:
                 escalation = "the weights or optimizer state were no longer finite"
         snapshot = recovery.snapshot
         ckpt = recovery.ckpt_path
-        written = rec.action == "halt" and ckpt.exists() and type(recovery).__name__ != "FilelessRecovery"
+        written = rec.action in ("rollback", "halt") and ckpt.exists() and type(recovery).__name__ != "FilelessRecovery"
         events_file = self.reporter.events_path if self.reporter is not None else None
         text = action_message(
             rec.action,

@@ -18,6 +18,7 @@ __all__ = [
     "Action",
     "Event",
     "JsonlWriter",
+    "counts_as_incident",
     "read_events",
     "validate_event",
 ]
@@ -140,6 +141,19 @@ class JsonlWriter:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "_fh": None}
+
+
+def counts_as_incident(event: Mapping[str, Any]) -> bool:
+    """Whether ``event`` is counted as an incident: a root cause, not a consequence nor a coverage warning.
+
+    The one rule behind the ``numguard/incidents`` counter, the demo's summary and
+    ``numguard explain``; an event without ``root_cause`` (older files) is a root cause.
+
+    Example:
+        >>> counts_as_incident({"kind": "nonfinite_loss", "root_cause": False})
+        False
+    """
+    return event.get("kind") != "optimizer_coverage" and bool(event.get("root_cause", True))
 
 
 def validate_event(obj: Any) -> str | None:

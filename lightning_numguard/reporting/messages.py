@@ -151,6 +151,8 @@ def action_message(
         text = f"NumGuard took action {action!r} at step {step} because of {cause}"
     if action != configured:
         text += f"; escalated from {configured!r} to {action!r}" + (f": {escalation}" if escalation else "")
+    if action == "rollback" and checkpoint:
+        text += f"; last finite checkpoint: {checkpoint}"
     if action == "halt":
         text += (
             f"; last finite checkpoint: {checkpoint}"

@@ -216,7 +216,7 @@ def test_tensorboard_and_csv_loggers_both_get_the_counters(tmp_path: Path) -> No
     assert cb.resolved_dirpath == Path(tb.log_dir) / "numguard"
 
 
-def test_no_logger_writes_events_under_default_root_dir(tmp_path: Path) -> None:
+def test_no_logger_no_checkpointing_no_dirpath_keeps_events_in_memory(tmp_path: Path) -> None:
     # issue 10: with logger=False, no checkpointing and no dirpath the guard writes no file (as Lightning)
     root = tmp_path / "root"
     cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK)
