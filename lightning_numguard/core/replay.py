@@ -88,7 +88,11 @@ def _overflow_facts(inputs: Any, out: Any) -> dict[str, Any]:
     floats = [t for t in tensors(out) if t.is_floating_point()]
     facts: dict[str, Any] = {"dtype": str(floats[0].dtype).replace("torch.", "")} if floats else {}
     with torch.no_grad():
-        peaks = [float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max()) for t in tensors(inputs) if t.is_floating_point() and t.numel()]
+        peaks = [
+            float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
+            for t in tensors(inputs)
+            if t.is_floating_point() and t.numel()
+        ]
     peaks += [abs(v) for v in inputs[0] if isinstance(v, float) and math.isfinite(v)]
     if peaks:
         facts["max_abs_in"] = max(peaks)

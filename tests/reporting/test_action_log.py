@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from pathlib import Path
@@ -23,10 +24,8 @@ def _fit_quietly(tmp_path: Any, cb: NumGuardCallback, site: str, step: int = 3, 
     tr = trainer(tmp_path, [cb], **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
+        with contextlib.suppress(NonFiniteError):
             tr.fit(FaultModel(site=site, step=step), loader(FaultData()))
-        except NonFiniteError:
-            pass
     return tr
 
 
