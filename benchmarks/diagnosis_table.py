@@ -10,7 +10,7 @@ import logging
 import tempfile
 from pathlib import Path
 
-from tests.diagnosis.scenarios import CASES, message_holds, run_detect_anomaly, run_guarded
+from tests.diagnosis.scenarios import CASES, culprit_right, message_holds, run_detect_anomaly, run_guarded
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
         where = ", ".join(event.get("where", [])[:2])
         source = event.get("source") or "-"
         line = f"{Path(source.rsplit(':', 1)[0]).name}:{source.rsplit(':', 1)[1]}" if source != "-" else "-"
-        right = (kind, event.get("op")) == (case.kind, case.op)
+        right = culprit_right(case, event)  # kind, op, module and the advice expected
         rows.append(
             f"| {case.story} | {case.culprit} | {kind} `{where}` | {event.get('op') or '-'} | {line} "
             f"| {'yes' if right else '**no**'} | {'yes' if event and message_holds(event) else 'no'} "

@@ -1,4 +1,4 @@
-"""Runs in which the guard writes no file: ``fast_dev_run``, and no logger, no checkpointing and no ``dirpath``.
+"""Runs in which the guard writes no file: ``fast_dev_run``; no logger, no checkpointing, no ``dirpath``, no ``default_root_dir``.
 
 Lightning promises no logging or checkpointing under ``fast_dev_run``, and writes nothing into the
 working directory without a logger and checkpointing; the guard keeps those promises. Its events
@@ -8,6 +8,7 @@ memory and says that no ``last_finite.ckpt`` was written.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytorch_lightning as pl
@@ -23,7 +24,11 @@ def writes_files(trainer: pl.Trainer, dirpath: str | None) -> bool:
     """Whether the guard may write files for ``trainer`` (``dirpath`` is the user's argument)."""
     if getattr(trainer, "fast_dev_run", False):  # set by Trainer.__init__ (public, not in the stubs)
         return False
-    return bool(dirpath) or bool(trainer.loggers) or trainer.checkpoint_callback is not None
+    if dirpath or trainer.loggers or trainer.checkpoint_callback is not None:
+        return True
+    # Without a logger and checkpointing Lightning writes nothing into the working directory; a
+    # default_root_dir the user chose is a place to write to (events then go to <default_root_dir>/numguard).
+    return os.path.abspath(str(trainer.default_root_dir)) != os.path.abspath(os.getcwd())
 
 
 class FilelessRecovery(Recovery):

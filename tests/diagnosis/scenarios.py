@@ -273,4 +273,13 @@ def message_holds(event: dict[str, Any]) -> bool:
     return not ("from finite inputs" in msg and not event.get("op"))
 
 
+def culprit_right(case: Case, event: dict[str, Any]) -> bool:
+    """The event names the case's kind, op and module, and gives the advice the case expects."""
+    if (event.get("kind"), event.get("op")) != (case.kind, case.op):
+        return False
+    if case.module is not None and event.get("module") != case.module:
+        return False
+    return case.hint is None or case.hint in event.get("message", "")
+
+
 SCENARIO_FUNCS: dict[str, Callable[..., Any]] = {"guarded": run_guarded, "anomaly": run_detect_anomaly}

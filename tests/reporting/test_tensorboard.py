@@ -216,15 +216,14 @@ def test_tensorboard_and_csv_loggers_both_get_the_counters(tmp_path: Path) -> No
     assert cb.resolved_dirpath == Path(tb.log_dir) / "numguard"
 
 
-def test_no_logger_no_checkpointing_no_dirpath_keeps_events_in_memory(tmp_path: Path) -> None:
-    # issue 10: with logger=False, no checkpointing and no dirpath the guard writes no file (as Lightning)
+def test_no_logger_writes_events_under_default_root_dir(tmp_path: Path) -> None:
     root = tmp_path / "root"
     cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK)
     with pytest.warns(NumGuardWarning, match=LOSS_AT_3):
         tr = _fit(root, cb, "loss", FAULT_STEPS, logger=False)
     assert tr.loggers == []
-    assert cb.resolved_dirpath is None and not (root / "numguard").exists()
-    lines = cb.events
+    assert cb.resolved_dirpath == root / "numguard"
+    lines = _read_jsonl(root / "numguard" / "events.jsonl")
     assert [(e["kind"], e["step"], e["action"]) for e in lines] == [
         ("nonfinite_loss", 3, "skip"),
         ("nonfinite_loss", 6, "skip"),
