@@ -1,4 +1,7 @@
-"""Runs in which the guard writes no file: ``fast_dev_run``; no logger, no checkpointing, no ``dirpath``, no ``default_root_dir``.
+"""Runs in which the guard writes no file: ``fast_dev_run``, and runs with nowhere chosen to write to.
+
+"Nowhere chosen": no logger, no checkpointing, no ``dirpath`` and no ``default_root_dir`` (the
+working directory); an explicit ``default_root_dir`` gets ``<default_root_dir>/numguard``.
 
 Lightning promises no logging or checkpointing under ``fast_dev_run``, and writes nothing into the
 working directory without a logger and checkpointing; the guard keeps those promises. Its events
