@@ -18,8 +18,11 @@ This module is the only place in the package that prints.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -29,7 +32,16 @@ from lightning_numguard.__about__ import __version__
 from lightning_numguard.core.events import Action
 from lightning_numguard.reporting.explain import EXIT_CODE_HELP, ExitCode
 
-__all__ = ["FAULTS", "build_parser", "main"]
+__all__ = ["DEMO_DIR", "FAULTS", "build_parser", "fault_step", "main"]
+
+#: Where ``numguard demo`` writes by default (``.gitignore`` lists it).
+DEMO_DIR = "./numguard-demo"
+
+
+def fault_step(steps: int) -> int:
+    """The global step at which ``numguard demo --steps steps`` injects its fault: 10, or half of a shorter run."""
+    return min(10, max(steps // 2, 1))
+
 
 FAULTS: Mapping[str, str] = MappingProxyType(
     {
@@ -46,6 +58,8 @@ FAULTS: Mapping[str, str] = MappingProxyType(
 
 _EPILOG = "exit codes:\n" + "".join(f"  {int(code)}  {text}\n" for code, text in EXIT_CODE_HELP.items())
 
+_DEMO_EPILOG = "exit codes:\n  0  the demo ran (whatever the guard found)\n  2  a usage error\n"
+
 _EXPLAIN_HELP = """\
 Explain a failed run. PATH is a run's events.jsonl (written by NumGuardCallback), a folder
 holding one (searched recursively; the newest is used and named), or a text log / traceback
@@ -58,6 +72,7 @@ overflow, AMP/GradScaler errors, cuBLAS/cuDNN errors after a device-side assert,
 _DEMO_HELP = """\
 Train a tiny model with a fault injected at one step and NumGuardCallback on, then print
 the demo's summary (what went bad, what the guard did, where events.jsonl was written).
+The fault is injected once, at global step 10 (at step N // 2 when --steps N is below 20).
 
 faults:
 """ + "".join(f"  {name:<12} {text}\n" for name, text in FAULTS.items())
@@ -92,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=formatter,
     )
-    explain.add_argument("path", metavar="PATH", help="events.jsonl, a folder holding one, or a text log")
+    explain.add_argument(
+        "path", metavar="PATH", help="events.jsonl, a folder holding one, or a text log; - reads a log from stdin"
+    )
     explain.add_argument("--json", action="store_true", help="print a machine-readable summary instead")
     explain.set_defaults(handler=_run_explain)
 
@@ -100,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="train a tiny model with an injected fault and the guard on",
         description=_DEMO_HELP,
-        epilog=_EPILOG,
+        epilog=_DEMO_EPILOG,
         formatter_class=formatter,
     )
     demo.add_argument(
@@ -113,9 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="what the guard does on an incident (default: rollback)",
     )
     demo.add_argument("--steps", type=_positive_int, default=30, metavar="N", help="training steps (default: 30)")
-    demo.add_argument(
-        "--dir", default="./numguard-demo", metavar="DIR", help="output folder (default: ./numguard-demo)"
-    )
+    demo.add_argument("--dir", default=DEMO_DIR, metavar="DIR", help=f"output folder (default: {DEMO_DIR})")
     demo.set_defaults(handler=_run_demo)
     return parser
 
@@ -139,13 +154,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         _emit("numguard: error: a subcommand is required (explain or demo)", sys.stderr)
         return int(ExitCode.ERROR)
-    return int(args.handler(args))
+    try:
+        return int(args.handler(args))
+    except BrokenPipeError:  # `numguard explain ... | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's final flush does not fail too
+        return int(ExitCode.OK)
 
 
 def _run_explain(args: argparse.Namespace) -> int:
     from lightning_numguard.reporting.explain import explain
 
-    result = explain(Path(args.path))
+    if args.path == "-":  # a log piped in: explain it from a temporary copy
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "stdin.log"
+            path.write_bytes(sys.stdin.buffer.read())
+            found = explain(path)
+            result = dataclasses.replace(found, text=found.text.replace(str(path), "<stdin>"))
+    else:
+        result = explain(Path(args.path))
     if result.exit_code == ExitCode.ERROR:
         _emit(result.text, sys.stderr)
     elif args.json:

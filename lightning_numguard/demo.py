@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_numguard.callbacks.numguard import NumGuardCallback
-from lightning_numguard.cli import FAULTS
+from lightning_numguard.cli import DEMO_DIR, FAULTS, fault_step
 from lightning_numguard.core.events import Action
 from lightning_numguard.errors import NonFiniteError, NumGuardWarning
 
@@ -97,9 +97,7 @@ class DemoCNN(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
 
 
-def run_demo(
-    fault: str = "input", action: Action = "rollback", steps: int = 30, out_dir: Path | str = "numguard-demo"
-) -> str:
+def run_demo(fault: str = "input", action: Action = "rollback", steps: int = 30, out_dir: Path | str = DEMO_DIR) -> str:
     """Train the demo CNN for ``steps`` steps with ``fault`` at step 10 under ``action``; return a summary.
 
     Args:
@@ -114,11 +112,11 @@ def run_demo(
     if fault not in FAULTS:
         raise ValueError(f"`fault` must be one of {list(FAULTS)}, got {fault!r}")
     out = Path(out_dir)
-    batch_size, fault_step = 16, min(10, max(steps // 2, 1))
+    batch_size, fault_at = 16, fault_step(steps)
     data_fault = fault in ("input", "masked-fill")
     fill = float("nan") if fault == "input" else 1e20
-    data = _Shapes(batch_size * steps, fault_step if data_fault else None, batch_size, fill)
-    model = DemoCNN(fault=fault if not data_fault else "none", fault_step=fault_step)
+    data = _Shapes(batch_size * steps, fault_at if data_fault else None, batch_size, fill)
+    model = DemoCNN(fault=fault if not data_fault else "none", fault_step=fault_at)
     guard = NumGuardCallback(action=action)
     logger = TensorBoardLogger(str(out), name="demo")
     trainer = pl.Trainer(
@@ -144,17 +142,21 @@ def run_demo(
     finite = all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
     dirpath = guard.resolved_dirpath
     lines = [
-        f"numguard demo: fault={fault} at step {fault_step}, action={action}, {trainer.global_step} steps trained",
+        f"numguard demo: fault={fault} at step {fault_at}, action={action}, {trainer.global_step} steps trained",
     ]
     if not guard.events:
         lines.append("  no incident found" + (" (as expected: no fault injected)" if fault == "none" else ""))
     else:
         first = guard.events[0]
-        lines.append(f"  {len(guard.events)} incident(s); the first, the root cause:")
+        roots = guard.counters["incidents"]
+        lines.append(f"  {roots} incident(s) (root causes) in {len(guard.events)} event(s); the first root cause:")
         lines.append(f"    {first['kind']} at step {first['step']} in {', '.join(first['where'])}")
         lines.append(f"    {first['message']}")
         for e in guard.events[1:6]:
-            lines.append(f"    then {e['kind']} in {', '.join(e['where'][:3])}")
+            lines.append(
+                f"    then {e['kind']} in {', '.join(e['where'][:3])}"
+                + (" (a consequence)" if not e.get("root_cause", True) else " (a new root cause)")
+            )
         lines.append(
             f"  action: {first['action']}; skipped steps {guard.counters['skipped_steps']}, "
             f"rollbacks {guard.counters['rollbacks']}"
@@ -162,9 +164,13 @@ def run_demo(
     if halted:
         lines.append(f"  halted: {halted}")
     lines.append(f"  weights finite at the end: {finite}")
-    lines.append(f"  events:      {dirpath / 'events.jsonl' if dirpath else '-'}")
+    events_file = dirpath / "events.jsonl" if dirpath else None
+    if events_file is not None and events_file.exists():  # only paths that were created
+        lines.append(f"  events:      {events_file}")
     if dirpath and (dirpath / "last_finite.ckpt").exists():
         lines.append(f"  checkpoint:  {dirpath / 'last_finite.ckpt'}")
-    lines.append(f"  TensorBoard: tensorboard --logdir {logger.log_dir}")
-    lines.append(f"  explain:     numguard explain {dirpath}")
+    if Path(logger.log_dir).exists():
+        lines.append(f"  TensorBoard: tensorboard --logdir {logger.log_dir}")
+    if events_file is not None and events_file.exists():
+        lines.append(f"  explain:     numguard explain {dirpath}")
     return "\n".join(lines)

@@ -267,3 +267,55 @@ def test_importing_the_cli_does_not_import_the_demo(tmp_path: Path) -> None:
     code = "import sys, lightning_numguard.cli; sys.exit('lightning_numguard.demo' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stderr
+
+
+# --------------------------------------------------------------------------- issue 10: small things a user hit
+
+
+def test_explain_piped_into_head_prints_no_traceback(events_file: Path, tmp_path: Path) -> None:
+    # enough events that the report outgrows the pipe's buffer: the reader leaves while explain still writes
+    many = [{**EVENTS[0], "step": 10 + i, "batch_idx": 10 + i} for i in range(4000)]
+    events_file.write_text("".join(json.dumps(e) + "\n" for e in EVENTS + many), encoding="utf-8")
+    command = f"'{sys.executable}' -m lightning_numguard explain '{events_file}' | head -1"
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.stdout == "numguard incident report\n"
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
+
+
+def test_explain_reads_a_log_from_stdin(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_numguard", "explain", "-"],
+        input=CUDA_LOG,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Likely cause: bce_input_range (line 2)" in result.stdout
+    assert "<stdin>" in result.stdout and "stdin.log" not in result.stdout
+
+
+def test_explain_of_an_empty_log_is_unreadable_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "train.log"
+    empty.write_text("", encoding="utf-8")
+    assert main(["explain", str(empty)]) == int(cli.ExitCode.ERROR) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "empty file" in err
+
+
+def test_explain_json_counts_root_causes_not_consequences(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = {**EVENTS[1], "root_cause": True, "consequence_of": None}
+    consequences = [
+        {**EVENTS[2], "root_cause": False, "consequence_of": "nonfinite_input"},
+        {**root, "kind": "nonfinite_loss", "where": ["loss"], "root_cause": False, "consequence_of": "nonfinite_input"},
+    ]
+    coverage = {**EVENTS[0], "kind": "optimizer_coverage", "step": 0, "where": ["head.bias"]}
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in [coverage, root, *consequences, EVENTS[0]]), encoding="utf-8")
+    assert main(["explain", str(path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["incidents"], summary["events"], summary["consequences"]) == (2, 5, 2)
+    assert main(["explain", str(path)]) == 0
+    assert "  incidents:  2 in 3 step(s) (steps 0-9); 5 events, 2 of them consequences" in capsys.readouterr().out

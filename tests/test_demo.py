@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from lightning_numguard.cli import main
+from lightning_numguard.cli import fault_step, main
 from lightning_numguard.core.events import read_events
 from lightning_numguard.demo import run_demo
 
@@ -44,3 +46,18 @@ def test_demo_without_a_fault_reports_nothing(tmp_path):
 def test_demo_rejects_an_unknown_fault(tmp_path):
     with pytest.raises(ValueError, match=r"`fault` must be one of .*got 'gremlins'"):
         run_demo(fault="gremlins", out_dir=tmp_path)
+
+
+def test_demo_without_a_fault_prints_no_path_that_does_not_exist(tmp_path):
+    text = run_demo(fault="none", action="rollback", steps=6, out_dir=tmp_path / "demo")
+    paths = [word for line in text.splitlines() for word in line.split() if "/" in word]
+    assert all(Path(p).exists() for p in paths), text
+    assert "events.jsonl" not in text and "numguard explain" not in text
+
+
+def test_demo_help_says_when_the_fault_comes_and_has_no_explain_exit_codes(capsys):
+    assert main(["demo", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert f"at global step {fault_step(30)}" in text
+    assert "no known cause" not in text and "PATH missing" not in text
+    assert "0  the demo ran" in text

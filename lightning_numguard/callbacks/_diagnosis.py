@@ -59,52 +59,83 @@ def diagnose(
     found: list[Finding] = []
     if seen.seen_on(flags.INPUT, rank, world) or seen.seen_on(flags.SUSPICIOUS, rank, world):
         found.extend(inspector.input_findings(rank))
-    if state_bad:
-        found.append(
-            Finding("nonfinite_param", state_bad, {"when": "before the optimizer step"}, seen.rank(flags.NORMS))
-        )
+    for site, names in _by_site(inspector, state_bad):
+        details = {"when": "before the optimizer step"}
+        found.append(Finding("nonfinite_param", names, details, seen.rank(flags.NORMS), site=site))
     output = inspector.output_finding(rank) if seen.seen(flags.OUTPUT) else None
     if output is not None:
         found.append(output)
-    first_module = output.where[0] if output is not None else None
 
+    result: dict[str, Any] = {}
     if (
         replay
         and rec.batch is not None
         and (seen.seen(flags.OUTPUT) or seen.seen(flags.OP) or seen.seen(flags.LOSS) or grad_bad)
     ):
         result = _replay(trainer, pl_module, inspector, rec.start_rng)
-        if first_module is None and result.get("forward_module"):
-            first_module = result["forward_module"]
-            op = result.get("forward_op")
-            found.append(Finding("nonfinite_output", [first_module] + ([op] if op else []), {"replay": result}, rank))
-        for f in found:
-            if f.kind == "nonfinite_output" and "replay" not in f.details:
-                f.details["replay"] = result
-                op = result.get("forward_op") or result.get("op")
-                if op and op not in f.where:
-                    f.where.append(op)
-    else:
-        result = {}
+    stage = result.get("stage")
+    sites = result.pop("op_sites", {}) or {}
+    forward_culprit = stage == "forward" and result.get("op_module") is not None
+    if output is None and result.get("forward_module") and (stage != "forward" or forward_culprit):
+        output = Finding("nonfinite_output", [result["forward_module"]], {}, rank)
+        found.append(output)
+    if output is not None:
+        output.details["replay"] = result
+        if forward_culprit:
+            _name_op(output, result)
+    first_module = output.where[0] if output is not None else None
 
     if seen.seen(flags.OP):
-        found.extend(inspector.op_findings(first_module, rank))
-    if seen.seen_on(flags.LOSS, rank, world) and rec.losses:
-        loss = inspector.loss_finding(rank)
-        if loss is not None:
-            found.append(loss)
-    if grad_bad:
-        details: dict[str, Any] = {}
+        for finding in inspector.op_findings(first_module, rank):
+            op, module = finding.where[0], finding.details.get("module")
+            line = sites.get(op) or {}
+            finding.where, finding.op, finding.module = [op], op, module
+            if line.get("file"):
+                finding.source = f"{line['file']}:{line['line']}"
+            found.append(finding)
+    loss = inspector.loss_finding(rank) if seen.seen_on(flags.LOSS, rank, world) and rec.losses else None
+    if loss is not None:
+        found.append(loss)
         if result:
-            details["replay"] = result
-            grad_bad = grad_bad + [n for n in (result.get("op"), result.get("module")) if n and n not in grad_bad]
-        found.append(Finding("nonfinite_grad", grad_bad, details, seen.rank(flags.NORMS)))
+            loss.details["replay"] = result
+            if stage == "forward" and not forward_culprit:  # an op outside every submodule: the loss code
+                _name_op(loss, result)
+    if grad_bad:
+        grad = Finding("nonfinite_grad", grad_bad, {}, seen.rank(flags.NORMS))
+        if result:
+            grad.details["replay"] = result
+            if stage == "backward":
+                _name_op(grad, result)
+        found.append(grad)
     if buffer_bad:
-        found.append(inspector.buffer_finding(buffer_bad, seen.rank(flags.NORMS)))
+        buffers = inspector.buffer_finding(buffer_bad, seen.rank(flags.NORMS))
+        buffers.site = "buffer"
+        found.append(buffers)
+    checked = sorted(set(inspector.check) | ({"replay"} if result else set()))
+    for finding in found:
+        finding.details["checked"] = checked
 
     findings = merge(_distributed.gather(trainer, found))  # so that rank 0 can write every rank's findings
     mark_consequences(findings)
     return Diagnosis(findings, state_bad, amp_overflow)
+
+
+def _name_op(finding: Finding, result: dict[str, Any]) -> None:
+    """Put the replay's culprit op, its module and the user's line into ``finding``'s own fields."""
+    finding.op = result.get("op")
+    finding.module = result.get("op_module") or result.get("module")
+    if result.get("file"):
+        finding.source = f"{result['file']}:{result['line']}"
+
+
+def _by_site(inspector: StepInspector, names: list[str]) -> list[tuple[str, list[str]]]:
+    """``names`` split into parameters, buffers and optimizer state (one kind of name per event)."""
+    params = {n for n, _ in inspector.named_params}
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        site = "optimizer_state" if name.startswith("optimizer[") else "param" if name in params else "buffer"
+        groups.setdefault(site, []).append(name)
+    return [(site, groups[site]) for site in ("param", "buffer", "optimizer_state") if site in groups]
 
 
 def _replay(

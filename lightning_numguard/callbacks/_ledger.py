@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_numguard.core.events import Event
+from lightning_numguard.core.events import Event, counts_as_incident
 from lightning_numguard.core.findings import Finding
-from lightning_numguard.reporting.messages import incident_message
+from lightning_numguard.reporting.messages import action_message, incident_message
 from lightning_numguard.reporting.report import Reporter
 
 __all__ = ["COUNTERS", "Ledger"]
+
+log = logging.getLogger("lightning_numguard")
 
 #: The running counters, logged as ``numguard/<name>`` scalars.
 COUNTERS: tuple[str, ...] = ("incidents", "skipped_steps", "rollbacks", "amp_overflow_steps")
@@ -45,17 +48,73 @@ class Ledger:
             rank=rank,
             where=list(finding.where),
             action=action,
-            message=incident_message(finding.kind, finding.where, finding.details, step, rank),
+            message=incident_message(
+                finding.kind,
+                finding.where,
+                finding.details,
+                step,
+                rank,
+                op=finding.op,
+                module=finding.module,
+                site=finding.site,
+                source=finding.source,
+            ),
             details=finding.details,
+            op=finding.op,
+            module=finding.module,
+            site=finding.site,
+            source=finding.source,
+            root_cause=finding.root_cause,
+            consequence_of=finding.consequence_of,
         ).to_dict()
 
     def record(self, trainer: pl.Trainer, events: list[dict[str, Any]]) -> None:
-        """Count ``events``, keep them, and report them (files and loggers on rank 0)."""
+        """Count ``events``, keep them, and report them (files and loggers on rank 0).
+
+        ``incidents`` counts root causes only: a consequence (``root_cause: false``) is recorded,
+        labelled and reported, but it is the same incident.
+        """
         if not events:
             return
-        self.counters["incidents"] += sum(1 for e in events if e["kind"] != "optimizer_coverage")
+        self.counters["incidents"] += sum(1 for e in events if counts_as_incident(e))
         for e in events:
             self.incidents_by_kind[e["kind"]] = self.incidents_by_kind.get(e["kind"], 0) + 1
         self.events.extend(events)
         if self.reporter is not None:
             self.reporter.emit(trainer, events, self.counters)
+
+    def log_action(self, trainer: pl.Trainer, rec: Any, configured: str, recovery: Any) -> None:
+        """One WARNING (``skip``, ``rollback``) or ERROR (``halt``) log line on rank 0 per action taken.
+
+        Args:
+            trainer: the trainer.
+            rec: the step's record (``action``, ``events``, ``step``).
+            configured: the callback's ``action``, to name an escalation.
+            recovery: the step's :class:`~lightning_numguard.callbacks._recovery.Recovery`.
+        """
+        if rec.action not in ("skip", "rollback", "halt") or not rec.events or not trainer.is_global_zero:
+            return
+        root = next((e for e in rec.events if e.get("root_cause", True)), rec.events[0])
+        escalation = None
+        if rec.action != configured:
+            if recovery.snapshot is None:
+                escalation = "there is no verified-finite snapshot to go back to"
+            elif rec.action == "halt":
+                escalation = f"max_rollbacks reached ({recovery.rollbacks_this_fit} rollbacks in this fit)"
+            else:
+                escalation = "the weights or optimizer state were no longer finite"
+        snapshot = recovery.snapshot
+        ckpt = recovery.ckpt_path
+        written = rec.action in ("rollback", "halt") and ckpt.exists() and type(recovery).__name__ != "FilelessRecovery"
+        events_file = self.reporter.events_path if self.reporter is not None else None
+        text = action_message(
+            rec.action,
+            configured,
+            rec.step,
+            root,
+            escalation,
+            snapshot.step if snapshot is not None and rec.action != "skip" else None,
+            str(ckpt) if written else None,
+            str(events_file) if events_file else None,
+        )
+        log.log(logging.ERROR if rec.action == "halt" else logging.WARNING, text)

@@ -1,6 +1,10 @@
 """Lightning glue for the replay: re-run ``training_step`` on a bad batch, quietly, on this rank only.
 
-The search itself (first module, forward op and autograd node) is :func:`lightning_numguard.core.replay.replay`.
+The search itself (first forward op, or autograd node) is :func:`lightning_numguard.core.replay.replay`.
+The replay must change nothing of the run: ``self.log`` goes nowhere, no optimizer steps (under manual
+optimization ``training_step`` calls ``opt.step()`` itself: each step runs its closure only, so neither
+the weights nor Lightning's step counters move), ``manual_backward`` calls no hooks, and the step runs
+under the precision plugin's autocast, so that a bf16/fp16-only NaN reproduces.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 
 from lightning_numguard.core.replay import replay
 
@@ -17,19 +22,36 @@ __all__ = ["replay_batch"]
 
 
 @contextlib.contextmanager
-def _quiet_logging(pl_module: pl.LightningModule) -> Iterator[None]:
-    """Keep ``self.log`` calls of the replayed ``training_step`` out of the run's metrics."""
-    saved = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
-    pl_module.log = lambda *a, **k: None  # type: ignore[method-assign]
-    pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
+def _patched(obj: Any, **attrs: Any) -> Iterator[None]:
+    """Set instance attributes of ``obj`` for the duration, then put back exactly what was there."""
+    saved = {name: obj.__dict__.get(name, _MISSING) for name in attrs}
+    obj.__dict__.update(attrs)
     try:
         yield
     finally:
         for name, value in saved.items():
-            if value is None:
-                pl_module.__dict__.pop(name, None)
+            if value is _MISSING:
+                obj.__dict__.pop(name, None)
             else:
-                pl_module.__dict__[name] = value
+                obj.__dict__[name] = value
+
+
+_MISSING = object()
+
+
+def _closure_only(closure: Any = None, **kwargs: Any) -> Any:
+    """An optimizer ``step`` that runs its closure (forward and backward) and changes nothing."""
+    return closure() if callable(closure) else None
+
+
+def _optimizers(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
+    found: list[Any] = list(trainer.optimizers)
+    try:
+        wrapped = pl_module.optimizers(use_pl_optimizer=True)
+    except Exception:  # no trainer attached, or no optimizers
+        wrapped = []
+    found.extend(wrapped if isinstance(wrapped, list) else [wrapped])
+    return [o for o in found if hasattr(o, "__dict__")]
 
 
 def replay_batch(
@@ -39,6 +61,28 @@ def replay_batch(
 
     Gradients are not synchronised across ranks (``no_sync``): only this rank replays.
     """
+    losses: list[torch.Tensor] = []
+
+    def manual_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        losses.append(loss)  # the replay runs the backward itself, from every loss handed here
+
+    def run_step() -> Any:
+        losses.clear()
+        out = pl_module.training_step(batch, batch_idx)
+        if out is None and losses:
+            graph = [x.sum() for x in losses if x.requires_grad]
+            return torch.stack(graph).sum() if graph else None
+        return out
+
     no_sync = getattr(trainer.strategy.model, "no_sync", None)
-    with no_sync() if callable(no_sync) else contextlib.nullcontext(), _quiet_logging(pl_module):
-        return replay(pl_module, lambda: pl_module.training_step(batch, batch_idx), rng)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(no_sync() if callable(no_sync) else contextlib.nullcontext())
+        stack.enter_context(_patched(pl_module, log=_ignore, log_dict=_ignore, manual_backward=manual_backward))
+        for opt in _optimizers(trainer, pl_module):
+            stack.enter_context(_patched(opt, step=_closure_only))
+        stack.enter_context(trainer.precision_plugin.train_step_context())
+        return replay(pl_module, run_step, rng, sites=True)
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` during a replay: the replayed values stay out of the run's metrics."""

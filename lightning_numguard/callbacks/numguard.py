@@ -26,7 +26,7 @@ from pytorch_lightning.callbacks import Callback
 from typing_extensions import override
 
 from lightning_numguard import _compat
-from lightning_numguard.callbacks import _config, _distributed
+from lightning_numguard.callbacks import _config, _distributed, _nofiles
 from lightning_numguard.callbacks._amp import AmpCounters
 from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action
 from lightning_numguard.callbacks._coverage import CoverageCheck
@@ -289,6 +289,9 @@ class NumGuardCallback(Callback):
         check_strategy(trainer.strategy, self.action)
         root = Path(trainer.log_dir or trainer.default_root_dir)
         self._fresh_run(Path(self.dirpath) if self.dirpath else root / "numguard")
+        if not _nofiles.writes_files(trainer, self.dirpath):  # fast_dev_run, or nowhere to write
+            self._reporter = self._ledger.reporter = Reporter(None, warn=self.emit_warnings)
+            self._recovery.__class__ = _nofiles.FilelessRecovery
         self._inspector.attach(pl_module)
 
     @override
@@ -414,7 +417,7 @@ class NumGuardCallback(Callback):
     # ------------------------------------------------------------------ verbs
 
     def _events_path(self) -> Path | None:
-        return self._reporter.writer.path if self._reporter is not None else None
+        return self._reporter.events_path if self._reporter is not None else None
 
     def _close(self) -> None:
         self._inspector.detach()
@@ -516,6 +519,7 @@ class NumGuardCallback(Callback):
         elif rec.action == "halt":
             self._recovery.halt(trainer, pl_module)
         self._ledger.record(trainer, rec.events)
+        self._ledger.log_action(trainer, rec, self.action, self._recovery)
         if rec.action == "halt" and trainer.should_stop and not _compat.lightning_will_stop(trainer):
             raise NonFiniteError(
                 f"NumGuard halted training at step {rec.step}: "

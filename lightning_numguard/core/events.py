@@ -18,6 +18,7 @@ __all__ = [
     "Action",
     "Event",
     "JsonlWriter",
+    "counts_as_incident",
     "read_events",
     "validate_event",
 ]
@@ -54,6 +55,14 @@ class Event:
         action: what was done: one of :data:`ACTIONS`.
         message: one human sentence with the hint.
         details: numbers behind the message (counts, max-|x|, first bad indices…).
+        op: the op that made the values non-finite (``div``, ``SqrtBackward0``), when named.
+        module: the module that op ran in, when known.
+        site: for ``nonfinite_param``, what holds the values: ``"param"``, ``"buffer"`` or
+            ``"optimizer_state"``.
+        source: ``"file:line"`` of the user's code that ran the op.
+        root_cause: ``False`` for a consequence of an earlier event of the same step (not counted
+            as an incident).
+        consequence_of: for a consequence, the kind of its step's root cause.
     """
 
     kind: str
@@ -65,6 +74,12 @@ class Event:
     action: str
     message: str
     details: dict[str, Any] = field(default_factory=dict)
+    op: str | None = None
+    module: str | None = None
+    site: str | None = None
+    source: str | None = None
+    root_cause: bool = True
+    consequence_of: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (non-finite floats become the strings ``"nan"``, ``"inf"``, ``"-inf"``)."""
@@ -126,6 +141,19 @@ class JsonlWriter:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "_fh": None}
+
+
+def counts_as_incident(event: Mapping[str, Any]) -> bool:
+    """Whether ``event`` is counted as an incident: a root cause, not a consequence nor a coverage warning.
+
+    The one rule behind the ``numguard/incidents`` counter, the demo's summary and
+    ``numguard explain``; an event without ``root_cause`` (older files) is a root cause.
+
+    Example:
+        >>> counts_as_incident({"kind": "nonfinite_loss", "root_cause": False})
+        False
+    """
+    return event.get("kind") != "optimizer_coverage" and bool(event.get("root_cause", True))
 
 
 def validate_event(obj: Any) -> str | None:

@@ -28,12 +28,25 @@ class Finding:
         where: names of what went bad (batch paths, module, parameter or op names).
         details: the numbers behind it (counts, max-|x|, the replay's result…).
         rank: the global rank that saw it (``-1`` when the rank is not known).
+        op: the op that made it (a forward op such as ``div``, or an autograd node such as
+            ``SqrtBackward0``), when the replay or the op guard named one.
+        module: the module that op ran in, when known.
+        site: for ``nonfinite_param``: ``"param"``, ``"buffer"`` or ``"optimizer_state"``.
+        source: ``"file:line"`` of the user's code that ran the op.
+        root_cause: ``False`` for a consequence of an earlier finding of the same step.
+        consequence_of: the kind of the step's root cause, for a consequence.
     """
 
     kind: str
     where: list[str]
     details: dict[str, Any] = field(default_factory=dict)
     rank: int = -1
+    op: str | None = None
+    module: str | None = None
+    site: str | None = None
+    source: str | None = None
+    root_cause: bool = True
+    consequence_of: str | None = None
 
     @property
     def key(self) -> tuple[str, tuple[str, ...]]:
@@ -69,10 +82,18 @@ def merge(parts: Iterable[Iterable[Finding]]) -> list[Finding]:
 
 
 def mark_consequences(findings: list[Finding]) -> None:
-    """Tell every finding after the first (the root cause) what that cause was (``details["after"]``)."""
-    if len(findings) < 2:
+    """Mark every finding after the first (the root cause) as its consequence.
+
+    Sets ``root_cause=False``, ``consequence_of`` (the root's kind) and ``details["after"]`` (the
+    root's kind and first name, for the hint). Optimizer coverage problems are never incidents:
+    they are neither a root cause nor a consequence of one.
+    """
+    incidents = [f for f in findings if f.kind != "optimizer_coverage"]
+    if len(incidents) < 2:
         return
-    root = findings[0]
+    root = incidents[0]
     cause = f"{root.kind} in `{root.where[0]}`" if root.where else root.kind
-    for finding in findings[1:]:
+    for finding in incidents[1:]:
+        finding.root_cause = False
+        finding.consequence_of = root.kind
         finding.details.setdefault("after", cause)

@@ -1,17 +1,32 @@
-"""Find the first module, forward op and autograd node that went non-finite, given a closure.
+"""Find the first op that made a step non-finite, given a closure that runs the step.
 
 Runs only after an incident, never on clean steps. ``run_step`` is a closure that runs the
 step's forward pass and returns what ``training_step`` returns (a loss tensor, a dict with a
 ``"loss"``, or ``None``); :func:`replay` calls it twice (once to trace the forward pass, once to
 trace the backward pass) from the same RNG state. The caller restores the training state
 afterwards: the replay's forward pass changes BatchNorm buffers and leaves gradients.
+
+The rule (``result["stage"]``):
+
+- ``"forward"``: the forward pass went non-finite: the culprit is the first forward op whose
+  inputs were finite and whose output was not (``op``, the user's ``file``/``line``/``code``);
+- ``"inputs"``: the first non-finite value of the forward pass came from an op's inputs (the
+  batch or the weights were already bad): no op is named;
+- ``"backward"``: the whole forward pass was finite: the culprit is the first autograd node whose
+  gradients went non-finite from finite ones (``sqrt(0)``'s ``SqrtBackward0``).
+
+Infinities written on purpose (``masked_fill(mask, -inf)`` before a softmax) are not culprits;
+the NaN the softmax makes of a fully masked row is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import linecache
 import logging
+import math
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,12 +38,16 @@ from torch.overrides import TorchFunctionMode
 from .opguard import OpGuard
 from .snapshot import rng_state, set_rng_state
 from .tree import tensors
+from .usercode import is_library_file, user_site
 
-__all__ = ["first_bad_node", "loss_of", "replay"]
+__all__ = ["first_bad_node", "loss_of", "op_name", "replay"]
 
 log = logging.getLogger(__name__)
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.+)')
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)')
+_ALIASES = {"truediv": "div", "rtruediv": "div", "rdiv": "div", "radd": "add", "rsub": "sub", "rmul": "mul"}
+_ALIASES.update({"rpow": "pow", "rmatmul": "matmul", "iadd": "add_", "imul": "mul_", "itruediv": "div_"})
+_IGNORED = {"__get__", "__set__", "__getitem__", "__setitem__", "__len__", "__format__", "__repr__"}
 
 
 def _finite(obj: Any) -> bool:
@@ -44,25 +63,78 @@ def loss_of(output: Any) -> torch.Tensor | None:
     return None
 
 
-class _FirstBadOp(TorchFunctionMode):
-    """Records the first op whose floating inputs were all finite but whose output was not."""
+def op_name(func: Any) -> str:
+    """The plain name of a torch function or tensor method: ``Tensor.__truediv__`` -> ``div``."""
+    name = str(getattr(func, "__name__", func))
+    bare = name.strip("_")
+    return _ALIASES.get(bare, bare) if name.startswith("__") else name
 
-    def __init__(self, current: list[str]) -> None:
+
+def _has(obj: Any, test: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    return any(bool(test(t).any()) for t in tensors(obj) if t.is_floating_point())
+
+
+def _scalars_finite(args: Any, kwargs: dict[str, Any]) -> bool:
+    values = list(args) + list(kwargs.values())
+    return all(math.isfinite(v) for v in values if isinstance(v, float))
+
+
+def _site(file: str, line: int) -> dict[str, Any]:
+    return {"file": file, "line": line, "code": linecache.getline(file, line).strip()}
+
+
+def _overflow_facts(inputs: Any, out: Any) -> dict[str, Any]:
+    """The culprit op's output dtype and its inputs' largest finite ``|x|`` (an overflow from finite values)."""
+    floats = [t for t in tensors(out) if t.is_floating_point()]
+    facts: dict[str, Any] = {"dtype": str(floats[0].dtype).replace("torch.", "")} if floats else {}
+    with torch.no_grad():
+        peaks = [
+            float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
+            for t in tensors(inputs)
+            if t.is_floating_point() and t.numel()
+        ]
+    peaks += [abs(v) for v in inputs[0] if isinstance(v, float) and math.isfinite(v)]
+    if peaks:
+        facts["max_abs_in"] = max(peaks)
+    return facts
+
+
+class _ForwardTrace(TorchFunctionMode):
+    """Watches every torch call of the forward pass for the first non-finite value and where it came from."""
+
+    def __init__(self, stack: list[str]) -> None:
         super().__init__()
-        self.current = current
-        self.found: tuple[str, str | None] | None = None
+        self.stack = stack
+        self.culprit: dict[str, Any] | None = None  # finite inputs, non-finite output
+        self.inputs_bad: dict[str, Any] | None = None  # the first non-finite output came from bad inputs
+        self.constant: dict[str, Any] | None = None  # a non-finite constant argument (`loss * inf`)
+        self.sites: dict[str, dict[str, Any]] = {}  # the first user site of every op called
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if (
-            self.found is None
-            and isinstance(out, torch.Tensor)
-            and out.is_floating_point()
-            and not _finite(out)
-            and _finite([args, list((kwargs or {}).values())])
-        ):
-            name = getattr(func, "__name__", str(func))
-            self.found = (name, self.current[-1] if self.current else None)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if self.culprit is not None or name in _IGNORED:
+            return out
+        op = op_name(func)
+        if op not in self.sites:
+            where = user_site(sys._getframe(1))
+            self.sites[op] = _site(*where) if where else {}
+        nan_out, inf_out = _has(out, torch.isnan), _has(out, torch.isinf)
+        if not (nan_out or inf_out):
+            return out
+        inputs = [args, list(kwargs.values())]
+        scalars_ok = _scalars_finite(args, kwargs)
+        nan_in = _has(inputs, torch.isnan) or any(
+            isinstance(v, float) and math.isnan(v) for v in list(args) + list(kwargs.values())
+        )
+        entry = {"op": op, "module": self.stack[-1] if self.stack else None, **self.sites[op]}
+        if (nan_out and not nan_in) or (inf_out and scalars_ok and _finite(inputs)):
+            self.culprit = {**entry, **_overflow_facts(inputs, out)}
+        elif not _finite(inputs) and self.inputs_bad is None and self.constant is None:
+            self.inputs_bad = entry
+        elif not scalars_ok and self.constant is None:
+            self.constant = entry
         return out
 
 
@@ -83,9 +155,10 @@ def _graph_nodes(root: Any) -> list[Any]:
 def first_bad_node(run_step: Callable[[], Any]) -> dict[str, Any]:
     """Backward with a hook on every autograd node: the first whose gradients went NaN/Inf from finite ones.
 
-    Returns ``op`` (e.g. ``SqrtBackward0``) and ``forward_trace`` (the user line that created it),
-    when found. Anomaly mode's ``check_nan`` only sees NaN (``sqrt(0)``'s backward returns Inf
-    first), so the graph is walked instead; anomaly mode still records each node's forward traceback.
+    Returns ``op`` (e.g. ``SqrtBackward0``), ``forward_trace`` (``file:line in func: code``) and
+    ``file``/``line``/``code`` of the user's line that created it, when found. Anomaly mode's
+    ``check_nan`` only sees NaN (``sqrt(0)``'s backward returns Inf first), so the graph is walked
+    instead; anomaly mode still records each node's forward traceback.
     """
     found: dict[str, Any] = {}
 
@@ -96,10 +169,11 @@ def first_bad_node(run_step: Callable[[], Any]) -> dict[str, Any]:
         trace = (node.metadata or {}).get("traceback_") if hasattr(node, "metadata") else None
         if trace:
             frames = _FRAME.findall("".join(trace))
-            user = [f for f in frames if "site-packages" not in f[0] and "/torch/" not in f[0]]
+            user = [f for f in frames if not is_library_file(f[0])]
             if user:
                 file, line, func, code = user[-1]
                 found["forward_trace"] = f"{file}:{line} in {func}: {code.strip()}"
+                found.update({"file": file, "line": int(line), "code": code.strip()})
 
     with torch.autograd.set_detect_anomaly(True, check_nan=False):
         loss = loss_of(run_step())
@@ -146,58 +220,82 @@ def _module_hooks(root: nn.Module, first_fwd: list[str], first_bwd: list[str], s
             h.remove()
 
 
-def replay(root: nn.Module, run_step: Callable[[], Any], rng: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run ``run_step`` (and its backward) twice from ``rng``; return what went non-finite first.
-
-    Returns a dict with, when found: ``module`` (first module, in backward order, whose
-    gradient w.r.t. its inputs went non-finite while the gradient it received was finite),
-    ``forward_module`` (first module whose output went non-finite), ``forward_op`` and
-    ``forward_op_module`` (the first op whose finite inputs gave a non-finite output, e.g.
-    ``div``, and the innermost module running it), ``op`` and ``forward_trace`` (from
-    :func:`first_bad_node`), and ``error`` if the replay itself raised (it never propagates).
-    The replay runs under :class:`~lightning_numguard.core.opguard.OpGuard`, so it cannot trip a
-    device-side assert either. The RNG state is put back afterwards.
-    """
-    result: dict[str, Any] = {}
-    saved_rng = rng_state()
+def _forward(root: nn.Module, run_step: Callable[[], Any], result: dict[str, Any]) -> _ForwardTrace:
+    """The forward (and backward) pass under the trace; fills ``forward_module``, ``module``, ``error``."""
     first_fwd: list[str] = []
     first_bwd: list[str] = []
     stack: list[str] = []
+    trace = _ForwardTrace(stack)
+    with _module_hooks(root, first_fwd, first_bwd, stack):
+        try:
+            with OpGuard(), trace:
+                loss = loss_of(run_step())
+            result["loss_finite"] = loss is None or _finite(loss)
+            if loss is not None and loss.requires_grad:
+                loss.backward()
+        except Exception as err:  # the replay is a diagnosis: never fail the run over it
+            result["error"] = f"{type(err).__name__}: {err}"
+    if first_fwd:
+        result["forward_module"] = first_fwd[0]
+    if first_bwd:
+        result["module"] = first_bwd[0]
+    result["op_sites"] = trace.sites
+    return trace
 
-    def step_and_backward() -> None:
-        loss = loss_of(run_step())
-        if loss is not None and loss.requires_grad:
-            loss.backward()
 
+def replay(
+    root: nn.Module, run_step: Callable[[], Any], rng: dict[str, Any] | None = None, sites: bool = False
+) -> dict[str, Any]:
+    """Run ``run_step`` (and its backward) from ``rng``; return what went non-finite first.
+
+    Returns a dict with ``stage`` (see the module docstring) when anything went non-finite, and:
+    ``op``, ``file``, ``line``, ``code`` (the culprit op and the user's line; ``op`` is a forward op
+    such as ``div`` when the stage is ``"forward"`` and an autograd node such as ``SqrtBackward0``
+    when it is ``"backward"``), ``op_module`` (the innermost module running it), ``forward_module``
+    (the first module whose output went non-finite), ``module`` (the first module, in backward
+    order, whose input gradient went non-finite from a finite one), ``forward_op`` /
+    ``forward_op_module`` (the forward culprit, kept for older readers), ``forward_trace``,
+    ``op_sites`` (op name -> the user's first line calling it) and ``error`` if the replay itself
+    raised (it never propagates). The replay runs under
+    :class:`~lightning_numguard.core.opguard.OpGuard`, so it cannot trip a device-side assert
+    either. The RNG state is put back afterwards. ``sites``: keep ``op_sites`` even when nothing
+    went non-finite (the op guard's findings take their user line from it).
+    """
+    result: dict[str, Any] = {}
+    saved_rng = rng_state()
     try:
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with _module_hooks(root, first_fwd, first_bwd, stack):
-                if rng is not None:
-                    set_rng_state(rng)
-                root.zero_grad(set_to_none=True)
-                op_mode = _FirstBadOp(stack)
-                try:
-                    with OpGuard(), op_mode:
-                        step_and_backward()
-                except Exception as err:  # the replay is a diagnosis: never fail the run over it
-                    result["error"] = f"{type(err).__name__}: {err}"
-                if op_mode.found is not None:
-                    result["forward_op"], result["forward_op_module"] = op_mode.found
             if rng is not None:
                 set_rng_state(rng)
             root.zero_grad(set_to_none=True)
-            try:
-                with OpGuard():
-                    result.update(first_bad_node(run_step))
-            except Exception as err:
-                result.setdefault("error", f"{type(err).__name__}: {err}")
+            trace = _forward(root, run_step, result)
+            chosen = trace.culprit or (None if trace.inputs_bad else trace.constant)
+            if chosen is not None:
+                result.update(stage="forward", op=chosen["op"], op_module=chosen["module"])
+                result.update({k: chosen[k] for k in ("file", "line", "code", "dtype", "max_abs_in") if k in chosen})
+                result["forward_op"], result["forward_op_module"] = chosen["op"], chosen["module"]
+                if "file" in chosen:
+                    result["forward_trace"] = f"{chosen['file']}:{chosen['line']}: {chosen.get('code', '')}"
+            elif trace.inputs_bad is not None:
+                result.update(stage="inputs", first_bad_op=trace.inputs_bad["op"])
+            elif result.get("loss_finite", True) and "error" not in result:
+                if rng is not None:
+                    set_rng_state(rng)
+                root.zero_grad(set_to_none=True)
+                try:
+                    with OpGuard():
+                        node = first_bad_node(run_step)
+                except Exception as err:
+                    result.setdefault("error", f"{type(err).__name__}: {err}")
+                    node = {}
+                if node.get("op"):
+                    result.update(stage="backward", op_module=result.get("module"), **node)
     finally:
         root.zero_grad(set_to_none=True)
         set_rng_state(saved_rng)
-    if first_bwd:
-        result["module"] = first_bwd[0]
-    if first_fwd:
-        result["forward_module"] = first_fwd[0]
+    result.pop("loss_finite", None)
+    if "stage" not in result and not sites:
+        result.pop("op_sites", None)
     log.debug("numguard replay: %s", result)
     return result

@@ -28,7 +28,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from lightning_numguard.core.events import ACTIONS, REQUIRED_FIELDS, read_events
+from lightning_numguard.core.events import ACTIONS, REQUIRED_FIELDS, counts_as_incident, read_events
 from lightning_numguard.reporting.hints import event_hint, kind_hint, op_hint
 from lightning_numguard.reporting.logs import Match, explain_log, format_log_report, wrap
 
@@ -103,7 +103,9 @@ def summarize_events(
         problems: the notes on skipped lines, from :func:`~lightning_numguard.core.events.read_events`.
 
     Returns:
-        A JSON-serialisable dict: ``events_file``, ``incidents``, ``steps`` (sorted distinct
+        A JSON-serialisable dict: ``events_file``, ``incidents`` (root causes, counted like the
+        ``numguard/incidents`` counter: consequences and coverage warnings are listed, not counted),
+        ``events`` (every event), ``consequences``, ``steps`` (sorted distinct
         steps), ``first_step``/``last_step``, ``ranks``, ``kinds`` and ``actions`` (counts),
         ``first_culprit`` (the event, with its ``hint``), ``hints`` (per kind present) and
         ``skipped_lines``.
@@ -114,7 +116,9 @@ def summarize_events(
     return {
         "input": "events",
         "events_file": str(source),
-        "incidents": len(events),
+        "incidents": sum(1 for event in events if counts_as_incident(event)),
+        "events": len(events),
+        "consequences": sum(1 for event in events if event.get("root_cause", True) is False),
         "steps": steps,
         "first_step": steps[0] if steps else None,
         "last_step": steps[-1] if steps else None,
@@ -194,7 +198,10 @@ def format_report(
     summary = summarize_events(events, source, problems)
     steps: list[int] = summary["steps"]
     span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-    lines.append(f"  incidents:  {len(events)} in {len(steps)} step(s) ({span})")
+    counted = f"{summary['incidents']} in {len(steps)} step(s) ({span})"
+    if summary["events"] != summary["incidents"]:
+        counted += f"; {summary['events']} events, {summary['consequences']} of them consequences"
+    lines.append(f"  incidents:  {counted}")
     lines.append(f"  ranks:      {', '.join(map(str, summary['ranks']))}")
 
     culprit = first_culprit(events)
@@ -347,6 +354,8 @@ def explain(path: str | os.PathLike[str]) -> Explanation:
         return _error(target, f"cannot read it ({exc.strerror or exc})")
     if b"\x00" in head:
         return _error(target, "binary file, not an events.jsonl or a text log")
+    if not head.strip() and target.name != EVENTS_FILENAME:  # an empty events.jsonl: a run without incidents
+        return _error(target, "empty file: there is nothing to explain")
     try:
         if target.name == EVENTS_FILENAME or _looks_like_events(target):
             return _explain_events(target, others)

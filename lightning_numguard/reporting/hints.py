@@ -36,6 +36,7 @@ __all__ = [
     "kind_hint",
     "op_domain_hint",
     "op_hint",
+    "overflow_hint",
 ]
 
 # --------------------------------------------------------------------------- incident kinds
@@ -50,15 +51,15 @@ KIND_HINTS: Mapping[str, str] = MappingProxyType(
         "data pipeline",
         "nonfinite_param": "the weights themselves are no longer finite (an earlier bad update, or the optimizer "
         "state): restore a finite state and lower the learning rate",
-        "nonfinite_output": "this module is the first to produce NaN/Inf from finite inputs: look for division "
-        "by a zero std, sqrt/log of 0 or negatives, exp overflow; add an eps or clamp",
+        "nonfinite_output": "look in this module for division by a zero std, sqrt/log of 0 or negatives, "
+        "exp overflow; add an eps or clamp",
         "op_domain": "an op received inputs outside its domain and would have tripped a device-side assert "
         "(BCE input outside [0, 1], class index >= n_classes, embedding index out of range); fix the values "
         "feeding that op (often an upstream NaN, or a label/vocabulary off by one)",
-        "nonfinite_loss": "inputs and module outputs were finite, so the loss computation itself overflowed: "
-        "use the numerically stable form (BCEWithLogitsLoss, log_softmax + nll_loss) or add an eps",
-        "nonfinite_grad": "the forward pass was finite but the backward was not: a sqrt/pow/norm at 0 or a "
-        "division by a small number in backward; add an eps or lower the learning rate",
+        "nonfinite_loss": "compute the loss in its numerically stable form (BCEWithLogitsLoss, log_softmax + "
+        "nll_loss, logsumexp) or add an eps where it divides or takes a log",
+        "nonfinite_grad": "look for a sqrt/pow/norm at 0 or a division by a small number, whose gradient is "
+        "infinite; add an eps, or lower the learning rate",
     }
 )
 """One sentence of advice per incident kind (every kind of :data:`~lightning_numguard.core.events.KINDS`)."""
@@ -128,6 +129,48 @@ def op_domain_hint(op: str) -> str | None:
 
 def _upstream_hint(module: str) -> str:
     return f"the input is already non-finite upstream: first non-finite module was `{module}`"
+
+
+# --------------------------------------------------------------------------- overflow from finite values
+
+#: Largest finite value per low-precision dtype.
+_LOW_PRECISION_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
+
+#: Inputs at least this large (in float32 or wider) mean the values themselves grew out of bounds.
+HUGE_INPUT = 1e15
+
+
+def overflow_hint(replay: Mapping[str, Any]) -> str | None:
+    """The hint for a forward op that overflowed from finite inputs, from the replay's ``dtype`` and ``max_abs_in``.
+
+    * a float16 op whose inputs fit float16 but whose result did not: the AMP overflow itself;
+    * inputs already huge (``>= HUGE_INPUT``): the weights or activations grew step after step,
+      which is what too high a learning rate does.
+
+    ``None`` when the replay did not name a forward op or the overflow is neither.
+
+    Example:
+        >>> overflow_hint({"stage": "forward", "op": "matmul", "dtype": "float16", "max_abs_in": 900.0})[:30]
+        '`matmul` overflowed float16 (m'
+    """
+    if replay.get("stage") != "forward":
+        return None
+    op, dtype, peak = replay.get("op"), replay.get("dtype"), replay.get("max_abs_in")
+    if not isinstance(peak, (int, float)) or not math.isfinite(peak):
+        return None
+    if dtype == "float16" and peak < _LOW_PRECISION_MAX["float16"]:
+        return (
+            f"`{op}` overflowed float16 (max 65504) from finite inputs (largest |x| {peak:.3g}) under mixed "
+            "precision: run this op in float32 (`with torch.autocast(device_type, enabled=False)` and `.float()` "
+            "inputs), scale before the product (q / sqrt(d) for attention logits), or train in bf16-mixed"
+        )
+    if peak >= HUGE_INPUT:
+        return (
+            f"the inputs of `{op}` were finite but huge (largest |x| {peak:.3g}): the weights/activations grew "
+            "step after step until they overflowed; the learning rate is probably too high: lower it, add "
+            "warm-up, or clip gradients (Trainer(gradient_clip_val=1.0))"
+        )
+    return None
 
 
 # --------------------------------------------------------------------------- autograd nodes
@@ -290,6 +333,11 @@ def event_hint(kind: str, details: Mapping[str, Any]) -> str:
             hint = (hint + "; " if hint else "") + _upstream_hint(upstream)
         if hint:
             return str(hint)
+    elif kind in ("nonfinite_output", "nonfinite_loss"):
+        replay = details.get("replay")
+        overflow = overflow_hint(replay) if isinstance(replay, Mapping) else None
+        if overflow:
+            return overflow
     elif kind == "nonfinite_grad":
         replay = details.get("replay")
         op = replay.get("op") if isinstance(replay, Mapping) else None

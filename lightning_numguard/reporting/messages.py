@@ -1,4 +1,9 @@
-"""One-sentence messages, shared by warnings, exceptions, events and the CLI; the hints come from :mod:`.hints`."""
+"""One-sentence messages, shared by warnings, exceptions, events and the CLI; the hints come from :mod:`.hints`.
+
+A message claims only what was checked: ``details["checked"]`` lists the sites checked in the
+step (``inputs``, ``outputs``, ``loss``, ..., and ``replay`` when the batch was replayed); a
+sentence such as "the inputs were finite" appears only when that site was checked.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from lightning_numguard.reporting.hints import KIND_HINTS, event_hint, fill_valu
 
 __all__ = ["incident_message"]
 
+_SITE_WORDS = {"param": "parameters", "buffer": "buffers", "optimizer_state": "optimizer state"}
+
 
 def _names(where: Sequence[str], limit: int = 3) -> str:
     shown = ", ".join(f"`{w}`" for w in where[:limit])
@@ -17,15 +24,41 @@ def _names(where: Sequence[str], limit: int = 3) -> str:
     return shown
 
 
-def incident_message(kind: str, where: Sequence[str], details: dict[str, Any], step: int, rank: int) -> str:
+def _op_clause(op: str | None, module: str | None, source: str | None, backward: bool = False) -> str:
+    if not op:
+        return ""
+    what = "autograd op" if backward else "op"
+    text = f"the first {what} to turn finite values into NaN/Inf was `{op}`"
+    if module:
+        text += f" in `{module}`"
+    if source:
+        text += f" at {source}"
+    return text
+
+
+def incident_message(
+    kind: str,
+    where: Sequence[str],
+    details: dict[str, Any],
+    step: int,
+    rank: int,
+    op: str | None = None,
+    module: str | None = None,
+    site: str | None = None,
+    source: str | None = None,
+) -> str:
     """The one human sentence of an event: what, where, when, and the likely fix.
 
     The fix is :func:`~lightning_numguard.reporting.hints.event_hint`, the same advice
     ``numguard explain`` gives for the event; a kind this version does not know gets none.
+    ``op``, ``module``, ``site`` and ``source`` are the event's fields of the same names.
     """
     at = f"at step {step} on rank {rank}"
     names = _names(where)
     hint = event_hint(kind, details) if kind in KIND_HINTS else ""
+    checked = set(details.get("checked") or ())
+    replay = details.get("replay") or {}
+    root = not details.get("after")
     if kind == "nonfinite_input":
         text = f"non-finite value in {names} {at}"
         stats = details.get("stats") or {}
@@ -38,34 +71,94 @@ def incident_message(kind: str, where: Sequence[str], details: dict[str, Any], s
             return f"{text}: {hint}"
     elif kind == "nonfinite_output":
         text = f"module {names} produced the first non-finite output {at}"
-        replay = details.get("replay") or {}
-        if replay.get("forward_op"):
-            inside = f" in `{replay['forward_op_module']}`" if replay.get("forward_op_module") else ""
-            text += f"; replay traced it to op `{replay['forward_op']}`{inside}"
-        elif replay.get("op"):
-            text += f"; replay traced it to autograd op `{replay['op']}`"
+        if op:
+            # kept word for word from earlier versions: "replay traced it to op `div` in `norm`"
+            text += f"; replay traced it to op `{op}`" + (f" in `{module}`" if module else "")
+            text += f" at {source}" if source else ""
+            text += " from finite inputs"
+        elif replay.get("stage") == "inputs":
+            text += "; its inputs were already non-finite (the batch or the weights), so no op is to blame"
     elif kind == "op_domain":
-        op = details.get("op", where[0] if where else "op")
-        module = details.get("module")
-        text = f"`{op}` got inputs outside its domain ({details.get('rule', '')})"
-        if module:
-            text += f" in module `{module}`"
+        op_ = op or details.get("op", where[0] if where else "op")
+        module_ = module or details.get("module")
+        text = f"`{op_}` got inputs outside its domain ({details.get('rule', '')})"
+        if module_:
+            text += f" in module `{module_}`"
+        text += f" at {source}" if source else ""
         text += f" {at}"
         if details.get("count") is not None:
             text += f": {details['count']} bad values, min {details.get('min')}, max {details.get('max')}"
     elif kind == "nonfinite_loss":
         text = f"the loss is non-finite {at}"
+        if op:
+            text += "; " + _op_clause(op, module, source)
+        elif root and replay.get("stage") == "inputs":
+            text += "; the replay found the forward pass's inputs already non-finite"
+        elif root and {"inputs", "outputs"} <= checked:
+            text += "; the batch and every watched module output were finite, so the loss computation went non-finite"
+        elif root and "inputs" in checked:
+            text += "; the batch was finite (module outputs were not checked)"
     elif kind == "nonfinite_grad":
         text = f"non-finite gradient in {names} {at}"
-        replay = details.get("replay") or {}
-        if replay.get("op"):
-            module = f" in `{replay['module']}`" if replay.get("module") else ""
-            text += f"; the first autograd op to return NaN/Inf was `{replay['op']}`{module}"
+        if op:
+            text += "; " + _op_clause(op, module, source, backward=True)
+            if replay.get("stage") == "backward":
+                text += " (the replayed forward pass was finite)"
+        elif root and "loss" in checked:
+            text += "; the loss was finite, so the backward pass made it"
     elif kind == "nonfinite_param":
         when = details.get("when")
-        text = f"non-finite values in {names} {when + ' ' if when else ''}{at}"
+        what = _SITE_WORDS.get(site or "", "")
+        text = f"non-finite values in {what + ' ' if what else ''}{names} {when + ' ' if when else ''}{at}"
     elif kind == "optimizer_coverage":
         text = f"{details.get('problem', 'optimizer coverage problem')}: {names}"
     else:
         text = f"{kind} in {names} {at}"
     return f"{text}; {hint}" if hint else text
+
+
+def action_message(
+    action: str,
+    configured: str,
+    step: int,
+    root: dict[str, Any] | None,
+    escalation: str | None = None,
+    snapshot_step: int | None = None,
+    checkpoint: str | None = None,
+    events_file: str | None = None,
+) -> str:
+    """The one log line of an action taken: what was done, why, and where the files are.
+
+    Args:
+        action: what was done (``skip``, ``rollback``, ``halt``).
+        configured: the callback's ``action`` (differs from ``action`` after an escalation).
+        step: the global step.
+        root: the step's root-cause event, if any.
+        escalation: why ``configured`` escalated to ``action``.
+        snapshot_step: the step of the finite state restored.
+        checkpoint: ``last_finite.ckpt``'s path, when one was written.
+        events_file: ``events.jsonl``'s path, when one was written.
+    """
+    cause = f"{root['kind']} in {', '.join(root['where'][:3]) or '-'}" if root else "non-finite values"
+    restored = f" (restored the last finite state, from step {snapshot_step})" if snapshot_step is not None else ""
+    if action == "skip":
+        text = f"NumGuard skipped the optimizer step at step {step} because of {cause}"
+    elif action == "rollback":
+        text = f"NumGuard rolled back at step {step}{restored} because of {cause}"
+    elif action == "halt":
+        text = f"NumGuard halted training at step {step}{restored} because of {cause}"
+    else:
+        text = f"NumGuard took action {action!r} at step {step} because of {cause}"
+    if action != configured:
+        text += f"; escalated from {configured!r} to {action!r}" + (f": {escalation}" if escalation else "")
+    if action == "rollback" and checkpoint:
+        text += f"; last finite checkpoint: {checkpoint}"
+    if action == "halt":
+        text += (
+            f"; last finite checkpoint: {checkpoint}"
+            if checkpoint
+            else "; no last_finite.ckpt was written (no finite snapshot, or no dirpath to write to: "
+            "set NumGuardCallback(dirpath=...))"
+        )
+    text += f"; events: {events_file}" if events_file else "; events are in callback.events (no events.jsonl written)"
+    return text + "."

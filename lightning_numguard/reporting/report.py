@@ -15,9 +15,10 @@ import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from lightning_numguard.core.events import JsonlWriter
+from lightning_numguard.core.usercode import user_frame
 from lightning_numguard.errors import NumGuardWarning
 
-__all__ = ["Reporter", "is_tensorboard"]
+__all__ = ["Reporter", "is_tensorboard", "warn_at_user_code"]
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +34,28 @@ def is_tensorboard(logger: Any) -> TypeGuard[TensorBoardLogger]:
     return isinstance(logger, types)
 
 
-class Reporter:
-    """Fans events out to ``events.jsonl``, loggers and once-per-place warnings."""
+def warn_at_user_code(message: str, category: type[Warning] = NumGuardWarning) -> None:
+    """``warnings.warn`` attributed to the user's innermost frame (the line calling ``trainer.fit``, a
+    ``training_step``...), never to a line inside this package, torch or Lightning."""
+    frame = user_frame(sys._getframe(1))
+    if frame is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    registry = frame.f_globals.setdefault("__warningregistry__", {})
+    module = str(frame.f_globals.get("__name__", "__main__"))
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno, module, registry)
 
-    def __init__(self, dirpath: Path, warn: bool = True) -> None:
+
+class Reporter:
+    """Fans events out to ``events.jsonl``, loggers and once-per-place warnings.
+
+    ``dirpath=None``: no file is written (``fast_dev_run``, or no logger, no checkpointing and no
+    ``dirpath``); events stay in memory (``callback.events``), in the log and in the loggers.
+    """
+
+    def __init__(self, dirpath: Path | None, warn: bool = True) -> None:
         self.dirpath = dirpath
-        self.writer = JsonlWriter(dirpath / "events.jsonl")
+        self.writer = JsonlWriter(dirpath / "events.jsonl") if dirpath is not None else None
         self._warned: set[tuple[str, str]] = set()
         self._said: set[str] = set()
         self.warn = warn
@@ -52,11 +69,12 @@ class Reporter:
             if self.warn and key not in self._warned:
                 self._warned.add(key)
                 if trainer.is_global_zero:
-                    warnings.warn(f"NumGuard: {event['message']}", NumGuardWarning, stacklevel=2)
+                    warn_at_user_code(f"NumGuard: {event['message']}")
             log.info("numguard %s at step %s: %s", event["kind"], event["step"], event["message"])
         if not trainer.is_global_zero:
             return
-        self.writer.write(events)
+        if self.writer is not None:
+            self.writer.write(events)
         step = int(events[-1]["step"])
         scalars = {f"numguard/{k}": float(v) for k, v in counters.items()}
         text = "\n\n".join(
@@ -81,8 +99,16 @@ class Reporter:
         self._said.add(key)
         log.warning("numguard: %s", message)
         if self.warn and trainer.is_global_zero:
-            warnings.warn(f"NumGuard: {message}", NumGuardWarning, stacklevel=2)
+            warn_at_user_code(f"NumGuard: {message}")
 
     def close(self) -> None:
         """Flush and close the event file."""
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+
+    @property
+    def events_path(self) -> Path | None:
+        """``events.jsonl`` once something was written to it, else ``None``."""
+        if self.writer is None or not self.writer.path.exists():
+            return None
+        return self.writer.path

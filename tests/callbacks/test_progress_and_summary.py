@@ -100,9 +100,9 @@ def test_summary_logged_as_a_warning_after_incidents(tmp_path: Path, caplog: pyt
     text = record.getMessage()
     assert (
         text.splitlines()[0]
-        == "NumGuard: 5 incidents in 6 steps; 1 step skipped, 1 rollback (1 step lost to rollbacks)."
+        == "NumGuard: 1 incident in 6 steps; 1 step skipped, 1 rollback (1 step lost to rollbacks)."
     )
-    # the root cause first, then its consequences, each kind with its first culprit
+    # one root cause (incidents count root causes); its consequences are listed by kind, each with its first culprit
     assert text.splitlines()[1:3] == [
         "  nonfinite_param   x2   first at step 3: body.0.weight",
         "  nonfinite_output  x1   first at step 3: body.0",

@@ -68,7 +68,7 @@ def test_bceloss_never_sees_the_upstream_nan_and_names_it(tmp_path):
     assert kinds[0] == "nonfinite_param" and guard.events[0]["where"] == ["model_a.body.3.bias"]
     assert "nonfinite_output" in kinds and "op_domain" in kinds
     (op,) = [e for e in guard.events if e["kind"] == "op_domain"]
-    assert op["where"] == ["binary_cross_entropy", "criterion"]
+    assert op["where"] == ["binary_cross_entropy"] and op["module"] == "criterion"  # issue 10: one kind of name
     assert "BCEWithLogitsLoss" in op["message"]
     assert "first non-finite module was `model_a.body.3`" in op["message"]
     out = next(e for e in guard.events if e["kind"] == "nonfinite_output")
@@ -150,7 +150,8 @@ def test_division_by_a_zero_std(tmp_path):
         t.fit(model, data())
     first = guard.events[0]
     assert first["kind"] == "nonfinite_output" and first["step"] == BAD_STEP
-    assert first["where"] == ["norm", "div"]
+    assert first["where"] == ["norm"] and first["op"] == "div"  # issue 10: the op in its own field
+    assert first["source"].endswith("test_seed_stories.py:117")  # the user's line, not the guard's
     assert "replay traced it to op `div` in `norm`" in first["message"]
     assert t.global_step == 8 and all_finite(model.state_dict())
 
@@ -163,7 +164,7 @@ def test_sqrt_of_zero_in_a_norms_backward(tmp_path):
         t.fit(model, data())
     first = guard.events[0]
     assert first["kind"] == "nonfinite_grad" and first["step"] == BAD_STEP  # the forward was finite
-    assert "SqrtBackward0" in first["where"] and "norm" in first["where"]
+    assert first["op"] == "SqrtBackward0" and first["module"] == "norm"  # issue 10: op and module in own fields
     assert first["details"]["replay"]["op"] == "SqrtBackward0"
     assert "sqrt" in first["message"] and "eps" in first["message"]
     assert t.global_step == 8 and all_finite(model.state_dict())
@@ -229,7 +230,7 @@ def test_index_out_of_range_is_refused_before_the_kernel(tmp_path, bad, op, modu
         t = trainer(tmp_path, [guard], max_steps=6)
         t.fit(model, loader)
     (event,) = [e for e in guard.events if e["kind"] == "op_domain"]
-    assert event["where"] == [op] + ([module] if module else [])
+    assert event["where"] == [op] and event["module"] == module  # issue 10: the module in its own field
     assert event["details"]["count"] == 1 and event["action"] == "rollback"
     assert t.global_step == 6 and all_finite(model.state_dict())
 

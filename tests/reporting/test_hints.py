@@ -27,6 +27,7 @@ from lightning_numguard.reporting.hints import (
     kind_hint,
     op_domain_hint,
     op_hint,
+    overflow_hint,
 )
 from lightning_numguard.reporting.messages import incident_message
 
@@ -191,3 +192,22 @@ def test_reading_hints_and_explaining_never_imports_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("replay", "expected"),
+    [
+        ({"stage": "forward", "op": "matmul", "dtype": "float16", "max_abs_in": 1800.0}, "overflowed float16"),
+        ({"stage": "forward", "op": "linear", "dtype": "float32", "max_abs_in": 5e34}, "learning rate"),
+        ({"stage": "forward", "op": "linear", "dtype": "float16", "max_abs_in": 5e34}, "learning rate"),
+        ({"stage": "forward", "op": "div", "dtype": "float32", "max_abs_in": 3.0}, None),  # a plain 0/0
+        ({"stage": "forward", "op": "exp", "dtype": "bfloat16", "max_abs_in": 100.0}, None),
+        ({"stage": "backward", "op": "SqrtBackward0", "max_abs_in": 5e34}, None),
+        ({"stage": "forward", "op": "log"}, None),  # an older event without the facts
+    ],
+)
+def test_overflow_hint(replay: dict, expected: str | None) -> None:
+    hint = overflow_hint(replay)
+    assert (hint is None) if expected is None else (hint is not None and expected in hint), hint
+    kind_only = event_hint("nonfinite_output", {"replay": replay})
+    assert (expected in kind_only) if expected else kind_only == event_hint("nonfinite_output", {})

@@ -70,9 +70,11 @@ def _texts(ea: EventAccumulator) -> dict[int, str]:
 
 
 def _expected_counters(events: list[dict[str, Any]], step: int) -> dict[str, float]:
-    """Incidents up to and including ``step`` (coverage findings are not incidents)."""
+    """Incidents up to and including ``step``: root causes only (issue 10; coverage findings are not incidents)."""
     return {
-        "numguard/incidents": float(sum(1 for e in events if e["step"] <= step and e["kind"] != "optimizer_coverage")),
+        "numguard/incidents": float(
+            sum(1 for e in events if e["step"] <= step and e["kind"] != "optimizer_coverage" and e["root_cause"])
+        ),
         "numguard/skipped_steps": float(FAULT_STEPS.index(step) + 1),
         "numguard/rollbacks": float(FAULT_STEPS.index(step) + 1),
     }

@@ -1,0 +1,56 @@
+"""Runs in which the guard writes no file: ``fast_dev_run``, and runs with nowhere chosen to write to.
+
+"Nowhere chosen": no logger, no checkpointing, no ``dirpath`` and no ``default_root_dir`` (the
+working directory); an explicit ``default_root_dir`` gets ``<default_root_dir>/numguard``.
+
+Lightning promises no logging or checkpointing under ``fast_dev_run``, and writes nothing into the
+working directory without a logger and checkpointing; the guard keeps those promises. Its events
+stay in memory (``callback.events``) and in the log; a halt restores the last finite state in
+memory and says that no ``last_finite.ckpt`` was written.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytorch_lightning as pl
+
+from lightning_numguard.callbacks._inspector import StepRecord
+from lightning_numguard.callbacks._recovery import Recovery
+from lightning_numguard.core.quarantine import sample_indices
+
+__all__ = ["FilelessRecovery", "writes_files"]
+
+
+def writes_files(trainer: pl.Trainer, dirpath: str | None) -> bool:
+    """Whether the guard may write files for ``trainer`` (``dirpath`` is the user's argument)."""
+    if getattr(trainer, "fast_dev_run", False):  # set by Trainer.__init__ (public, not in the stubs)
+        return False
+    if dirpath or trainer.loggers or trainer.checkpoint_callback is not None:
+        return True
+    # Without a logger and checkpointing Lightning writes nothing into the working directory; a
+    # default_root_dir the user chose is a place to write to (events then go to <default_root_dir>/numguard).
+    return os.path.abspath(str(trainer.default_root_dir)) != os.path.abspath(os.getcwd())
+
+
+class FilelessRecovery(Recovery):
+    """:class:`Recovery` that writes no ``last_finite.ckpt`` and no ``bad_batches/`` file."""
+
+    def save_last_finite(self, trainer: pl.Trainer) -> None:
+        """Nothing to write: the restored state lives on in memory."""
+
+    def quarantine_batch(self, trainer: pl.Trainer, rec: StepRecord, reason: str) -> None:
+        """Quarantine ``rec``'s batch without saving it."""
+        if self.quarantine.holds(rec.batch_idx):
+            return
+        entry: dict[str, Any] = {
+            "epoch": rec.epoch,
+            "batch_idx": rec.batch_idx,
+            "step": rec.step,
+            "reason": reason,
+            "sample_indices": sample_indices(rec.batch),
+        }
+        self.quarantine.add(entry)
+        for e in rec.events:
+            e["details"]["quarantined"] = True

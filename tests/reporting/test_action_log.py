@@ -1,0 +1,130 @@
+"""Issue 10: one log line per action taken, fileless runs, and warnings that point at the user's line."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+
+from lightning_numguard import NumGuardCallback
+from lightning_numguard.errors import NonFiniteError, NumGuardWarning
+from lightning_numguard.reporting.explain import explain
+from tests.helpers import EVERY_CHECK, FaultData, FaultModel, loader, trainer
+
+LEDGER = "lightning_numguard"  # the action lines go to the package logger, where users look
+
+
+def _fit_quietly(tmp_path: Any, cb: NumGuardCallback, site: str, step: int = 3, **kwargs: Any) -> Any:
+    kwargs.setdefault("max_steps", 6)
+    tr = trainer(tmp_path, [cb], **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with contextlib.suppress(NonFiniteError):
+            tr.fit(FaultModel(site=site, step=step), loader(FaultData()))
+    return tr
+
+
+def _lines(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LEDGER]
+
+
+def test_rollback_logs_one_warning_naming_the_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cb = NumGuardCallback(action="rollback", replay=False, check=EVERY_CHECK, dirpath=str(tmp_path / "ng"))
+    with caplog.at_level(logging.INFO, logger="lightning_numguard"):
+        _fit_quietly(tmp_path, cb, "loss")
+    ((level, text),) = _lines(caplog)
+    assert level == logging.WARNING
+    assert text.startswith("NumGuard rolled back at step 3 (restored the last finite state, from step 3)")
+    assert "because of nonfinite_loss" in text
+    assert f"last finite checkpoint: {tmp_path / 'ng' / 'last_finite.ckpt'}" in text
+    assert f"events: {tmp_path / 'ng' / 'events.jsonl'}" in text
+    assert (tmp_path / "ng" / "last_finite.ckpt").exists() and (tmp_path / "ng" / "events.jsonl").exists()
+
+
+def test_halt_logs_one_error_saying_halted_why_and_where(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cb = NumGuardCallback(action="halt", replay=False, check=EVERY_CHECK, dirpath=str(tmp_path / "ng"))
+    with caplog.at_level(logging.INFO, logger="lightning_numguard"):
+        tr = _fit_quietly(tmp_path, cb, "loss")
+    ((level, text),) = _lines(caplog)
+    assert level == logging.ERROR
+    assert text.startswith("NumGuard halted training at step 3")
+    assert "because of nonfinite_loss in loss" in text
+    assert f"last finite checkpoint: {tmp_path / 'ng' / 'last_finite.ckpt'}" in text
+    assert tr.should_stop and tr.global_step < 6
+
+
+def test_escalation_skip_to_rollback_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK, dirpath=str(tmp_path / "ng"))
+    with caplog.at_level(logging.INFO, logger="lightning_numguard"):
+        _fit_quietly(tmp_path, cb, "param")
+    ((level, text),) = _lines(caplog)
+    assert level == logging.WARNING and text.startswith("NumGuard rolled back at step 3")
+    assert "escalated from 'skip' to 'rollback': the weights or optimizer state were no longer finite" in text
+
+
+def test_escalation_rollback_to_halt_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cb = NumGuardCallback(action="rollback", max_rollbacks=0, replay=False, check=EVERY_CHECK, dirpath=str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="lightning_numguard"):
+        _fit_quietly(tmp_path, cb, "loss")
+    ((level, text),) = _lines(caplog)
+    assert level == logging.ERROR and text.startswith("NumGuard halted training at step 3")
+    assert "escalated from 'rollback' to 'halt': max_rollbacks reached (0 rollbacks in this fit)" in text
+
+
+@pytest.mark.parametrize("dirpath", [None, "ng"])
+def test_fast_dev_run_writes_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dirpath: str | None) -> None:
+    monkeypatch.chdir(tmp_path)
+    cb = NumGuardCallback(action="rollback", replay=False, check=EVERY_CHECK, dirpath=dirpath)
+    _fit_quietly(tmp_path / "root", cb, "loss", step=1, fast_dev_run=3, max_steps=-1)
+    assert [(e["kind"], e["step"]) for e in cb.events] == [("nonfinite_loss", 1)]
+    assert cb.counters["rollbacks"] == 1
+    written = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    assert not {"events.jsonl", "last_finite.ckpt"} & set(written), written
+
+
+def test_no_logger_no_checkpointing_no_dirpath_writes_nothing_in_the_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    cb = NumGuardCallback(action="halt", replay=False, check=EVERY_CHECK)
+    tr = pl.Trainer(  # no default_root_dir: the working directory
+        callbacks=[cb],
+        max_steps=6,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr.fit(FaultModel(site="loss", step=3), loader(FaultData()))
+    assert [(e["kind"], e["action"]) for e in cb.events] == [("nonfinite_loss", "halt")]
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_warnings_point_at_the_users_line(tmp_path: Path) -> None:
+    cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK, dirpath=str(tmp_path / "ng"))
+    tr = trainer(tmp_path, [cb], max_steps=6)
+    with pytest.warns(NumGuardWarning) as records:
+        tr.fit(FaultModel(site="loss", step=3), loader(FaultData()))
+    ours = [w for w in records if issubclass(w.category, NumGuardWarning)]
+    assert ours and all(Path(w.filename).name == Path(__file__).name for w in ours), [w.filename for w in ours]
+
+
+def test_explain_counts_incidents_like_the_counter(tmp_path: Path) -> None:
+    """One NaN batch: several events (the input and its consequences), one incident, in the counter and explain."""
+    cb = NumGuardCallback(action="rollback", check=EVERY_CHECK, dirpath=str(tmp_path / "ng"))
+    tr = trainer(tmp_path, [cb], max_steps=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr.fit(FaultModel(), loader(FaultData(bad_batch=3, site="input")))
+    assert len(cb.events) > 1 and cb.events[0]["kind"] == "nonfinite_input"
+    summary = explain(tmp_path / "ng" / "events.jsonl").summary
+    assert summary["incidents"] == cb.counters["incidents"] == 1
+    assert summary["events"] == len(cb.events)
