@@ -12,10 +12,10 @@ import torch
 
 from lightning_numguard.callbacks import _distributed
 from lightning_numguard.callbacks._inspector import StepRecord
+from lightning_numguard.callbacks._retry import is_transient
 from lightning_numguard.core import checks
 from lightning_numguard.core.quarantine import Quarantine, position_key, sample_indices
-from lightning_numguard.core.replay import loss_of
-from lightning_numguard.core.snapshot import Snapshot, Stateful, capture, restore, set_rng_state
+from lightning_numguard.core.snapshot import Snapshot, Stateful, capture, restore
 from lightning_numguard.core.stateful import MetricState, NumpyRNG, PrecisionState, apply_lr_backoff
 from lightning_numguard.core.tree import clone_tree, tensors, to_plain
 
@@ -49,7 +49,7 @@ class Recovery:
         snapshot_device: ``"host"`` or ``"device"``.
         skip_batches_after_rollback: batches skipped after each rollback.
         lr_backoff: factor applied to every learning rate after each rollback.
-        retry_transient: re-run the batch once after a rollback.
+        retry_transient: re-run the batch once after a rollback, to tell transient from persistent.
         quarantine: quarantine batches that fail twice (or fail their retry).
     """
 
@@ -166,32 +166,15 @@ class Recovery:
         self.save_last_finite(trainer)
 
     def _retry(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord) -> None:
-        """Run the batch once more from the restored state: transient incidents pass the second time."""
-        if rec.start_rng is not None:
-            set_rng_state(rec.start_rng)
-        pl_module.zero_grad(set_to_none=True)
-        ok = True
-        try:
-            with torch.enable_grad():
-                loss = loss_of(pl_module.training_step(rec.batch, rec.batch_idx))
-                if loss is None or not bool(torch.isfinite(loss.detach()).all()):
-                    ok = False
-                else:
-                    loss.backward()
-                    grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-                    ok = not any(checks.confirm_nonfinite(grads))
-        except Exception:
-            ok = False
+        """Decide whether the incident was transient: re-run the batch once from the restored state.
+
+        The re-run trains nothing (see :mod:`~lightning_numguard.callbacks._retry`) and the snapshot is put back
+        after it. A transient batch is simply not trained on; a persistent one is quarantined at once.
+        """
+        ok = is_transient(trainer, pl_module, rec.batch, rec.batch_idx, rec.start_rng)
         ok = not _distributed.any_rank(trainer, [] if ok else ["retry"])
         for e in rec.events:
             e["details"]["retry"] = "transient: finite on retry" if ok else "persistent: non-finite again"
-        if ok and len(trainer.optimizers) == 1 and pl_module.automatic_optimization:
-            trainer.optimizers[0].step()
-            trainer.optimizers[0].zero_grad(set_to_none=True)
-            if rec.events:
-                rec.events[0]["details"].setdefault("retry_trained", True)
-            return
-        pl_module.zero_grad(set_to_none=True)
         self.restore(trainer, pl_module)
         if not ok and self.use_quarantine:
             self.quarantine_batch(trainer, rec, "non-finite again when re-run from the last finite state")

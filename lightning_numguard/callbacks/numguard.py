@@ -93,9 +93,10 @@ class NumGuardCallback(Callback):
         max_rollbacks: rollbacks allowed in one ``fit`` before escalating to ``"halt"``.
         skip_batches_after_rollback: batches to skip after each rollback (0 = only the bad one).
         lr_backoff: factor applied to every learning rate after each rollback (1.0 = unchanged).
-        retry_transient: after a rollback, run the same batch once more from the restored state; if
-            it comes out finite the incident was transient and the batch is trained on, otherwise
-            it is quarantined at once.
+        retry_transient: after a rollback, run the same batch once more from the restored state (under
+            the precision plugin's autocast, stepping no optimizer and moving no counter) to judge the
+            incident: if it comes out finite it was transient (``retry: transient`` in the event; the
+            batch is not trained on and not quarantined), otherwise it is quarantined at once.
         quarantine: skip batch positions that failed twice (or failed a retry) in later epochs and
             after a resume, and save them under ``<dirpath>/bad_batches/``.
         replay: after an incident under ``skip``/``rollback``/``halt``, replay the batch with anomaly
