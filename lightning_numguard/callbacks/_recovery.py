@@ -90,7 +90,7 @@ class Recovery:
             self.stateful,
             step=rec.step if rec is not None else trainer.global_step,
             where="host" if self.snapshot_device == "host" else "device",
-            rng=rec.start_rng if rec is not None else None,
+            rng=(rec.micro[0].rng if rec.micro else rec.start_rng) if rec is not None else None,  # window start
             model_state=rec.start_buffers if rec is not None else None,
             stateful_state=rec.start_states if rec is not None else None,
             reuse=self.snapshot,

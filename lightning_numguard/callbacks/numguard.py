@@ -26,7 +26,7 @@ from pytorch_lightning.callbacks import Callback
 from typing_extensions import override
 
 from lightning_numguard import _compat
-from lightning_numguard.callbacks import _config, _distributed
+from lightning_numguard.callbacks import _config, _distributed, _micro
 from lightning_numguard.callbacks._amp import AmpCounters
 from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action
 from lightning_numguard.callbacks._coverage import CoverageCheck
@@ -318,10 +318,7 @@ class NumGuardCallback(Callback):
         stateful = self._recovery.stateful
         rec = self._inspector.begin(trainer, pl_module, batch, batch_idx, self.action != "warn", stateful)
         if not new_step and self.quarantine and rec.forced_skip is None:  # a later micro-batch of the window
-            flag = self._recovery.quarantine.flag(batch, batch_idx, trainer.global_step)
-            if flag is not None:
-                old = rec.quarantine_flag
-                rec.quarantine_flag = flag if old is None else torch.maximum(old, flag.to(old.device))
+            _micro.merge_flag(rec, self._recovery.quarantine.flag(batch, batch_idx, trainer.global_step))
         if new_step:
             self._mark_forced_skip(rec, batch, batch_idx, trainer.global_step)
             if self.action != "warn":
@@ -471,7 +468,7 @@ class NumGuardCallback(Callback):
         reading: Any,
         due: bool,
     ) -> None:
-        self._inspector.point_to_bad_micro_batch()  # under accumulation: the micro-batch that went bad
+        self._inspector.point_to_bad_micro_batch(trainer)  # under accumulation: the micro-batch that went bad
         found = diagnose(trainer, pl_module, self._inspector, reading, self.replay and self.action != "warn")
         if found.amp_overflow:
             self.counters["amp_overflow_steps"] += 1
