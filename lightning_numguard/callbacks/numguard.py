@@ -416,6 +416,7 @@ class NumGuardCallback(Callback):
 
     def _close(self) -> None:
         self._inspector.detach()
+        self._logged.release()
         if self._reporter is not None:
             self._reporter.close()
 

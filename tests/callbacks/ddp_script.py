@@ -72,7 +72,9 @@ def main() -> None:
     # each rank trains on its own 40 samples; batch 2 of the faulty rank holds NaN
     data = FaultData(n=80, site="input")
     bad = 3 if site == "accumulate" else 2
-    data.bad = set(range(rank * 40 + 8 * bad, rank * 40 + 8 * bad + 8)) if site in INPUTS and rank == fault_rank else set()
+    data.bad = (
+        set(range(rank * 40 + 8 * bad, rank * 40 + 8 * bad + 8)) if site in INPUTS and rank == fault_rank else set()
+    )
     if site == "manual":
         model = TwoOptimizerGAN(bad_batch=2 if rank == fault_rank else None)
     shard = torch.utils.data.Subset(data, list(range(rank * 40, rank * 40 + 40)))
