@@ -10,8 +10,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_numguard.callbacks import _distributed
-from lightning_numguard.callbacks._inspector import StepRecord
+from lightning_numguard.callbacks import _distributed, _micro
+from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
 from lightning_numguard.callbacks._retry import is_transient
 from lightning_numguard.core import checks
 from lightning_numguard.core.quarantine import Quarantine, position_key, sample_indices
@@ -96,6 +96,46 @@ class Recovery:
             reuse=self.snapshot,
         )
         self.last_snapshot_step = self.snapshot.step
+
+    def at_train_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, inspector: StepInspector, take: bool
+    ) -> list[str]:
+        """Check the whole state once (one sync per fit); if finite and ``take``, snapshot it.
+
+        Returns the names found non-finite on any rank (buffers non-finite by design are left unchecked).
+        """
+        named = inspector.state(trainer, with_optimizer=True)
+        bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
+        bad = inspector.leave_unchecked(_distributed.any_rank(trainer, bad))
+        if not bad and take:
+            self.take(trainer, pl_module)
+        return bad
+
+    def at_train_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, inspector: StepInspector, warn_only: bool
+    ) -> tuple[list[str], str, dict[str, Any]] | None:
+        """Check the last step's update once (one sync per fit); repair what is bad unless ``warn_only``.
+
+        Returns ``None`` when all is finite, else the bad names, the action taken and the event's details.
+        """
+        named = inspector.state(trainer, with_optimizer=False)
+        flags = checks.confirm_nonfinite([t for _, t in named])
+        bad = _distributed.any_rank(trainer, [n for (n, _), b in zip(named, flags) if b])
+        if not bad:
+            return None
+        if warn_only or self.snapshot is None:
+            return bad, "none", {"when": "end of training"}
+        return bad, "rollback", self.repair_at_end(trainer, pl_module, bad)
+
+    def flag_batch(self, rec: StepRecord, batch: Any, batch_idx: int, step: int, first: bool) -> None:
+        """Skip the batches of the window after a rollback; flag quarantined micro-batches for the read (no sync)."""
+        if rec.forced_skip is not None:
+            return
+        if first and self.skip_remaining > 0:
+            self.skip_remaining -= 1
+            rec.forced_skip = "in the skip window after a rollback"
+        elif self.use_quarantine:
+            _micro.merge_flag(rec, self.quarantine.flag(batch, batch_idx, step))
 
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, restore_rng: bool = True) -> None:
         """Put the snapshot back in place."""

@@ -26,7 +26,7 @@ from pytorch_lightning.callbacks import Callback
 from typing_extensions import override
 
 from lightning_numguard import _compat
-from lightning_numguard.callbacks import _config, _distributed, _micro
+from lightning_numguard.callbacks import _config
 from lightning_numguard.callbacks._amp import AmpCounters
 from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action
 from lightning_numguard.callbacks._coverage import CoverageCheck
@@ -37,8 +37,8 @@ from lightning_numguard.callbacks._metrics import LoggedValues
 from lightning_numguard.callbacks._progress import FitProgress
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
 from lightning_numguard.callbacks._strategies import check_strategy
-from lightning_numguard.core import checks, policy
 from lightning_numguard.core import flags as slots
+from lightning_numguard.core import policy
 from lightning_numguard.core.findings import Finding
 from lightning_numguard.core.quarantine import parse_state, position_key
 from lightning_numguard.errors import NonFiniteError, NumGuardError
@@ -302,13 +302,9 @@ class NumGuardCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After Lightning restored optimizers, schedulers and the scaler from a checkpoint (it does so after
         # on_fit_start): a snapshot taken earlier would roll a resumed run back to fresh optimizers.
-        named = self._inspector.state(trainer, with_optimizer=True)
-        bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]  # once per fit
-        bad = self._inspector.leave_unchecked(_distributed.any_rank(trainer, bad))
+        bad = self._recovery.at_train_start(trainer, pl_module, self._inspector, self.action != "warn")
         if bad:
             self._halt_at_fit_start(trainer, bad)
-        elif self.action != "warn":
-            self._recovery.take(trainer, pl_module)
 
     @override
     def on_train_batch_start(
@@ -317,12 +313,9 @@ class NumGuardCallback(Callback):
         new_step = self._inspector.record is None
         stateful = self._recovery.stateful
         rec = self._inspector.begin(trainer, pl_module, batch, batch_idx, self.action != "warn", stateful)
-        if not new_step and self.quarantine and rec.forced_skip is None:  # a later micro-batch of the window
-            _micro.merge_flag(rec, self._recovery.quarantine.flag(batch, batch_idx, trainer.global_step))
-        if new_step:
-            self._mark_forced_skip(rec, batch, batch_idx, trainer.global_step)
-            if self.action != "warn":
-                self._logged.mark(trainer)
+        self._recovery.flag_batch(rec, batch, batch_idx, trainer.global_step, new_step)
+        if new_step and self.action != "warn":
+            self._logged.mark(trainer)
         self._inspector.enter_ops()
 
     @override
@@ -365,17 +358,11 @@ class NumGuardCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The last step's update has not been checked yet: check it once (one sync per fit).
-        named = self._inspector.state(trainer, with_optimizer=False)
-        flags = checks.confirm_nonfinite([t for _, t in named])
-        bad = _distributed.any_rank(trainer, [n for (n, _), b in zip(named, flags) if b])
-        if not bad:
-            return
-        action = "none" if self.action == "warn" or self._recovery.snapshot is None else "rollback"
-        details: dict[str, Any] = {"when": "end of training"}
-        if action == "rollback":
-            details = self._recovery.repair_at_end(trainer, pl_module, bad)
-        finding = Finding("nonfinite_param", bad, details)
-        self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, action)])
+        end = self._recovery.at_train_end(trainer, pl_module, self._inspector, self.action == "warn")
+        if end is not None:
+            bad, action, details = end
+            finding = Finding("nonfinite_param", bad, details)
+            self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, action)])
 
     @override
     def on_save_checkpoint(
@@ -419,15 +406,6 @@ class NumGuardCallback(Callback):
         self._logged.release()
         if self._reporter is not None:
             self._reporter.close()
-
-    def _mark_forced_skip(self, rec: StepRecord, batch: Any, batch_idx: int, step: int) -> None:
-        """Skip the batches of the window after a rollback, and quarantined ones (flagged for the read)."""
-        recovery = self._recovery
-        if recovery.skip_remaining > 0:
-            recovery.skip_remaining -= 1
-            rec.forced_skip = "in the skip window after a rollback"
-        elif self.quarantine:
-            rec.quarantine_flag = recovery.quarantine.flag(batch, batch_idx, step)
 
     def _read(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """The step's one read; on a hit, the culprits and the decision (the action itself waits for batch end)."""
