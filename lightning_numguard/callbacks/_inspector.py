@@ -23,7 +23,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_numguard import _compat
-from lightning_numguard.callbacks import _distributed
+from lightning_numguard.callbacks import _distributed, _micro
 from lightning_numguard.core import checks, flags
 from lightning_numguard.core.findings import AFTER_FORWARD, Finding
 from lightning_numguard.core.opguard import OpGuard
@@ -48,6 +48,7 @@ class MicroBatch:
     input_max: torch.Tensor | None = None
     loss: torch.Tensor | None = None
     first_output: int = 0  # index of its first record in the output watch
+    rng: dict[str, Any] | None = None  # the RNG state at its start (see _micro.micro_rng)
 
 
 @dataclass
@@ -182,6 +183,8 @@ class StepInspector:
                 rec.start_states = clone_states(stateful, self._metric_keys)
                 rec.start_rng = rng_state()
         micro = MicroBatch(batch_idx, batch, first_output=len(self.watch.records) if self.watch is not None else 0)
+        if rec.start_rng is not None:
+            micro.rng = _micro.micro_rng(rec.start_rng) if rec.micro else rec.start_rng
         rec.micro.append(micro)
         if "inputs" in self.check:
             leaves = floating_leaves(batch)
@@ -283,29 +286,19 @@ class StepInspector:
 
     # ------------------------------------------------------------------ after a hit
 
-    def point_to_bad_micro_batch(self) -> None:
-        """Under gradient accumulation, make ``record.batch``/``batch_idx`` the first micro-batch that went bad.
+    def point_to_bad_micro_batch(self, trainer: pl.Trainer | None = None) -> None:
+        """Under gradient accumulation, make ``record.batch``/``batch_idx``/``start_rng`` the first bad micro-batch's.
 
-        Its input, its loss or one of its watched outputs is non-finite (one sync, after a hit only). When none
-        of them says (a bad gradient or state), the window's first micro-batch stays.
+        See :func:`~lightning_numguard.callbacks._micro.first_bad` (syncs, after a hit only; collective with
+        ``trainer`` under DDP).
         """
         rec = self.record
         if rec is None or len(rec.micro) < 2:
             return
-        device = rec.micro[0].input_max.device if rec.micro[0].input_max is not None else torch.device("cpu")
-        outputs = self.watch.records if self.watch is not None else []
-        bounds = [m.first_output for m in rec.micro] + [len(outputs)]
-        totals = []
-        for i, m in enumerate(rec.micro):
-            parts = [x.to(device, torch.float32).sum() for x in (m.input_max, m.loss) if x is not None]
-            parts += [
-                torch.stack(pair).to(device, torch.float32).sum() for _, pair in outputs[bounds[i] : bounds[i + 1]]
-            ]
-            totals.append(torch.stack(parts).sum() if parts else torch.zeros((), device=device))
-        finite = torch.isfinite(torch.stack(totals)).tolist()  # after a hit only
-        first = next((i for i, ok in enumerate(finite) if not ok), 0)
+        first = _micro.first_bad(trainer, rec, self.watch.records if self.watch is not None else [])
         rec.bad_micro_batch = first
         rec.batch, rec.batch_idx = rec.micro[first].batch, rec.micro[first].batch_idx
+        rec.start_rng = rec.micro[first].rng or rec.start_rng
 
     def confirmed(self, trainer: pl.Trainer, reading: Reading, segment: str) -> list[str]:
         """The names in ``segment`` that are exactly non-finite (syncs; after a hit only)."""

@@ -105,7 +105,7 @@ class Ledger:
                 escalation = "the weights or optimizer state were no longer finite"
         snapshot = recovery.snapshot
         ckpt = recovery.ckpt_path
-        written = rec.action in ("rollback", "halt") and ckpt.exists() and type(recovery).__name__ != "FilelessRecovery"
+        written = rec.action in ("rollback", "halt") and ckpt is not None and ckpt.exists()
         events_file = self.reporter.events_path if self.reporter is not None else None
         text = action_message(
             rec.action,

@@ -33,9 +33,11 @@ class LoggedValues:
         self._results: dict[str, dict[str, Any]] | None = None
         self._dicts: list[dict[str, Any]] | None = None
         self._unsupported_said = False
+        self._held_module: pl.LightningModule | None = None
 
     def mark(self, trainer: pl.Trainer) -> None:
         """Remember the accumulators as they are before this step (the first micro-batch of a window)."""
+        self.release()
         results = _compat.train_results(trainer)
         dicts = _compat.logger_metric_dicts(trainer)
         if results is None or dicts is None:
@@ -65,3 +67,33 @@ class LoggedValues:
         for live, saved_dict in zip(dicts, self._dicts):
             live.clear()
             live.update(saved_dict)
+        self._hold_plateau(trainer)
+
+    def _hold_plateau(self, trainer: pl.Trainer) -> None:
+        """Skip the next ``lr_scheduler_step`` of every step-interval ``ReduceLROnPlateau`` (until :meth:`release`).
+
+        Lightning steps them after this hook with the monitored value, which after the discard is the previous
+        step's: counted once more as a step without improvement, it would cut the learning rate. The module's
+        ``lr_scheduler_step`` is wrapped for that one call (an instance attribute, removed again by
+        :meth:`release`); the scheduler itself is never touched, so its ``state_dict`` stays as it is.
+        """
+        held = [c.scheduler for c in trainer.lr_scheduler_configs if c.reduce_on_plateau and c.interval == "step"]
+        module = trainer.lightning_module
+        if not held or "lr_scheduler_step" in module.__dict__:
+            return
+        original = module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+            if any(scheduler is h for h in held):
+                held[:] = [h for h in held if h is not scheduler]  # the discarded step's call: skipped, once
+                return
+            original(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
+        self._held_module = module
+
+    def release(self) -> None:
+        """Undo :meth:`_hold_plateau` (at the next step's start: Lightning has made its calls by then)."""
+        if self._held_module is not None:
+            self._held_module.__dict__.pop("lr_scheduler_step", None)
+            self._held_module = None

@@ -12,15 +12,10 @@ memory and says that no ``last_finite.ckpt`` was written.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_numguard.callbacks._inspector import StepRecord
-from lightning_numguard.callbacks._recovery import Recovery
-from lightning_numguard.core.quarantine import sample_indices
-
-__all__ = ["FilelessRecovery", "writes_files"]
+__all__ = ["writes_files"]
 
 
 def writes_files(trainer: pl.Trainer, dirpath: str | None) -> bool:
@@ -32,25 +27,3 @@ def writes_files(trainer: pl.Trainer, dirpath: str | None) -> bool:
     # Without a logger and checkpointing Lightning writes nothing into the working directory; a
     # default_root_dir the user chose is a place to write to (events then go to <default_root_dir>/numguard).
     return os.path.abspath(str(trainer.default_root_dir)) != os.path.abspath(os.getcwd())
-
-
-class FilelessRecovery(Recovery):
-    """:class:`Recovery` that writes no ``last_finite.ckpt`` and no ``bad_batches/`` file."""
-
-    def save_last_finite(self, trainer: pl.Trainer) -> None:
-        """Nothing to write: the restored state lives on in memory."""
-
-    def quarantine_batch(self, trainer: pl.Trainer, rec: StepRecord, reason: str) -> None:
-        """Quarantine ``rec``'s batch without saving it."""
-        if self.quarantine.holds(rec.batch_idx):
-            return
-        entry: dict[str, Any] = {
-            "epoch": rec.epoch,
-            "batch_idx": rec.batch_idx,
-            "step": rec.step,
-            "reason": reason,
-            "sample_indices": sample_indices(rec.batch),
-        }
-        self.quarantine.add(entry)
-        for e in rec.events:
-            e["details"]["quarantined"] = True

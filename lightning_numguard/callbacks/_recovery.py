@@ -10,12 +10,12 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_numguard.callbacks import _distributed
-from lightning_numguard.callbacks._inspector import StepRecord
+from lightning_numguard.callbacks import _distributed, _micro
+from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
+from lightning_numguard.callbacks._retry import is_transient
 from lightning_numguard.core import checks
 from lightning_numguard.core.quarantine import Quarantine, position_key, sample_indices
-from lightning_numguard.core.replay import loss_of
-from lightning_numguard.core.snapshot import Snapshot, Stateful, capture, restore, set_rng_state
+from lightning_numguard.core.snapshot import Snapshot, Stateful, capture, restore
 from lightning_numguard.core.stateful import MetricState, NumpyRNG, PrecisionState, apply_lr_backoff
 from lightning_numguard.core.tree import clone_tree, tensors, to_plain
 
@@ -45,17 +45,18 @@ class Recovery:
     """Keeps the last verified-finite state and puts it back.
 
     Args:
-        dirpath: where ``last_finite.ckpt`` and ``bad_batches/`` go.
+        dirpath: where ``last_finite.ckpt`` and ``bad_batches/`` go; ``None``: no file is written
+            (``fast_dev_run``, or nowhere chosen to write to), the restored state lives on in memory.
         snapshot_device: ``"host"`` or ``"device"``.
         skip_batches_after_rollback: batches skipped after each rollback.
         lr_backoff: factor applied to every learning rate after each rollback.
-        retry_transient: re-run the batch once after a rollback.
+        retry_transient: re-run the batch once after a rollback, to tell transient from persistent.
         quarantine: quarantine batches that fail twice (or fail their retry).
     """
 
     def __init__(
         self,
-        dirpath: Path,
+        dirpath: Path | None,
         snapshot_device: str,
         skip_batches_after_rollback: int,
         lr_backoff: float,
@@ -76,9 +77,9 @@ class Recovery:
         self.rollbacks_this_fit = 0
 
     @property
-    def ckpt_path(self) -> Path:
-        """``<dirpath>/last_finite.ckpt``."""
-        return self.dirpath / "last_finite.ckpt"
+    def ckpt_path(self) -> Path | None:
+        """``<dirpath>/last_finite.ckpt``, or ``None`` when no file is written."""
+        return self.dirpath / "last_finite.ckpt" if self.dirpath is not None else None
 
     # ------------------------------------------------------------------ snapshots
 
@@ -90,12 +91,52 @@ class Recovery:
             self.stateful,
             step=rec.step if rec is not None else trainer.global_step,
             where="host" if self.snapshot_device == "host" else "device",
-            rng=rec.start_rng if rec is not None else None,
+            rng=(rec.micro[0].rng if rec.micro else rec.start_rng) if rec is not None else None,  # window start
             model_state=rec.start_buffers if rec is not None else None,
             stateful_state=rec.start_states if rec is not None else None,
             reuse=self.snapshot,
         )
         self.last_snapshot_step = self.snapshot.step
+
+    def at_train_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, inspector: StepInspector, take: bool
+    ) -> list[str]:
+        """Check the whole state once (one sync per fit); if finite and ``take``, snapshot it.
+
+        Returns the names found non-finite on any rank (buffers non-finite by design are left unchecked).
+        """
+        named = inspector.state(trainer, with_optimizer=True)
+        bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
+        bad = inspector.leave_unchecked(_distributed.any_rank(trainer, bad))
+        if not bad and take:
+            self.take(trainer, pl_module)
+        return bad
+
+    def at_train_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, inspector: StepInspector, warn_only: bool
+    ) -> tuple[list[str], str, dict[str, Any]] | None:
+        """Check the last step's update once (one sync per fit); repair what is bad unless ``warn_only``.
+
+        Returns ``None`` when all is finite, else the bad names, the action taken and the event's details.
+        """
+        named = inspector.state(trainer, with_optimizer=False)
+        flags = checks.confirm_nonfinite([t for _, t in named])
+        bad = _distributed.any_rank(trainer, [n for (n, _), b in zip(named, flags) if b])
+        if not bad:
+            return None
+        if warn_only or self.snapshot is None:
+            return bad, "none", {"when": "end of training"}
+        return bad, "rollback", self.repair_at_end(trainer, pl_module, bad)
+
+    def flag_batch(self, rec: StepRecord, batch: Any, batch_idx: int, step: int, first: bool) -> None:
+        """Skip the batches of the window after a rollback; flag quarantined micro-batches for the read (no sync)."""
+        if rec.forced_skip is not None:
+            return
+        if first and self.skip_remaining > 0:
+            self.skip_remaining -= 1
+            rec.forced_skip = "in the skip window after a rollback"
+        elif self.use_quarantine:
+            _micro.merge_flag(rec, self.quarantine.flag(batch, batch_idx, step))
 
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, restore_rng: bool = True) -> None:
         """Put the snapshot back in place."""
@@ -166,32 +207,15 @@ class Recovery:
         self.save_last_finite(trainer)
 
     def _retry(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord) -> None:
-        """Run the batch once more from the restored state: transient incidents pass the second time."""
-        if rec.start_rng is not None:
-            set_rng_state(rec.start_rng)
-        pl_module.zero_grad(set_to_none=True)
-        ok = True
-        try:
-            with torch.enable_grad():
-                loss = loss_of(pl_module.training_step(rec.batch, rec.batch_idx))
-                if loss is None or not bool(torch.isfinite(loss.detach()).all()):
-                    ok = False
-                else:
-                    loss.backward()
-                    grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-                    ok = not any(checks.confirm_nonfinite(grads))
-        except Exception:
-            ok = False
+        """Decide whether the incident was transient: re-run the batch once from the restored state.
+
+        The re-run trains nothing (see :mod:`~lightning_numguard.callbacks._retry`) and the snapshot is put back
+        after it. A transient batch is simply not trained on; a persistent one is quarantined at once.
+        """
+        ok = is_transient(trainer, pl_module, rec.batch, rec.batch_idx, rec.start_rng)
         ok = not _distributed.any_rank(trainer, [] if ok else ["retry"])
         for e in rec.events:
             e["details"]["retry"] = "transient: finite on retry" if ok else "persistent: non-finite again"
-        if ok and len(trainer.optimizers) == 1 and pl_module.automatic_optimization:
-            trainer.optimizers[0].step()
-            trainer.optimizers[0].zero_grad(set_to_none=True)
-            if rec.events:
-                rec.events[0]["details"].setdefault("retry_trained", True)
-            return
-        pl_module.zero_grad(set_to_none=True)
         self.restore(trainer, pl_module)
         if not ok and self.use_quarantine:
             self.quarantine_batch(trainer, rec, "non-finite again when re-run from the last finite state")
@@ -207,7 +231,7 @@ class Recovery:
             "reason": reason,
             "sample_indices": sample_indices(rec.batch),
         }
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self.dirpath is not None:
             folder = self.dirpath / "bad_batches"
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"epoch{rec.epoch}_batch{rec.batch_idx}_step{rec.step}.pt"
@@ -227,6 +251,8 @@ class Recovery:
     def save_last_finite(self, trainer: pl.Trainer) -> None:
         """Write the (restored, finite) live state as a normal Lightning checkpoint, atomically."""
         final = self.ckpt_path
+        if final is None:
+            return
         tmp = final.with_name(final.name + ".tmp")
         if trainer.is_global_zero:
             final.parent.mkdir(parents=True, exist_ok=True)

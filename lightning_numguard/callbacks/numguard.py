@@ -26,7 +26,7 @@ from pytorch_lightning.callbacks import Callback
 from typing_extensions import override
 
 from lightning_numguard import _compat
-from lightning_numguard.callbacks import _config, _distributed, _nofiles
+from lightning_numguard.callbacks import _config, _nofiles
 from lightning_numguard.callbacks._amp import AmpCounters
 from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action
 from lightning_numguard.callbacks._coverage import CoverageCheck
@@ -37,8 +37,8 @@ from lightning_numguard.callbacks._metrics import LoggedValues
 from lightning_numguard.callbacks._progress import FitProgress
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
 from lightning_numguard.callbacks._strategies import check_strategy
-from lightning_numguard.core import checks, policy
 from lightning_numguard.core import flags as slots
+from lightning_numguard.core import policy
 from lightning_numguard.core.findings import Finding
 from lightning_numguard.core.quarantine import parse_state, position_key
 from lightning_numguard.errors import NonFiniteError, NumGuardError
@@ -93,9 +93,10 @@ class NumGuardCallback(Callback):
         max_rollbacks: rollbacks allowed in one ``fit`` before escalating to ``"halt"``.
         skip_batches_after_rollback: batches to skip after each rollback (0 = only the bad one).
         lr_backoff: factor applied to every learning rate after each rollback (1.0 = unchanged).
-        retry_transient: after a rollback, run the same batch once more from the restored state; if
-            it comes out finite the incident was transient and the batch is trained on, otherwise
-            it is quarantined at once.
+        retry_transient: after a rollback, run the same batch once more from the restored state (under
+            the precision plugin's autocast, stepping no optimizer and moving no counter) to judge the
+            incident: if it comes out finite it was transient (``retry: transient`` in the event; the
+            batch is not trained on and not quarantined), otherwise it is quarantined at once.
         quarantine: skip batch positions that failed twice (or failed a retry) in later epochs and
             after a resume, and save them under ``<dirpath>/bad_batches/``.
         replay: after an incident under ``skip``/``rollback``/``halt``, replay the batch with anomaly
@@ -196,10 +197,10 @@ class NumGuardCallback(Callback):
     def _fresh_run(self, dirpath: Path | None = None) -> None:
         """New collaborators for a fit (run in ``setup``, before Lightning loads this callback's state)."""
         self._inspector = StepInspector(self.check, self.max_abs_input, self.watch_modules, self.ignore_modules)
-        self._reporter = Reporter(dirpath, warn=self.emit_warnings) if dirpath is not None else None
+        self._reporter = Reporter(dirpath, warn=self.emit_warnings)
         self._ledger = Ledger(self._reporter)
         self._recovery = Recovery(
-            dirpath or Path("."),
+            dirpath,
             self.snapshot_device,
             self.skip_batches_after_rollback,
             self.lr_backoff,
@@ -288,10 +289,8 @@ class NumGuardCallback(Callback):
         _compat.require_accumulation_api(trainer)
         check_strategy(trainer.strategy, self.action)
         root = Path(trainer.log_dir or trainer.default_root_dir)
-        self._fresh_run(Path(self.dirpath) if self.dirpath else root / "numguard")
-        if not _nofiles.writes_files(trainer, self.dirpath):  # fast_dev_run, or nowhere to write
-            self._reporter = self._ledger.reporter = Reporter(None, warn=self.emit_warnings)
-            self._recovery.__class__ = _nofiles.FilelessRecovery
+        dirpath = Path(self.dirpath) if self.dirpath else root / "numguard"
+        self._fresh_run(dirpath if _nofiles.writes_files(trainer, self.dirpath) else None)  # None: no files
         self._inspector.attach(pl_module)
 
     @override
@@ -304,13 +303,9 @@ class NumGuardCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After Lightning restored optimizers, schedulers and the scaler from a checkpoint (it does so after
         # on_fit_start): a snapshot taken earlier would roll a resumed run back to fresh optimizers.
-        named = self._inspector.state(trainer, with_optimizer=True)
-        bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]  # once per fit
-        bad = self._inspector.leave_unchecked(_distributed.any_rank(trainer, bad))
+        bad = self._recovery.at_train_start(trainer, pl_module, self._inspector, self.action != "warn")
         if bad:
             self._halt_at_fit_start(trainer, bad)
-        elif self.action != "warn":
-            self._recovery.take(trainer, pl_module)
 
     @override
     def on_train_batch_start(
@@ -319,15 +314,9 @@ class NumGuardCallback(Callback):
         new_step = self._inspector.record is None
         stateful = self._recovery.stateful
         rec = self._inspector.begin(trainer, pl_module, batch, batch_idx, self.action != "warn", stateful)
-        if not new_step and self.quarantine and rec.forced_skip is None:  # a later micro-batch of the window
-            flag = self._recovery.quarantine.flag(batch, batch_idx, trainer.global_step)
-            if flag is not None:
-                old = rec.quarantine_flag
-                rec.quarantine_flag = flag if old is None else torch.maximum(old, flag.to(old.device))
-        if new_step:
-            self._mark_forced_skip(rec, batch, batch_idx, trainer.global_step)
-            if self.action != "warn":
-                self._logged.mark(trainer)
+        self._recovery.flag_batch(rec, batch, batch_idx, trainer.global_step, new_step)
+        if new_step and self.action != "warn":
+            self._logged.mark(trainer)
         self._inspector.enter_ops()
 
     @override
@@ -370,17 +359,11 @@ class NumGuardCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The last step's update has not been checked yet: check it once (one sync per fit).
-        named = self._inspector.state(trainer, with_optimizer=False)
-        flags = checks.confirm_nonfinite([t for _, t in named])
-        bad = _distributed.any_rank(trainer, [n for (n, _), b in zip(named, flags) if b])
-        if not bad:
-            return
-        action = "none" if self.action == "warn" or self._recovery.snapshot is None else "rollback"
-        details: dict[str, Any] = {"when": "end of training"}
-        if action == "rollback":
-            details = self._recovery.repair_at_end(trainer, pl_module, bad)
-        finding = Finding("nonfinite_param", bad, details)
-        self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, action)])
+        end = self._recovery.at_train_end(trainer, pl_module, self._inspector, self.action == "warn")
+        if end is not None:
+            bad, action, details = end
+            finding = Finding("nonfinite_param", bad, details)
+            self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, action)])
 
     @override
     def on_save_checkpoint(
@@ -421,17 +404,9 @@ class NumGuardCallback(Callback):
 
     def _close(self) -> None:
         self._inspector.detach()
+        self._logged.release()
         if self._reporter is not None:
             self._reporter.close()
-
-    def _mark_forced_skip(self, rec: StepRecord, batch: Any, batch_idx: int, step: int) -> None:
-        """Skip the batches of the window after a rollback, and quarantined ones (flagged for the read)."""
-        recovery = self._recovery
-        if recovery.skip_remaining > 0:
-            recovery.skip_remaining -= 1
-            rec.forced_skip = "in the skip window after a rollback"
-        elif self.quarantine:
-            rec.quarantine_flag = recovery.quarantine.flag(batch, batch_idx, step)
 
     def _read(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """The step's one read; on a hit, the culprits and the decision (the action itself waits for batch end)."""
@@ -473,7 +448,7 @@ class NumGuardCallback(Callback):
         reading: Any,
         due: bool,
     ) -> None:
-        self._inspector.point_to_bad_micro_batch()  # under accumulation: the micro-batch that went bad
+        self._inspector.point_to_bad_micro_batch(trainer)  # under accumulation: the micro-batch that went bad
         found = diagnose(trainer, pl_module, self._inspector, reading, self.replay and self.action != "warn")
         if found.amp_overflow:
             self.counters["amp_overflow_steps"] += 1
@@ -521,10 +496,12 @@ class NumGuardCallback(Callback):
         self._ledger.record(trainer, rec.events)
         self._ledger.log_action(trainer, rec, self.action, self._recovery)
         if rec.action == "halt" and trainer.should_stop and not _compat.lightning_will_stop(trainer):
+            ckpt = self._recovery.ckpt_path
+            where = f"is in {ckpt}" if ckpt is not None else "was restored in memory (no file is written in this run)"
             raise NonFiniteError(
                 f"NumGuard halted training at step {rec.step}: "
                 + (rec.events[0]["message"] if rec.events else "non-finite values")
-                + f". The last finite state is in {self._recovery.ckpt_path}."
+                + f". The last finite state {where}."
             )
 
     def _halt_at_fit_start(self, trainer: pl.Trainer, bad: list[str]) -> None:

@@ -52,6 +52,17 @@ def _checkable(t: torch.Tensor) -> torch.Tensor | None:
     return t
 
 
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _as_f32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 with finite values beyond float32's range clamped to its max (float64 ``1e100`` is
+    finite and huge, not ``inf``); NaN and ±Inf stay as they are. No sync."""
+    if x.dtype == torch.float64:
+        x = torch.where(torch.isfinite(x), x.clamp(-_F32_MAX, _F32_MAX), x)
+    return x.float()
+
+
 def norm_candidates(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     """Per-tensor float32 L2 norms, in input order, on ``device``; no host sync.
 
@@ -110,6 +121,8 @@ def is_checkable(t: torch.Tensor) -> bool:
 def max_abs(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     """Exact per-tensor max-|x| as a float32 vector on ``device`` (NaN propagates); no sync.
 
+    Finite float64 values beyond float32's range give float32's max (finite), never ``inf``.
+
     Uses ``torch.aminmax`` (one read of each tensor) rather than ``abs().amax()`` (which
     materialises a copy). Unchecked tensors (integer, empty) give 0.
     """
@@ -122,7 +135,7 @@ def max_abs(tensors: Sequence[torch.Tensor], device: torch.device | None = None)
             parts.append(torch.zeros(2, dtype=torch.float32, device=device))
             continue
         lo, hi = torch.aminmax(c.detach())
-        parts.append(torch.stack([lo, hi]).to(device=device, dtype=torch.float32, non_blocking=True))
+        parts.append(_as_f32(torch.stack([lo, hi])).to(device=device, non_blocking=True))
     if not parts:
         return torch.zeros(0, dtype=torch.float32, device=device)
     return torch.stack(parts).abs().amax(dim=1)
@@ -131,7 +144,8 @@ def max_abs(tensors: Sequence[torch.Tensor], device: torch.device | None = None)
 def max_abs_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """0-d float32 on ``device``: the largest |x| over all ``tensors`` (NaN propagates); no sync.
 
-    The hot-path form of :func:`max_abs`: one ``aminmax`` per tensor and three ops in all.
+    The hot-path form of :func:`max_abs`: one ``aminmax`` per tensor and three ops in all. Finite float64
+    values beyond float32's range give float32's max (finite), never ``inf``.
     """
     parts: list[torch.Tensor] = []
     for t in tensors:
@@ -141,7 +155,7 @@ def max_abs_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     if not parts:
         return torch.zeros((), dtype=torch.float32, device=device)
     if any(p.device != device or p.dtype != torch.float32 for p in parts):
-        parts = [p.to(device=device, dtype=torch.float32, non_blocking=True) for p in parts]
+        parts = [_as_f32(p).to(device=device, non_blocking=True) for p in parts]
     return torch.stack(parts).abs().amax()
 
 

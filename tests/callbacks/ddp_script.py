@@ -1,6 +1,8 @@
 """Run by test_ddp.py in a subprocess: real DDP (gloo, 2 CPU processes), a fault on one rank only.
 
 Usage: python ddp_script.py OUT_DIR SITE FAULT_RANK ACTION
+SITE ``accumulate``: ``accumulate_grad_batches=2`` and NaN inputs in batch 3 (a window's second micro-batch);
+SITE ``manual``: a two-optimizer GAN (manual optimization) whose discriminator loss is NaN at batch 2.
 Each rank writes OUT_DIR/rank{r}.json with its events, counters and a digest of its weights.
 """
 
@@ -18,7 +20,11 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_numguard import NumGuardCallback
+from tests.callbacks.test_setups_accumulation import TwoOptimizerGAN
 from tests.helpers import FaultData, FaultModel
+
+INPUTS = ("input", "accumulate")  # sites whose fault is a NaN batch
+MODES = (*INPUTS, "manual")  # sites not injected by FaultModel
 
 
 class Report(pl.Callback):
@@ -46,13 +52,15 @@ def main() -> None:
     out, site, fault_rank, action = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
     warnings.simplefilter("ignore")
     pl.seed_everything(0, verbose=False)
-    guard = NumGuardCallback(action=action, dirpath=str(out / "ng"))
-    model = FaultModel(site=None if site == "input" else site, step=2, rank=fault_rank)
+    guard = NumGuardCallback(action=action, dirpath=str(out / "ng"), replay=site != "manual")
+    model: pl.LightningModule = FaultModel(site=None if site in MODES else site, step=2, rank=fault_rank)
     trainer = pl.Trainer(
+        accumulate_grad_batches=2 if site == "accumulate" else 1,
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
-        max_steps=5,
+        # the GAN's two backward passes per step leave the generator unused by the second
+        strategy="ddp_find_unused_parameters_true" if site == "manual" else "ddp",
+        max_steps={"manual": 10, "accumulate": 3}.get(site, 5),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -63,7 +71,12 @@ def main() -> None:
     rank = trainer.global_rank
     # each rank trains on its own 40 samples; batch 2 of the faulty rank holds NaN
     data = FaultData(n=80, site="input")
-    data.bad = set(range(rank * 40 + 16, rank * 40 + 24)) if site == "input" and rank == fault_rank else set()
+    bad = 3 if site == "accumulate" else 2
+    data.bad = (
+        set(range(rank * 40 + 8 * bad, rank * 40 + 8 * bad + 8)) if site in INPUTS and rank == fault_rank else set()
+    )
+    if site == "manual":
+        model = TwoOptimizerGAN(bad_batch=2 if rank == fault_rank else None)
     shard = torch.utils.data.Subset(data, list(range(rank * 40, rank * 40 + 40)))
     trainer.fit(model, DataLoader(shard, batch_size=8, shuffle=False))
 

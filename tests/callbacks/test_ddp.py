@@ -65,3 +65,33 @@ def test_op_domain_on_rank_1_never_reaches_the_kernel_and_ranks_stay_in_step(tmp
     (event,) = ranks[0]["events"]
     assert event["kind"] == "op_domain" and event["rank"] == 1 and event["step"] == 2
     assert event["where"] == ["binary_cross_entropy"]
+
+
+@pytest.mark.ddp
+def test_accumulation_fault_in_one_micro_batch_of_rank_1(tmp_path):
+    """accumulate 2: batch 3 (window 1's second micro-batch) is NaN on rank 1 only. Every rank decides together
+    at the window's step, and the event names rank 1 and batch 3 on every rank (before: rank 0 said batch 2)."""
+    ranks = run_ddp(tmp_path, "accumulate", 1, "rollback")
+    for r in ranks:
+        assert r["finite"] and r["same_as_rank0"]
+        assert r["counters"]["rollbacks"] == 1 and r["counters"]["skipped_steps"] == 1
+        assert r["global_step"] == 3  # 5 batches, windows of 2: 3 optimizer steps in the epoch
+    assert ranks[0]["events"] == ranks[1]["events"]
+    first = ranks[0]["events"][0]
+    assert first["kind"] == "nonfinite_input" and first["rank"] == 1 and first["step"] == 1
+    assert first["batch_idx"] == 3 and first["where"] == ["batch['x']"]
+
+
+@pytest.mark.ddp
+def test_manual_two_optimizers_fault_on_rank_1_ranks_stay_in_step(tmp_path):
+    """A GAN under manual optimization; its discriminator loss is NaN at batch 2 on rank 1 only."""
+    ranks = run_ddp(tmp_path, "manual", 1, "rollback")
+    for r in ranks:
+        assert r["finite"] and r["same_as_rank0"]
+        assert r["counters"]["skipped_steps"] == 1
+        # a guard-free run takes two optimizer steps per batch: 5 batches, 10 steps
+        # (tests/callbacks/test_setups_accumulation.py compares with one)
+        assert r["global_step"] == 10
+    assert ranks[0]["events"] == ranks[1]["events"]
+    first = ranks[0]["events"][0]
+    assert first["kind"] == "nonfinite_loss" and first["rank"] == 1 and first["batch_idx"] == 2

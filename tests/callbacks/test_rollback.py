@@ -132,7 +132,7 @@ def test_persistent_batch_is_quarantined_saved_and_skipped_in_later_epochs(tmp_p
 
 
 def test_retry_tells_transient_from_persistent(tmp_path):
-    # transient: the fault fires once; the re-run of the same batch is finite and is trained on
+    # transient: the fault fires once; the re-run of the same batch is finite (it is not trained on)
     guard = NumGuardCallback(action="rollback", retry_transient=True, dirpath=str(tmp_path / "a"))
     # transient: the replay finds `body.1` finite again, so the warning names no particular place
     with pytest.warns(NumGuardWarning, match=guard_warning("", 3)):

@@ -78,3 +78,48 @@ def test_manual_two_optimizer_gan_keeps_global_step(tmp_path, bad_batch):
     if bad_batch is not None:
         assert {e["batch_idx"] for e in guard.events} == {bad_batch}
         assert guard.events[0]["kind"] == "nonfinite_loss"  # the discriminator's loss, read at its optimizer
+
+
+class _DrawFault(nn.Module):
+    """NaN when its random draw repeats the one it poisoned: only a replay from the same RNG state hits it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arm = False
+        self.target: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = torch.rand(())
+        if self.arm:
+            self.arm, self.target = False, u.clone()
+        if self.target is not None and bool(u == self.target):
+            return x * float("nan")
+        return x
+
+
+class DropoutModel(pl.LightningModule):
+    def __init__(self, bad_batch: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.ReLU())
+        self.flaky = _DrawFault()
+        self.head = nn.Linear(16, 1)
+        self.bad_batch = bad_batch
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.flaky.arm = batch_idx == self.bad_batch and self.flaky.target is None
+        return nn.functional.mse_loss(self.head(self.flaky(self.body(batch["x"]))), batch["y"])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def test_replay_of_the_bad_micro_batch_starts_from_its_own_rng(tmp_path):
+    """accumulate 4, the fault in micro-batch 3 of window 1 depends on its random draws. Before: the replay ran
+    from the window's first RNG state, came out finite and named no module."""
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"))
+    t = trainer(tmp_path, [guard], max_steps=2, accumulate_grad_batches=4)
+    with pytest.warns(NumGuardWarning):
+        t.fit(DropoutModel(bad_batch=6), loader(FaultData()))
+    first = guard.events[0]
+    assert first["batch_idx"] == 6, first
+    assert first["where"][0] == "flaky", first  # the replay found the module

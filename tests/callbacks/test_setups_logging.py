@@ -98,3 +98,33 @@ def test_a_resumed_run_rolls_back_to_its_resumed_optimizer_and_scheduler(tmp_pat
     assert probe.after["adam_state"] > 0  # not a fresh Adam
     assert probe.after["last_epoch"] == 10  # StepLR as restored from the checkpoint
     assert probe.after["lr"] == pytest.approx(ref_lr)
+
+
+class PlateauModel(LoggingModel):
+    """ReduceLROnPlateau on the step-logged ``train_loss``: any step not better than the best halves the LR."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.05)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "monitor": "train_loss"}}
+
+
+def test_reduce_lr_on_plateau_is_not_stepped_by_a_discarded_step(tmp_path):
+    """A NaN batch rolled back leaves the LR schedule of a run that never had that batch.
+
+    Before: the scheduler was stepped for the discarded step with the previous step's value, counted it as a
+    step without improvement and halved the LR once more.
+    """
+    torch.manual_seed(0)
+    ref_model = PlateauModel()
+    ref = trainer(tmp_path / "ref", [], max_epochs=1)
+    ref.fit(ref_model, loader(FaultData(omit_batch=3)))
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"))
+    torch.manual_seed(0)
+    model = PlateauModel()
+    t = trainer(tmp_path / "ng", [guard], max_epochs=1)
+    with pytest.warns(NumGuardWarning):
+        t.fit(model, loader(FaultData(bad_batch=3, site="input")))
+    ref_lr = ref.optimizers[0].param_groups[0]["lr"]
+    assert ref_lr < 0.05  # the reference run did cut its LR: the schedule is exercised
+    assert t.optimizers[0].param_groups[0]["lr"] == ref_lr

@@ -82,8 +82,7 @@ class ScaledData(FaultData):
 def test_large_finite_values_are_no_alarm_and_a_nan_is_caught(tmp_path, precision, scale):
     """Values whose squares are near the float32 limit (an L2 norm would overflow): no alarm; a NaN is caught.
 
-    Not covered: float64 values beyond float32's range (1e100) are still a false ``nonfinite_input``, because
-    the step's flags are float32 (see the report of issue 9).
+    Float64 values beyond float32's range (1e100): see the next test.
     """
     for bad_batch in (None, 3):
         guard = NumGuardCallback(dirpath=str(tmp_path / f"ng{bad_batch}"), max_abs_input=None)
@@ -100,3 +99,41 @@ def test_large_finite_values_are_no_alarm_and_a_nan_is_caught(tmp_path, precisio
             with pytest.warns(NumGuardWarning, match=r"batch\['x'\]"):
                 t.fit(model, loader(data))
             assert guard.events[0]["kind"] == "nonfinite_input" and guard.events[0]["step"] == 3
+
+
+def test_float64_values_beyond_float32_range_are_no_false_nonfinite(tmp_path):
+    """64-true: 1e100 is finite. Before: the float32 cast of the input max made it a false ``nonfinite_input``."""
+    guard = NumGuardCallback(action="warn", dirpath=str(tmp_path / "warn"), emit_warnings=False)
+    trainer(tmp_path, [guard], max_steps=3, precision="64-true").fit(FaultModel(lr=0.0), loader(ScaledData(1e100)))
+    assert [e["kind"] for e in guard.events] == ["suspicious_input"] * 3  # above max_abs_input: correct
+    for bad_batch in (None, 2):
+        guard = NumGuardCallback(dirpath=str(tmp_path / f"ng{bad_batch}"), max_abs_input=None)
+        data = ScaledData(1e100, bad_batch=bad_batch, site="input")
+        if bad_batch is None:
+            trainer(tmp_path, [guard], max_steps=3, precision="64-true").fit(FaultModel(lr=0.0), loader(data))
+            assert guard.events == []
+        else:
+            with pytest.warns(NumGuardWarning, match=r"batch\['x'\]"):
+                trainer(tmp_path, [guard], max_steps=3, precision="64-true").fit(FaultModel(lr=0.0), loader(data))
+            assert (guard.events[0]["kind"], guard.events[0]["step"]) == ("nonfinite_input", 2)
+
+
+class BigBufferModel(FaultModel):
+    """A float64 buffer and weight holding 1e100: finite, but their float32 norms overflow to ``inf``."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.0)
+        self.register_buffer("big", torch.full((4,), 1e100, dtype=torch.float64))
+        self.far = torch.nn.Parameter(torch.full((4,), 1e100, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.0 * self.far.sum()
+
+
+def test_float64_state_beyond_float32_range_is_confirmed_finite(tmp_path):
+    """The norm path: a float32 norm of 1e100 is an ``inf`` candidate, confirmed finite exactly after the read."""
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), check=["loss", "grads", "params", "buffers"])
+    model = BigBufferModel()
+    trainer(tmp_path, [guard], max_steps=4, precision="64-true").fit(model, loader(FaultData()))
+    assert guard.events == [] and guard.counters["skipped_steps"] == 0
+    assert model.big.dtype == torch.float64 and float(model.far[0]) == 1e100  # the steps were not rolled back
