@@ -74,6 +74,10 @@ def diagnose(
         and (seen.seen(flags.OUTPUT) or seen.seen(flags.OP) or seen.seen(flags.LOSS) or grad_bad)
     ):
         result = _replay(trainer, pl_module, inspector, rec.start_rng)
+        if output is not None and result.get("forward_module") and result["forward_module"] != first_module:
+            # the per-step watch names a block; the replay, watching every module, names the exact one
+            output.details["block"] = first_module
+            output.where[0] = first_module = result["forward_module"]
         if first_module is None and result.get("forward_module"):
             first_module = result["forward_module"]
             op = result.get("forward_op")

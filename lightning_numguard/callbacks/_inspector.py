@@ -86,6 +86,7 @@ class StepInspector:
         self.max_abs_input = max_abs_input
         self.watch_modules = watch_modules
         self.ignore_modules = ignore_modules
+        self.watch_depth: int | None = 1  # blocks, not every module (core.watch.select_modules)
         self.record: StepRecord | None = None
         self.watch: OutputWatch | None = None
         self.opguard: OpGuard | None = None
@@ -109,7 +110,7 @@ class StepInspector:
             self.opguard.enabled = False
             self.opguard.module_resolver = self._calling_module
         if "outputs" in self.check:
-            self.watch = OutputWatch(pl_module, self.watch_modules, self.ignore_modules)
+            self.watch = OutputWatch(pl_module, self.watch_modules, self.ignore_modules, self.watch_depth)
             self.watch.attach()
         self._module_names = {id(m): n for n, m in pl_module.named_modules()}
 

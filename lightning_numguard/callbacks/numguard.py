@@ -50,7 +50,7 @@ _STATE_KEY = "NumGuardCallback"
 class NumGuardCallback(Callback):
     r"""Check every training step for NaN/Inf, act before the damage lands, and say what went bad first.
 
-    Each step it checks the batch's floating tensors, (optionally) every watched module's output, the inputs
+    Each step it checks the batch's floating tensors, every watched block's output, the inputs
     of ops that device-assert on bad values, the loss, the gradients, and the parameters and
     buffers (and, optionally, the optimizer state) — all as device-side reductions packed into
     one flag vector that is all-reduced across ranks and read back **once** per optimizer step.
@@ -67,10 +67,10 @@ class NumGuardCallback(Callback):
         dirpath: folder for ``events.jsonl``, ``last_finite.ckpt`` and ``bad_batches/``. Defaults
             to ``<trainer.log_dir>/numguard`` (``<default_root_dir>/numguard`` without a logger).
         check: which sites to check every step, any of ``inputs``, ``outputs``, ``ops``, ``loss``,
-            ``grads``, ``buffers``, ``params``, ``optimizer_state``. The default leaves out three
-            whose work is repeated elsewhere: ``outputs`` (a forward hook on every module; after a
-            hit the replay names the first module instead — add it to name modules under
-            ``"warn"`` or with ``replay=False``), ``params`` (a NaN weight makes the outputs, loss
+            ``grads``, ``buffers``, ``params``, ``optimizer_state``. ``outputs`` watches blocks (see
+            ``watch_depth``): one fused min/max per block into a preallocated device buffer; after a
+            hit the replay names the exact module and op inside the block. The default leaves out
+            two whose work is repeated elsewhere: ``params`` (a NaN weight makes the outputs, loss
             and gradients non-finite, and after any hit the parameters are checked exactly and
             named first; they are also verified before every snapshot and checkpoint) and
             ``optimizer_state`` (verified before every snapshot; add it to catch a poisoned
@@ -80,6 +80,10 @@ class NumGuardCallback(Callback):
             default); ``None`` turns this off.
         watch_modules: glob patterns of module names whose outputs are watched.
         ignore_modules: glob patterns of module names not watched.
+        watch_depth: which modules the ``outputs`` check watches: those at most this many levels
+            below the LightningModule (``Sequential``/``ModuleList``/``ModuleDict`` do not count as
+            a level), every element of a ``ModuleList``/``ModuleDict`` (repeated blocks), and any
+            module an explicit ``watch_modules`` pattern names; ``None`` watches every module.
         check_optimizer_coverage: ``"warn"`` or ``"error"`` on trainable parameters in no optimizer,
             frozen parameters in one, parameters in two groups, trainable parameters that get no
             gradient; ``"off"`` to skip.
@@ -136,6 +140,7 @@ class NumGuardCallback(Callback):
         max_abs_input: float | None = 1e18,
         watch_modules: list[str] = ["*"],  # noqa: B006
         ignore_modules: list[str] = [],  # noqa: B006
+        watch_depth: int | None = 1,
         check_optimizer_coverage: Literal["off", "warn", "error"] = "warn",
         snapshot_every_n_steps: int = 50,
         snapshot_device: Literal["host", "device"] = "host",
@@ -155,6 +160,9 @@ class NumGuardCallback(Callback):
         self.check = _config.checks(check)
         self.watch_modules = _config.patterns("watch_modules", watch_modules)
         self.ignore_modules = _config.patterns("ignore_modules", ignore_modules)
+        if watch_depth is not None:
+            _config.integer("watch_depth", watch_depth, 1)
+        self.watch_depth = watch_depth
         self.max_abs_input = _config.positive_or_none("max_abs_input", max_abs_input)
         for name, value, minimum in (
             ("snapshot_every_n_steps", snapshot_every_n_steps, 1),
@@ -190,6 +198,7 @@ class NumGuardCallback(Callback):
     def _fresh_run(self, dirpath: Path | None = None) -> None:
         """New collaborators for a fit (run in ``setup``, before Lightning loads this callback's state)."""
         self._inspector = StepInspector(self.check, self.max_abs_input, self.watch_modules, self.ignore_modules)
+        self._inspector.watch_depth = self.watch_depth
         self._reporter = Reporter(dirpath, warn=self.emit_warnings) if dirpath is not None else None
         self._ledger = Ledger(self._reporter)
         self._recovery = Recovery(
