@@ -43,9 +43,9 @@ def main() -> None:
     with OpGuard():
         guarded = min(_per_call_us() for _ in range(5))
     extra = guarded - plain
-    print(f"torch.add: {plain:.2f} us plain, {guarded:.2f} us under OpGuard: {extra:.2f} us per unguarded op")  # noqa: T201
-    print("| model | torch-function calls per forward+loss | forward+loss (ms) | mode cost (ms) | share |")  # noqa: T201
-    print("|---|---:|---:|---:|---:|")  # noqa: T201
+    print(f"torch.add: {plain:.2f} us plain, {guarded:.2f} us under OpGuard: {extra:.2f} us per unguarded op")
+    print("| model | torch-function calls per forward+loss | forward+loss (ms) | mode cost (ms) | share |")
+    print("|---|---:|---:|---:|---:|")
     for name in bench_models.MODELS:
         spec = bench_models.build(name, 1)
         batch = spec.batches[0]
@@ -58,7 +58,7 @@ def main() -> None:
             spec.module.loss(batch)
         fwd = (time.perf_counter() - t0) / 5 * 1e3
         cost = counter.n * extra / 1e3
-        print(f"| {name} | {counter.n} | {fwd:.2f} | {cost:.3f} | {cost / fwd * 100:.2f}% |")  # noqa: T201
+        print(f"| {name} | {counter.n} | {fwd:.2f} | {cost:.3f} | {cost / fwd * 100:.2f}% |")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     text = table(json.loads(Path(args.results).read_text()))
     if not args.write:
-        print(text)  # noqa: T201 - a command-line tool's output
+        print(text)
         return
     target = Path(args.write)
     doc = target.read_text()

@@ -79,7 +79,6 @@ class PendingFlags:
         return step, values
 
 
-
 def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` honours ``found_inf``: torch's fused implementations do."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(

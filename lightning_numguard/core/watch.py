@@ -60,9 +60,9 @@ def select_modules(
             name = f"{prefix}{child_name}"
             child_level = level if transparent and module is not root else level + 1
             block = child_level <= depth or (element and not in_block)
-            if block or any(fnmatch.fnmatchcase(name, p) for p in explicit):
-                if not isinstance(child, _LISTS) and wanted(name):
-                    chosen.append((name, child))
+            candidate = block or any(fnmatch.fnmatchcase(name, p) for p in explicit)
+            if candidate and not isinstance(child, _LISTS) and wanted(name):
+                chosen.append((name, child))
             visit(child, f"{name}.", child_level, in_block or element)
 
     visit(root, "", 0, False)

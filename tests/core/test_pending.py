@@ -31,7 +31,9 @@ def setup(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[t
     return model, opt, batches
 
 
-def forward_backward(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def forward_backward(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
     """One step's forward and backward; returns the step's flag (0-d, on the device, no read)."""
     opt.zero_grad(set_to_none=True)
     loss = nn.functional.mse_loss(model(batch[0]), batch[1])
