@@ -233,7 +233,8 @@ def build(
             x = torch.randn(batch, d_in, generator=g)
             batches.append((x, (x @ w).argmax(1)))
         n_modules = sum(1 for _ in net.modules())
-        desc = f"deep residual MLP, 96 LayerNorm-Linear-GELU-Linear blocks, width 64, {n_modules} modules, batch {batch}"
+        desc = f"deep residual MLP, 96 LayerNorm-Linear-GELU-Linear blocks, width 64, {n_modules} modules"
+        desc += f", batch {batch}"
     elif name == "lm":
         if lm_size not in LM_SIZES:
             raise ValueError(f"--lm-size must be one of {list(LM_SIZES)}, got {lm_size!r}")
