@@ -70,7 +70,8 @@ class NumGuardCallback(Callback):
             ``grads``, ``buffers``, ``params``, ``optimizer_state``. ``outputs`` watches blocks (see
             ``watch_depth``): one fused min/max per block into a preallocated device buffer; after a
             hit the replay names the exact module and op inside the block. The default leaves out
-            two whose work is repeated elsewhere: ``params`` (a NaN weight makes the outputs, loss
+            ``outputs`` for now (with ``retry_transient`` it counts one rollback too many) and two
+            whose work is repeated elsewhere: ``params`` (a NaN weight makes the outputs, loss
             and gradients non-finite, and after any hit the parameters are checked exactly and
             named first; they are also verified before every snapshot and checkpoint) and
             ``optimizer_state`` (verified before every snapshot; add it to catch a poisoned
