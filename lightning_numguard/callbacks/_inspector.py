@@ -159,6 +159,8 @@ class StepInspector:
         rec = self.record
         if rec is None:
             rec = self.record = StepRecord(epoch=trainer.current_epoch, batch_idx=batch_idx, batch=batch)
+            if self.watch is not None:  # forget outputs recorded between steps (a retry after a rollback)
+                self.watch.reset()
             if keep_start:
                 if self._start_buffers:  # one fused copy of every buffer, into storage reused each step
                     _compat.foreach_copy_(self._start_buffers, [b for _, b in self._named_buffers])

@@ -33,6 +33,7 @@ from lightning_numguard.callbacks._diagnosis import diagnose
 from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
 from lightning_numguard.callbacks._ledger import Ledger
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
+from lightning_numguard.callbacks._zerosync import SYNC_MODES, DeferredSync
 from lightning_numguard.core import checks, policy
 from lightning_numguard.core import flags as slots
 from lightning_numguard.core.findings import Finding
@@ -70,8 +71,7 @@ class NumGuardCallback(Callback):
             ``grads``, ``buffers``, ``params``, ``optimizer_state``. ``outputs`` watches blocks (see
             ``watch_depth``): one fused min/max per block into a preallocated device buffer; after a
             hit the replay names the exact module and op inside the block. The default leaves out
-            ``outputs`` for now (with ``retry_transient`` it counts one rollback too many) and two
-            whose work is repeated elsewhere: ``params`` (a NaN weight makes the outputs, loss
+            two whose work is repeated elsewhere: ``params`` (a NaN weight makes the outputs, loss
             and gradients non-finite, and after any hit the parameters are checked exactly and
             named first; they are also verified before every snapshot and checkpoint) and
             ``optimizer_state`` (verified before every snapshot; add it to catch a poisoned
@@ -104,6 +104,15 @@ class NumGuardCallback(Callback):
         emit_warnings: emit one ``NumGuardWarning`` per incident kind and place (events, log lines
             and loggers are written either way).
         warn: deprecated alias of ``emit_warnings`` (its name clashed with ``action="warn"``).
+        sync_mode: ``"every_step"`` reads the step's flags on the host before the optimizer step
+            (one host read per step). ``"deferred"`` reads nothing on the step: a bad step is
+            skipped on the device through the optimizer's ``found_inf`` (needs one fused optimizer,
+            e.g. ``AdamW(..., fused=True)``, automatic optimization and no fp16 GradScaler;
+            anything else raises ``NumGuardConfigError`` at fit start), its flags are copied to the
+            host without blocking and read one step later, and a rollback or halt is decided then,
+            from a snapshot verified before it is needed. Events keep the step of the fault but name
+            the module and op less precisely, and ``retry_transient`` and ``replay`` do not apply
+            (see ``docs/performance.md``).
 
     Raises:
         NumGuardConfigError: at construction, for any invalid argument.
@@ -153,8 +162,16 @@ class NumGuardCallback(Callback):
         replay: bool = True,
         emit_warnings: bool = True,
         warn: bool | None = None,
+        sync_mode: Literal["every_step", "deferred"] = "every_step",
     ) -> None:
         super().__init__()
+        _config.choice("sync_mode", sync_mode, SYNC_MODES)
+        if sync_mode == "deferred" and retry_transient:
+            raise _config.NumGuardConfigError(
+                "`retry_transient=True` re-runs a batch on the host's decision, which `sync_mode='deferred'` "
+                "makes one step late: use one or the other"
+            )
+        self.sync_mode = sync_mode
         _config.choice("action", action, _config.ACTIONS)
         _config.choice("check_optimizer_coverage", check_optimizer_coverage, ("off", "warn", "error"))
         _config.choice("snapshot_device", snapshot_device, ("host", "device"))
@@ -211,6 +228,7 @@ class NumGuardCallback(Callback):
             self.quarantine,
         )
         self._coverage = CoverageCheck(self.check_optimizer_coverage)
+        self._deferred = DeferredSync() if getattr(self, "sync_mode", "every_step") == "deferred" else None
 
     # ------------------------------------------------------------------ public state
 
@@ -303,6 +321,8 @@ class NumGuardCallback(Callback):
             self._halt_at_fit_start(trainer, bad)
         elif self.action != "warn":
             self._recovery.take(trainer, pl_module)
+        if self._deferred is not None:
+            self._deferred.at_fit_start(self, trainer, pl_module)
 
     @override
     def on_train_batch_start(
@@ -333,6 +353,9 @@ class NumGuardCallback(Callback):
             return
         if rec.read_done:  # a further optimizer of a clean batch: its gradients only
             self._inspector.forget_forward()
+        if self._deferred is not None:
+            self._deferred.before_step(self, trainer, pl_module, optimizer)
+            return
         self._read(trainer, pl_module, optimizer)
 
     @override
@@ -343,6 +366,8 @@ class NumGuardCallback(Callback):
         rec = self._inspector.record
         if rec is None:
             return
+        if self._deferred is not None:
+            self._deferred.after_step()
         if not rec.read_done:
             if _compat.should_accumulate(trainer):
                 return  # the window's records are read at its optimizer step
@@ -352,6 +377,8 @@ class NumGuardCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._deferred is not None:
+            self._deferred.at_train_end(self, trainer, pl_module)
         # The last step's update has not been checked yet: check it once (one sync per fit).
         named = self._inspector.state(trainer, with_optimizer=False)
         flags = checks.confirm_nonfinite([t for _, t in named])
