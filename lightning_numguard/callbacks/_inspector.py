@@ -109,6 +109,7 @@ class StepInspector:
             self.opguard = OpGuard()
             self.opguard.enabled = False
             self.opguard.module_resolver = self._calling_module
+            self.opguard.hold()  # the functions stay wrapped for the fit: a step only pushes the guard
         if "outputs" in self.check:
             self.watch = OutputWatch(pl_module, self.watch_modules, self.ignore_modules, self.watch_depth)
             self.watch.attach()
@@ -117,6 +118,8 @@ class StepInspector:
     def detach(self) -> None:
         """Leave the op guard's mode and remove every hook (idempotent)."""
         self.exit_ops()
+        if self.opguard is not None:
+            self.opguard.release()
         if self.watch is not None:
             self.watch.detach()
 

@@ -29,8 +29,13 @@ from lightning_numguard.callbacks import _distributed
 from lightning_numguard.callbacks._inspector import StepRecord
 from lightning_numguard.core import checks, flags, policy
 from lightning_numguard.core.findings import Finding, mark_consequences
-from lightning_numguard.core.pending import LateSnapshots, PendingFlags, arm_device_skip, disarm_device_skip
-from lightning_numguard.core.pending import supports_device_skip
+from lightning_numguard.core.pending import (
+    LateSnapshots,
+    PendingFlags,
+    arm_device_skip,
+    disarm_device_skip,
+    supports_device_skip,
+)
 from lightning_numguard.core.snapshot import Snapshot, capture
 from lightning_numguard.errors import NumGuardConfigError
 

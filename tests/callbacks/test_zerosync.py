@@ -31,7 +31,9 @@ def run(tmp_path: Any, site: str | None, mode: str, **kwargs: Any) -> tuple[NumG
     torch.manual_seed(0)
     model = FusedModel(site=site, step=3)
     guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / mode), sync_mode=mode, **kwargs)  # type: ignore[arg-type]
-    trainer(tmp_path / mode, [guard], max_steps=8).fit(model, loader(FaultData(bad_batch=3 if site else None, site=site or "input")))
+    trainer(tmp_path / mode, [guard], max_steps=8).fit(
+        model, loader(FaultData(bad_batch=3 if site else None, site=site or "input"))
+    )
     return guard, model
 
 
