@@ -12,7 +12,10 @@ from torch import nn
 
 from .tree import floating_leaves
 
-__all__ = ["OutputWatch", "select_modules"]
+__all__ = ["MAX_PER_LIST", "OutputWatch", "select_modules"]
+
+#: Default cap on the watched elements of one ``ModuleList``/``ModuleDict`` (see :func:`select_modules`).
+MAX_PER_LIST = 16
 
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -24,6 +27,7 @@ def select_modules(
     include: Sequence[str] = ("*",),
     exclude: Sequence[str] = (),
     depth: int | None = None,
+    max_per_list: int | None = MAX_PER_LIST,
 ) -> list[tuple[str, nn.Module]]:
     """The ``(qualified_name, module)`` pairs of ``root`` matching ``include`` and not ``exclude``.
 
@@ -37,6 +41,12 @@ def select_modules(
     ``ModuleDict`` themselves have no forward and are never watched. A module matched by an
     ``include`` pattern other than ``"*"`` is a candidate at any depth. ``None`` makes every
     module a candidate.
+
+    ``max_per_list`` (with ``depth`` only) caps the watched elements of one long
+    ``ModuleList``/``ModuleDict``: of ``n > max_per_list`` elements, every ``ceil(n / max_per_list)``-th
+    one and the last are watched. A bad value propagates through the following blocks, so it is
+    still caught, at the next watched block; the replay after a hit names the exact module. An
+    element an explicit ``include`` pattern names is watched regardless. ``None``: no cap.
     """
     explicit = [p for p in include if p != "*"]
 
@@ -53,13 +63,17 @@ def select_modules(
     def visit(module: nn.Module, prefix: str, level: int, in_block: bool) -> None:
         transparent = isinstance(module, _CONTAINERS)
         element = isinstance(module, _LISTS)
-        for child_name, child in module.named_children():
+        n = len(module._modules)
+        stride = -(-n // max_per_list) if element and max_per_list and n > max_per_list else 1
+        for i, (child_name, child) in enumerate(module.named_children()):
             if id(child) in seen:
                 continue
             seen.add(id(child))
             name = f"{prefix}{child_name}"
             child_level = level if transparent and module is not root else level + 1
             block = child_level <= depth or (element and not in_block)
+            if stride > 1 and (i + 1) % stride and i != n - 1:
+                block = False  # a long list: every stride-th element and the last
             candidate = block or any(fnmatch.fnmatchcase(name, p) for p in explicit)
             if candidate and not isinstance(child, _LISTS) and wanted(name):
                 chosen.append((name, child))
@@ -124,6 +138,8 @@ class OutputWatch:
         exclude: glob patterns of qualified names not to watch.
         depth: watch blocks rather than every module (see :func:`select_modules`); ``None``
             watches every module.
+        max_per_list: with ``depth``, at most about this many elements of one long
+            ``ModuleList``/``ModuleDict`` are watched (see :func:`select_modules`).
 
     Attributes:
         records: ``(slot, where)`` per recorded output in execution order: ``where`` is the
@@ -137,8 +153,9 @@ class OutputWatch:
         include: Sequence[str] = ("*",),
         exclude: Sequence[str] = (),
         depth: int | None = None,
+        max_per_list: int | None = MAX_PER_LIST,
     ) -> None:
-        modules = select_modules(root, include, exclude, depth)
+        modules = select_modules(root, include, exclude, depth, max_per_list)
         self.names: list[str] = [n for n, _ in modules]
         self._modules = [weakref.ref(m) for _, m in modules]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []

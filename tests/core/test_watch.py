@@ -121,7 +121,7 @@ def test_block_selection_watches_blocks_not_leaves():
 
 def test_block_watch_writes_into_a_preallocated_buffer_and_names_the_block():
     m = Deep(n=200)
-    w = OutputWatch(m, depth=1)
+    w = OutputWatch(m, depth=1, max_per_list=None)  # every block of the list (the default caps it)
     w.attach()
     m(torch.randn(3, 2))
     (slots,) = w._buffers.values()
@@ -149,3 +149,17 @@ def test_a_module_called_twice_in_a_step_keeps_both_records():
     bad.armed = True  # the second call of `lin` (an extra record, not its buffer row) is bad too
     m(torch.randn(1, 2))
     assert [n for n, _, _ in w.first_bad()] == ["1", "0"]
+
+
+def test_a_long_list_is_watched_at_every_stride_th_block_and_still_catches_a_bad_one():
+    m = Deep(n=200)
+    listed = [n for n, _ in select_modules(m, depth=1) if n.startswith("trunk.layers.")]
+    assert listed == [f"trunk.layers.{i}" for i in range(12, 200, 13)] + ["trunk.layers.199"]  # ceil(200/16) = 13
+    assert len([n for n, _ in select_modules(m, depth=1, max_per_list=None) if n.startswith("trunk.layers.")]) == 200
+    assert "trunk.layers.7" in [n for n, _ in select_modules(m, ["trunk.layers.7"], depth=1)]  # named: watched
+    w = OutputWatch(m, depth=1)
+    w.attach()
+    m.trunk.layers[7].act[1].armed = True
+    m(torch.randn(3, 2))
+    assert not math.isfinite(w.total(torch.device("cpu")).item())
+    assert w.first_bad()[0][0] == "trunk.layers.12"  # the next watched block; the replay names the exact one
