@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -18,6 +19,12 @@ from benchmarks import bench_models
 from lightning_numguard.core.watch import OutputWatch
 
 __all__ = ["main"]
+
+
+def _step(watch: OutputWatch, module: Any, batch: Any) -> None:
+    watch.reset()
+    module.loss(batch).backward()
+    module.zero_grad(set_to_none=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,19 +41,14 @@ def main(argv: list[str] | None = None) -> None:
         batch, module = spec.batches[0], spec.module
         watch = OutputWatch(module, depth=None if args.every_module else 1)
 
-        def step() -> None:
-            watch.reset()
-            module.loss(batch).backward()
-            module.zero_grad(set_to_none=True)
-
         for _ in range(3):
-            step()
+            _step(watch, module, batch)
         times: dict[bool, list[float]] = {False: [], True: []}
         for i in range(args.rounds * 2):
             on = i % 4 in (0, 3)
             (watch.attach if on else watch.detach)()
             t0 = time.perf_counter()
-            step()
+            _step(watch, module, batch)
             times[on].append(time.perf_counter() - t0)
         watch.detach()
         off, on = statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
