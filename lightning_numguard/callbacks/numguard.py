@@ -83,8 +83,9 @@ class NumGuardCallback(Callback):
         ignore_modules: glob patterns of module names not watched.
         watch_depth: which modules the ``outputs`` check watches: those at most this many levels
             below the LightningModule (``Sequential``/``ModuleList``/``ModuleDict`` do not count as
-            a level), every element of a ``ModuleList``/``ModuleDict`` (repeated blocks), and any
-            module an explicit ``watch_modules`` pattern names; ``None`` watches every module.
+            a level), every element of a ``ModuleList``/``ModuleDict`` (repeated blocks; of a list
+            of more than 16, every ``ceil(n / 16)``-th and the last), and any module an explicit
+            ``watch_modules`` pattern names; ``None`` watches every module.
         check_optimizer_coverage: ``"warn"`` or ``"error"`` on trainable parameters in no optimizer,
             frozen parameters in one, parameters in two groups, trainable parameters that get no
             gradient; ``"off"`` to skip.
