@@ -36,6 +36,7 @@ from lightning_numguard.core.pending import (
     disarm_device_skip,
     supports_device_skip,
 )
+from lightning_numguard.core.quarantine import position_key
 from lightning_numguard.core.snapshot import Snapshot, capture
 from lightning_numguard.errors import NumGuardConfigError
 
@@ -187,9 +188,21 @@ class DeferredSync:
             for old in [s for s in kept if s < step]:
                 del kept[old]
         seen = flags.decode(values, trainer.world_size)
-        if not seen.any or (rec is not None and rec.forced_skip is not None):
-            self._verified(guard, step)
+        quiet = seen.seen(flags.QUARANTINE)  # a quarantined batch, skipped on the device without an incident
+        if quiet and rec is not None and rec.forced_skip is None:
+            guard.counters["skipped_steps"] += 1
+        if not seen.any or quiet or (rec is not None and rec.forced_skip is not None):
+            if seen.seen(flags.NORMS):  # gradients or state non-finite: its snapshot is not verified
+                self.snapshots.discard_from(step)
+            else:
+                self._verified(guard, step)
             return False
+        recovery = guard._recovery
+        if rec is not None:
+            key = position_key(rec.batch, rec.batch_idx)
+            recovery.quarantine.count_failure(key)
+            if recovery.use_quarantine and recovery.quarantine.failures.get(key, 0) >= 2:
+                recovery.quarantine_batch(trainer, rec, "failed at the same position more than once")
         self.snapshots.discard_from(step)
         if guard.action == "warn":
             state_bad: list[str] = []

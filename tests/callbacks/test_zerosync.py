@@ -99,3 +99,13 @@ def test_deferred_mode_and_retry_transient_are_refused_together():
         NumGuardCallback(sync_mode="deferred", retry_transient=True)
     with pytest.raises(NumGuardConfigError, match="`sync_mode` must be one of"):
         NumGuardCallback(sync_mode="never")  # type: ignore[arg-type]
+
+
+def test_a_batch_that_fails_twice_is_quarantined_and_then_skipped_on_the_device(tmp_path):
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), sync_mode="deferred")
+    model = FusedModel()
+    trainer(tmp_path, [guard], max_epochs=3).fit(model, loader(FaultData(bad_batch=3)))
+    assert [(q["epoch"], q["batch_idx"]) for q in guard.quarantined] == [(1, 3)]
+    assert guard.counters["incidents"] > 0 and guard.counters["rollbacks"] == 2  # epochs 0 and 1, not 2
+    assert guard.counters["skipped_steps"] == 3  # the third time, quietly
+    assert all_finite(model.state_dict())
