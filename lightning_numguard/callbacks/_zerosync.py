@@ -12,9 +12,10 @@ The step's flag vector is packed and all-reduced on the device exactly as in the
   it happened, and when the weights or optimizer state are no longer finite the last verified
   snapshot is restored (the step being computed is skipped on the device too), or training halts.
 
-Events name the step, the site (inputs, module outputs, ops, loss, gradients/state) and, for the
-batch and the state, the exact tensors; the module and op are not named (the step's records are gone
-by the time the flags are read, and no replay runs). See ``docs/performance.md``.
+Events name the step, the site and what went bad: the batch tensors, the watched block and the op
+call (from the step's records, kept one step: a device copy of the watch's small buffer and the op
+guard's record list), the loss values and the non-finite state. No replay runs, so a block is not
+narrowed down to its leaf module. See ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 from lightning_numguard.callbacks import _distributed
 from lightning_numguard.callbacks._inspector import StepRecord
 from lightning_numguard.core import checks, flags, policy
-from lightning_numguard.core.findings import Finding, mark_consequences
+from lightning_numguard.core.findings import Finding, mark_consequences, merge
+from lightning_numguard.core.opguard import OpGuard
 from lightning_numguard.core.pending import (
     LateSnapshots,
     PendingFlags,
@@ -64,6 +66,7 @@ class DeferredSync:
         self.pending = PendingFlags()
         self.snapshots: LateSnapshots[Snapshot] = LateSnapshots()
         self.records: dict[int, StepRecord] = {}
+        self.kept: dict[int, tuple[Any, list[Any]]] = {}  # per step: the watch's and op guard's records
         self.schedules: dict[int, tuple[list[dict[str, Any]], list[list[float]]]] = {}
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._armed: list[torch.optim.Optimizer] = []
@@ -120,6 +123,11 @@ class DeferredSync:
             for live, start in self._buffers:  # the bad forward pass's buffer updates, undone on the device
                 live.copy_(torch.where(bad, start, live))
         self.records[rec.step] = rec
+        watch, opguard = inspector.watch, inspector.opguard
+        self.kept[rec.step] = (
+            watch.keep() if watch is not None and watch.enabled else None,
+            opguard.records if opguard is not None else [],  # reset() starts a new list: this one stays
+        )
         schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
         if schedulers:  # host-side and tiny: what a late hit puts back, as a rollback would
             lrs = [[g["lr"] for g in o.param_groups] for o in trainer.optimizers]
@@ -184,7 +192,8 @@ class DeferredSync:
         """
         rec = self.records.pop(step, None)
         schedule = self.schedules.pop(step, None)
-        for kept in (self.records, self.schedules):
+        kept_records = self.kept.pop(step, (None, []))
+        for kept in (self.records, self.schedules, self.kept):
             for old in [s for s in kept if s < step]:
                 del kept[old]
         seen = flags.decode(values, trainer.world_size)
@@ -219,6 +228,9 @@ class DeferredSync:
             max_rollbacks=guard.max_rollbacks,
         )
         findings = describe(seen, rec, state_bad, trainer.global_rank, guard.max_abs_input)
+        placed = located(guard, kept_records, trainer.global_rank) if seen.any_local() else {}
+        findings = [placed.get(f.kind, [f])[0] if f.where[0] in _PLACEHOLDERS else f for f in findings]
+        findings = merge([findings, placed.get("op_domain", [])])  # in causal order, without duplicates
         mark_consequences(findings)
         events = []
         for f in findings:
@@ -287,6 +299,32 @@ def pack(
     )
     world = trainer.world_size
     return _distributed.reduce_max(trainer, flags.encode_rank(packed, trainer.global_rank, world))
+
+
+_PLACEHOLDERS = {where for _, where in _SLOT_KIND.values()}
+
+
+def located(guard: NumGuardCallback, kept: tuple[Any, list[Any]], rank: int) -> dict[str, list[Finding]]:
+    """The bad block and the bad op calls of a past step, from the records kept for it (syncs)."""
+    watch_kept, op_records = kept
+    out: dict[str, list[Finding]] = {}
+    watch = guard._inspector.watch
+    if watch is not None and watch_kept is not None:
+        bad = watch.first_bad(watch_kept)
+        if bad:
+            first, lo, hi = bad[0]
+            details = {"min": lo, "max": hi, "also": [m for m, _, _ in bad[1:6]]}
+            out["nonfinite_output"] = [Finding("nonfinite_output", [first], details, rank)]
+    if op_records:
+        flags_now = torch.stack([r.flag.to(torch.float32).cpu() for r in op_records]).tolist()
+        ops = [
+            Finding("op_domain", [r.op] + ([r.module] if r.module else []), dict(OpGuard.describe(r)), rank)
+            for r, f in zip(op_records, flags_now)
+            if f
+        ]
+        if ops:
+            out["op_domain"] = ops
+    return out
 
 
 def describe(

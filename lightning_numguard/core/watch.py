@@ -246,13 +246,31 @@ class OutputWatch:
             out.append((lo, hi))
         return out
 
-    def first_bad(self) -> list[tuple[str, float, float]]:
-        """Modules whose output went non-finite, first in execution order, with (min, max). **Syncs.**"""
-        if not self.records:
+    def keep(self) -> tuple[list[tuple[int, Any]], dict[tuple[torch.device, torch.dtype], torch.Tensor]]:
+        """This step's records and a device copy of its buffers, for :meth:`first_bad` a step later (no sync)."""
+        return list(self.records), {key: s.values.clone() for key, s in self._buffers.items()}
+
+    def first_bad(
+        self, kept: tuple[list[tuple[int, Any]], dict[Any, torch.Tensor]] | None = None
+    ) -> list[tuple[str, float, float]]:
+        """Modules whose output went non-finite, first in execution order, with (min, max). **Syncs.**
+
+        ``kept``: what :meth:`keep` returned for an earlier step, instead of the current records.
+        """
+        records = self.records if kept is None else kept[0]
+        if not records:
             return []
+        if kept is None:
+            values = self._values(torch.device("cpu"))
+        else:
+            rows = {key: t.float().tolist() for key, t in kept[1].items()}
+            values = [
+                (float(where[0]), float(where[1])) if isinstance(where[0], torch.Tensor) else tuple(rows[where][slot])
+                for slot, where in records
+            ]
         seen: set[int] = set()
         bad = []
-        for (slot, _), (lo, hi) in zip(self.records, self._values(torch.device("cpu"))):
+        for (slot, _), (lo, hi) in zip(records, values):
             if slot in seen:
                 continue
             if not (_finite(lo) and _finite(hi)):

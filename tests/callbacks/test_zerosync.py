@@ -109,3 +109,14 @@ def test_a_batch_that_fails_twice_is_quarantined_and_then_skipped_on_the_device(
     assert guard.counters["incidents"] > 0 and guard.counters["rollbacks"] == 2  # epochs 0 and 1, not 2
     assert guard.counters["skipped_steps"] == 3  # the third time, quietly
     assert all_finite(model.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("site", "kind", "where"),
+    [("output", "nonfinite_output", ["body.1"]), ("op", "op_domain", ["binary_cross_entropy"])],
+)
+def test_a_late_event_names_the_block_and_the_op_from_the_records_kept_for_its_step(tmp_path, site, kind, where):
+    guard, model = run(tmp_path, site, "deferred")
+    first = guard.events[0]
+    assert (first["kind"], first["where"][: len(where)], first["step"]) == (kind, where, 3)
+    assert all_finite(model.state_dict())
