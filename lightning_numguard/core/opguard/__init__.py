@@ -8,8 +8,9 @@ CUDA context with it); on CPU it is a ``RuntimeError`` or ``IndexError``.
 
 :class:`OpGuard` sees these calls before their kernel runs: while it is entered, only the
 guarded functions are wrapped in their namespaces (``patch``), so no other op pays for it.
-For each checked tensor it computes, on the op's device, a 0-d boolean flag that says whether the rule was broken, and (with ``sanitize=True``) replaces
-the offending values with :func:`torch.where` so the kernel neither asserts nor raises.
+For each checked tensor it computes, on the op's device, a 0-d boolean flag that says
+whether the rule was broken, and (with ``sanitize=True``) replaces the offending values
+with :func:`torch.where` so the kernel neither asserts nor raises.
 Nothing here reads a tensor value on the host: the caller packs every flag with
 :meth:`OpGuard.flags` into the step's single read, and only after a hit calls
 :func:`describe` (which does sync) for the details.
