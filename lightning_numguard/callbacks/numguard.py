@@ -111,9 +111,9 @@ class NumGuardCallback(Callback):
             e.g. ``AdamW(..., fused=True)``, automatic optimization and no fp16 GradScaler;
             anything else raises ``NumGuardConfigError`` at fit start), its flags are copied to the
             host without blocking and read one step later, and a rollback or halt is decided then,
-            from a snapshot verified before it is needed. Events keep the step of the fault but name
-            the module and op less precisely, and ``retry_transient`` and ``replay`` do not apply
-            (see ``docs/performance.md``).
+            from a snapshot verified before it is needed. Events keep the step of the fault and name
+            the watched block and op call, not the leaf module inside the block; ``retry_transient``
+            is refused and ``replay`` does not run (see ``docs/performance.md``).
 
     Raises:
         NumGuardConfigError: at construction, for any invalid argument.
