@@ -20,7 +20,7 @@ from torch import nn
 
 __all__ = ["MODELS", "BenchModule", "ModelSpec", "build"]
 
-MODELS = ("mlp", "cnn", "lm")
+MODELS = ("mlp", "cnn", "lm", "deep")
 
 # name -> (vocab, d_model, layers, heads, d_ff, seq_len on cpu, batch on cpu, seq_len on cuda, batch on cuda)
 LM_SIZES: dict[str, tuple[int, int, int, int, int, int, int, int, int]] = {
@@ -100,8 +100,39 @@ class TinyLM(nn.Module):
         return self.head(self.norm(h))
 
 
+class _Block(nn.Module):
+    """Pre-norm residual MLP block: six modules."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(self.act(self.fc1(self.norm(x)))))
+
+
+class DeepNet(nn.Module):
+    """A deep residual MLP of ``depth`` blocks: more than 500 modules (``6 * depth + 4``)."""
+
+    def __init__(self, d_in: int = 64, width: int = 64, depth: int = 96, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Linear(d_in, width)
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
 class BenchModule(pl.LightningModule):
-    """``training_step`` = cross-entropy of ``net(x)`` against ``y``; AdamW. Nothing is logged."""
+    """``training_step`` = cross-entropy of ``net(x)`` against ``y``; fused AdamW. Nothing is logged."""
 
     def __init__(self, net: nn.Module, lr: float = 1e-3) -> None:
         super().__init__()
@@ -122,7 +153,8 @@ class BenchModule(pl.LightningModule):
         return self.loss(batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        # fused for every variant: the same optimizer everywhere, and the one `sync_mode="deferred"` needs
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01, fused=True)
 
 
 @dataclass
@@ -173,7 +205,7 @@ def build(
     seed: int = 0,
     float_mask: bool = False,
 ) -> ModelSpec:
-    """The model called ``name`` (``mlp``, ``cnn`` or ``lm``) with ``n_batches`` batches of data."""
+    """The model called ``name`` (``mlp``, ``cnn``, ``deep`` or ``lm``) with ``n_batches`` batches of data."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if name == "mlp":
@@ -193,6 +225,17 @@ def build(
             x = torch.randn(batch, 3, 32, 32, generator=g)
             batches.append((x, (x.mean(dim=(1, 2, 3)) > 0).long() + 2 * (x[:, 0].mean(dim=(1, 2)) > 0).long()))
         desc = f"CNN 5x(conv3x3+BatchNorm+ReLU) 32-32-64-64-128, 32x32x3 images, batch {batch}"
+    elif name == "deep":
+        d_in, batch = 64, 64
+        net = DeepNet(d_in)
+        w = torch.randn(d_in, 10, generator=g)
+        batches = []
+        for _ in range(n_batches):
+            x = torch.randn(batch, d_in, generator=g)
+            batches.append((x, (x @ w).argmax(1)))
+        n_modules = sum(1 for _ in net.modules())
+        desc = f"deep residual MLP, 96 LayerNorm-Linear-GELU-Linear blocks, width 64, {n_modules} modules"
+        desc += f", batch {batch}"
     elif name == "lm":
         if lm_size not in LM_SIZES:
             raise ValueError(f"--lm-size must be one of {list(LM_SIZES)}, got {lm_size!r}")

@@ -222,6 +222,8 @@ def opguard_cost(
     guard = OpGuard()
     idle = OpGuard()
     idle.enabled = False
+    guard.hold()  # as the callback does for a fit: entering then only pushes the guard
+    idle.hold()
     watch = OutputWatch(module.net)
 
     def plain() -> None:
@@ -256,6 +258,8 @@ def opguard_cost(
         device,
         warmup,
     )
+    guard.release()
+    idle.release()
     base = statistics.median(times["forward"])
     return {
         "times": {k: _summ(v) for k, v in times.items()},

@@ -30,12 +30,13 @@ def guard_breakdown(stats: dict[Any, Any], steps: int) -> list[dict[str, Any]]:
 
     Every guard function called from non-guard code (a Lightning hook call, a module forward
     hook, the torch-function-mode dispatch) is an entry point; its time is the cumulative time of
-    those external calls (torch ops it runs included). ``OpGuard.__torch_function__`` is the one
-    exception: its cumulative time includes the op it wraps, so only its own time and that of
-    the guard functions it calls (the checks) are counted. What cProfile cannot see -- the C++
-    cost of dispatching every op through a ``TorchFunctionMode`` -- is measured in micro (d).
+    those external calls (torch ops it runs included). The op guard's wrapper of a guarded function
+    (``guarded`` in ``core/opguard/patch.py``; ``OpGuard.__torch_function__`` in older versions) is
+    the one exception: its cumulative time includes the op it wraps, so only its own time and that
+    of the guard functions it calls (the checks) are counted. Micro (d) measures the op guard on
+    the whole forward.
     """
-    torch_fn = [f for f in stats if _in_guard(f) and f[2] == "__torch_function__"]
+    torch_fn = [f for f in stats if _in_guard(f) and f[2] in ("__torch_function__", "guarded")]
     rows: dict[str, dict[str, Any]] = {}
     for func, (_, nc, tt, ct, callers) in stats.items():
         if not _in_guard(func):

@@ -7,6 +7,7 @@ Variants:
   numguard_all_no_outputs       every check but ``outputs`` (the forward hooks off)
   numguard_no_ops               defaults without ``ops`` (no TorchFunctionMode)
   numguard_snapshot_every_step  defaults with ``snapshot_every_n_steps=1``
+  numguard_deferred             defaults with ``sync_mode="deferred"`` (no host read per step)
   detect_anomaly                ``Trainer(detect_anomaly=True)``
   spike_detection               Lightning's ``SpikeDetection`` callback (loss spikes, ``mode="min"``)
   naive_isfinite                ``bool(torch.isfinite(p.grad).all())`` per parameter tensor,
@@ -33,6 +34,7 @@ VARIANTS = (
     "numguard_all_no_outputs",
     "numguard_no_ops",
     "numguard_snapshot_every_step",
+    "numguard_deferred",
     "detect_anomaly",
     "spike_detection",
     "naive_isfinite",
@@ -66,6 +68,8 @@ def make_variant(name: str, tmp: Path) -> tuple[dict[str, Any], list[Callback]]:
         return {}, [NumGuardCallback(dirpath=ng, check=list(ALL_CHECKS))]
     if name == "numguard_snapshot_every_step":
         return {}, [NumGuardCallback(dirpath=ng, snapshot_every_n_steps=1)]
+    if name == "numguard_deferred":
+        return {}, [NumGuardCallback(dirpath=ng, sync_mode="deferred")]
     if name == "numguard_all_no_outputs":
         return {}, [NumGuardCallback(dirpath=ng, check=[c for c in ALL_CHECKS if c != "outputs"])]
     if name == "numguard_no_ops":

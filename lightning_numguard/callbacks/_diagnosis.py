@@ -79,6 +79,10 @@ def diagnose(
     if output is None and result.get("forward_module") and (stage != "forward" or forward_culprit):
         output = Finding("nonfinite_output", [result["forward_module"]], {}, rank)
         found.append(output)
+    if output is not None and result.get("forward_module") and result["forward_module"] != output.where[0]:
+        # the per-step watch names a block; the replay, watching every module, names the exact one
+        output.details["block"] = output.where[0]
+        output.where[0] = result["forward_module"]
     if output is not None:
         output.details["replay"] = result
         if forward_culprit:

@@ -103,6 +103,7 @@ class StepInspector:
         self.max_abs_input = max_abs_input
         self.watch_modules = watch_modules
         self.ignore_modules = ignore_modules
+        self.watch_depth: int | None = 1  # blocks, not every module (core.watch.select_modules)
         self.record: StepRecord | None = None
         self.watch: OutputWatch | None = None
         self.opguard: OpGuard | None = None
@@ -125,14 +126,17 @@ class StepInspector:
             self.opguard = OpGuard()
             self.opguard.enabled = False
             self.opguard.module_resolver = self._calling_module
+            self.opguard.hold()  # the functions stay wrapped for the fit: a step only pushes the guard
         if "outputs" in self.check:
-            self.watch = OutputWatch(pl_module, self.watch_modules, self.ignore_modules)
+            self.watch = OutputWatch(pl_module, self.watch_modules, self.ignore_modules, self.watch_depth)
             self.watch.attach()
         self._module_names = {id(m): n for n, m in pl_module.named_modules()}
 
     def detach(self) -> None:
         """Leave the op guard's mode and remove every hook (idempotent)."""
         self.exit_ops()
+        if self.opguard is not None:
+            self.opguard.release()
         if self.watch is not None:
             self.watch.detach()
 
@@ -175,6 +179,8 @@ class StepInspector:
         rec = self.record
         if rec is None:
             rec = self.record = StepRecord(epoch=trainer.current_epoch, batch_idx=batch_idx, batch=batch)
+            if self.watch is not None:  # forget outputs recorded between steps (a retry after a rollback)
+                self.watch.reset()
             if keep_start:
                 if self._start_buffers:  # one fused copy of every buffer, into storage reused each step
                     _compat.foreach_copy_(self._start_buffers, [b for _, b in self._named_buffers])
@@ -295,7 +301,7 @@ class StepInspector:
         rec = self.record
         if rec is None or len(rec.micro) < 2:
             return
-        first = _micro.first_bad(trainer, rec, self.watch.records if self.watch is not None else [])
+        first = _micro.first_bad(trainer, rec, self.watch)
         rec.bad_micro_batch = first
         rec.batch, rec.batch_idx = rec.micro[first].batch, rec.micro[first].batch_idx
         rec.start_rng = rec.micro[first].rng or rec.start_rng

@@ -14,9 +14,11 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_numguard.callbacks import _distributed
+from lightning_numguard.core.checks import as_f32
 
 if TYPE_CHECKING:
     from lightning_numguard.callbacks._inspector import StepRecord
+    from lightning_numguard.core.watch import OutputWatch
 
 __all__ = ["first_bad", "merge_flag", "micro_rng"]
 
@@ -36,7 +38,7 @@ def merge_flag(rec: StepRecord, flag: torch.Tensor | None) -> None:
         rec.quarantine_flag = flag if old is None else torch.maximum(old, flag.to(old.device))
 
 
-def first_bad(trainer: pl.Trainer | None, rec: StepRecord, outputs: list[Any]) -> int:
+def first_bad(trainer: pl.Trainer | None, rec: StepRecord, watch: OutputWatch | None) -> int:
     """Index in ``rec.micro`` of the first micro-batch whose input, loss or watched output is non-finite.
 
     ``0`` when none of them says (a bad gradient or state). Across ranks, the first bad index of any rank, so
@@ -44,12 +46,13 @@ def first_bad(trainer: pl.Trainer | None, rec: StepRecord, outputs: list[Any]) -
     """
     first_micro = rec.micro[0]
     device = first_micro.input_max.device if first_micro.input_max is not None else torch.device("cpu")
-    bounds = [m.first_output for m in rec.micro] + [len(outputs)]
+    bounds = [m.first_output for m in rec.micro] + [len(watch.records) if watch is not None else 0]
     totals = []
     for i, m in enumerate(rec.micro):
-        parts = [x.to(device, torch.float32).sum() for x in (m.input_max, m.loss) if x is not None]
-        parts += [torch.stack(pair).to(device, torch.float32).sum() for _, pair in outputs[bounds[i] : bounds[i + 1]]]
-        totals.append(torch.stack(parts).sum() if parts else torch.zeros((), device=device))
+        outputs = watch.record_tensors(bounds[i], bounds[i + 1]) if watch is not None else []
+        values = [x for x in (m.input_max, m.loss) if x is not None] + outputs
+        parts = [as_f32(x.detach().to(device).abs().amax()) for x in values]  # NaN and Inf propagate
+        totals.append(torch.stack(parts).amax() if parts else torch.zeros((), device=device))
     finite = torch.isfinite(torch.stack(totals)).tolist()
     n = len(rec.micro)
     first = next((i for i, ok in enumerate(finite) if not ok), n)

@@ -37,6 +37,7 @@ from lightning_numguard.callbacks._metrics import LoggedValues
 from lightning_numguard.callbacks._progress import FitProgress
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
 from lightning_numguard.callbacks._strategies import check_strategy
+from lightning_numguard.callbacks._zerosync import SYNC_MODES, DeferredSync
 from lightning_numguard.core import flags as slots
 from lightning_numguard.core import policy
 from lightning_numguard.core.findings import Finding
@@ -54,7 +55,7 @@ _STATE_KEY = "NumGuardCallback"
 class NumGuardCallback(Callback):
     r"""Check every training step for NaN/Inf, act before the damage lands, and say what went bad first.
 
-    Each step it checks the batch's floating tensors, (optionally) every watched module's output, the inputs
+    Each step it checks the batch's floating tensors, every watched block's output, the inputs
     of ops that device-assert on bad values, the loss, the gradients, and the parameters and
     buffers (and, optionally, the optimizer state) — all as device-side reductions packed into
     one flag vector that is all-reduced across ranks and read back **once** per optimizer step.
@@ -71,10 +72,10 @@ class NumGuardCallback(Callback):
         dirpath: folder for ``events.jsonl``, ``last_finite.ckpt`` and ``bad_batches/``. Defaults
             to ``<trainer.log_dir>/numguard`` (``<default_root_dir>/numguard`` without a logger).
         check: which sites to check every step, any of ``inputs``, ``outputs``, ``ops``, ``loss``,
-            ``grads``, ``buffers``, ``params``, ``optimizer_state``. The default leaves out three
-            whose work is repeated elsewhere: ``outputs`` (a forward hook on every module; after a
-            hit the replay names the first module instead — add it to name modules under
-            ``"warn"`` or with ``replay=False``), ``params`` (a NaN weight makes the outputs, loss
+            ``grads``, ``buffers``, ``params``, ``optimizer_state``. ``outputs`` watches blocks (see
+            ``watch_depth``): one fused min/max per block into a preallocated device buffer; after a
+            hit the replay names the exact module and op inside the block. The default leaves out
+            two whose work is repeated elsewhere: ``params`` (a NaN weight makes the outputs, loss
             and gradients non-finite, and after any hit the parameters are checked exactly and
             named first; they are also verified before every snapshot and checkpoint) and
             ``optimizer_state`` (verified before every snapshot; add it to catch a poisoned
@@ -84,6 +85,11 @@ class NumGuardCallback(Callback):
             default); ``None`` turns this off.
         watch_modules: glob patterns of module names whose outputs are watched.
         ignore_modules: glob patterns of module names not watched.
+        watch_depth: which modules the ``outputs`` check watches: those at most this many levels
+            below the LightningModule (``Sequential``/``ModuleList``/``ModuleDict`` do not count as
+            a level), every element of a ``ModuleList``/``ModuleDict`` (repeated blocks; of a list
+            of more than 16, every ``ceil(n / 16)``-th and the last), and any module an explicit
+            ``watch_modules`` pattern names; ``None`` watches every module.
         check_optimizer_coverage: ``"warn"`` or ``"error"`` on trainable parameters in no optimizer,
             frozen parameters in one, parameters in two groups, trainable parameters that get no
             gradient; ``"off"`` to skip.
@@ -104,6 +110,15 @@ class NumGuardCallback(Callback):
         emit_warnings: emit one ``NumGuardWarning`` per incident kind and place (events, log lines
             and loggers are written either way).
         warn: deprecated alias of ``emit_warnings`` (its name clashed with ``action="warn"``).
+        sync_mode: ``"every_step"`` reads the step's flags on the host before the optimizer step
+            (one host read per step). ``"deferred"`` reads nothing on the step: a bad step is
+            skipped on the device through the optimizer's ``found_inf`` (needs one fused optimizer,
+            e.g. ``AdamW(..., fused=True)``, automatic optimization and no fp16 GradScaler;
+            anything else raises ``NumGuardConfigError`` at fit start), its flags are copied to the
+            host without blocking and read one step later, and a rollback or halt is decided then,
+            from a snapshot verified before it is needed. Events keep the step of the fault and name
+            the watched block and op call, not the leaf module inside the block; ``retry_transient``
+            is refused and ``replay`` does not run (see ``docs/performance.md``).
 
     Raises:
         NumGuardConfigError: at construction, for any invalid argument.
@@ -143,6 +158,7 @@ class NumGuardCallback(Callback):
         max_abs_input: float | None = 1e18,
         watch_modules: list[str] = ["*"],  # noqa: B006
         ignore_modules: list[str] = [],  # noqa: B006
+        watch_depth: int | None = 1,
         check_optimizer_coverage: Literal["off", "warn", "error"] = "warn",
         snapshot_every_n_steps: int = 50,
         snapshot_device: Literal["host", "device"] = "host",
@@ -154,14 +170,25 @@ class NumGuardCallback(Callback):
         replay: bool = True,
         emit_warnings: bool = True,
         warn: bool | None = None,
+        sync_mode: Literal["every_step", "deferred"] = "every_step",
     ) -> None:
         super().__init__()
+        _config.choice("sync_mode", sync_mode, SYNC_MODES)
+        if sync_mode == "deferred" and retry_transient:
+            raise _config.NumGuardConfigError(
+                "`retry_transient=True` re-runs a batch on the host's decision, which `sync_mode='deferred'` "
+                "makes one step late: use one or the other"
+            )
+        self.sync_mode = sync_mode
         _config.choice("action", action, _config.ACTIONS)
         _config.choice("check_optimizer_coverage", check_optimizer_coverage, ("off", "warn", "error"))
         _config.choice("snapshot_device", snapshot_device, ("host", "device"))
         self.check = _config.checks(check)
         self.watch_modules = _config.patterns("watch_modules", watch_modules)
         self.ignore_modules = _config.patterns("ignore_modules", ignore_modules)
+        if watch_depth is not None:
+            _config.integer("watch_depth", watch_depth, 1)
+        self.watch_depth = watch_depth
         self.max_abs_input = _config.positive_or_none("max_abs_input", max_abs_input)
         for name, value, minimum in (
             ("snapshot_every_n_steps", snapshot_every_n_steps, 1),
@@ -197,6 +224,7 @@ class NumGuardCallback(Callback):
     def _fresh_run(self, dirpath: Path | None = None) -> None:
         """New collaborators for a fit (run in ``setup``, before Lightning loads this callback's state)."""
         self._inspector = StepInspector(self.check, self.max_abs_input, self.watch_modules, self.ignore_modules)
+        self._inspector.watch_depth = self.watch_depth
         self._reporter = Reporter(dirpath, warn=self.emit_warnings)
         self._ledger = Ledger(self._reporter)
         self._recovery = Recovery(
@@ -211,6 +239,7 @@ class NumGuardCallback(Callback):
         self._progress = FitProgress()
         self._logged = LoggedValues()
         self._amp = AmpCounters()
+        self._deferred = DeferredSync() if getattr(self, "sync_mode", "every_step") == "deferred" else None
 
     # ------------------------------------------------------------------ public state
 
@@ -306,6 +335,8 @@ class NumGuardCallback(Callback):
         bad = self._recovery.at_train_start(trainer, pl_module, self._inspector, self.action != "warn")
         if bad:
             self._halt_at_fit_start(trainer, bad)
+        if self._deferred is not None:
+            self._deferred.at_fit_start(self, trainer, pl_module)
 
     @override
     def on_train_batch_start(
@@ -337,6 +368,9 @@ class NumGuardCallback(Callback):
             return
         if rec.read_done:  # a further optimizer of a clean batch: its gradients only
             self._inspector.forget_forward()
+        if self._deferred is not None:
+            self._deferred.before_step(self, trainer, pl_module, optimizer)
+            return
         self._read(trainer, pl_module, optimizer)
 
     @override
@@ -347,6 +381,8 @@ class NumGuardCallback(Callback):
         rec = self._inspector.record
         if rec is None:
             return
+        if self._deferred is not None:
+            self._deferred.after_step()
         if not rec.read_done:
             if _compat.should_accumulate(trainer):
                 return  # the window's records are read at its optimizer step
@@ -358,6 +394,8 @@ class NumGuardCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._deferred is not None:
+            self._deferred.at_train_end(self, trainer, pl_module)
         # The last step's update has not been checked yet: check it once (one sync per fit).
         end = self._recovery.at_train_end(trainer, pl_module, self._inspector, self.action == "warn")
         if end is not None:

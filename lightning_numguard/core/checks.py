@@ -28,6 +28,7 @@ import torch
 from lightning_numguard._compat import foreach_norm_f32
 
 __all__ = [
+    "as_f32",
     "confirm_nonfinite",
     "is_checkable",
     "max_abs",
@@ -55,7 +56,7 @@ def _checkable(t: torch.Tensor) -> torch.Tensor | None:
 _F32_MAX = torch.finfo(torch.float32).max
 
 
-def _as_f32(x: torch.Tensor) -> torch.Tensor:
+def as_f32(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32 with finite values beyond float32's range clamped to its max (float64 ``1e100`` is
     finite and huge, not ``inf``); NaN and ±Inf stay as they are. No sync."""
     if x.dtype == torch.float64:
@@ -135,7 +136,7 @@ def max_abs(tensors: Sequence[torch.Tensor], device: torch.device | None = None)
             parts.append(torch.zeros(2, dtype=torch.float32, device=device))
             continue
         lo, hi = torch.aminmax(c.detach())
-        parts.append(_as_f32(torch.stack([lo, hi])).to(device=device, non_blocking=True))
+        parts.append(as_f32(torch.stack([lo, hi])).to(device=device, non_blocking=True))
     if not parts:
         return torch.zeros(0, dtype=torch.float32, device=device)
     return torch.stack(parts).abs().amax(dim=1)
@@ -155,7 +156,7 @@ def max_abs_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     if not parts:
         return torch.zeros((), dtype=torch.float32, device=device)
     if any(p.device != device or p.dtype != torch.float32 for p in parts):
-        parts = [_as_f32(p).to(device=device, non_blocking=True) for p in parts]
+        parts = [as_f32(p).to(device=device, non_blocking=True) for p in parts]
     return torch.stack(parts).abs().amax()
 
 

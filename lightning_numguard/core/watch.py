@@ -10,27 +10,77 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checks import as_f32
 from .tree import floating_leaves
 
-__all__ = ["OutputWatch", "select_modules"]
+__all__ = ["MAX_PER_LIST", "OutputWatch", "select_modules"]
+
+#: Default cap on the watched elements of one ``ModuleList``/``ModuleDict`` (see :func:`select_modules`).
+MAX_PER_LIST = 16
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_LISTS = (nn.ModuleList, nn.ModuleDict)
 
 
 def select_modules(
-    root: nn.Module, include: Sequence[str] = ("*",), exclude: Sequence[str] = ()
+    root: nn.Module,
+    include: Sequence[str] = ("*",),
+    exclude: Sequence[str] = (),
+    depth: int | None = None,
+    max_per_list: int | None = MAX_PER_LIST,
 ) -> list[tuple[str, nn.Module]]:
     """The ``(qualified_name, module)`` pairs of ``root`` matching ``include`` and not ``exclude``.
 
     Patterns are :mod:`fnmatch` globs on qualified names (``"encoder.*"``, ``"*.norm"``); the root
     itself is named ``""`` and is never watched (its output is the loss-side of the step).
+
+    ``depth`` picks *blocks* instead of every module: a module is a candidate when it lies at most
+    ``depth`` levels below the root, counting containers (``Sequential``, ``ModuleList``,
+    ``ModuleDict``) as transparent, or when it is an element of a ``ModuleList``/``ModuleDict``
+    (a repeated block: a transformer layer) not inside another such element. ``ModuleList`` and
+    ``ModuleDict`` themselves have no forward and are never watched. A module matched by an
+    ``include`` pattern other than ``"*"`` is a candidate at any depth. ``None`` makes every
+    module a candidate.
+
+    ``max_per_list`` (with ``depth`` only) caps the watched elements of one long
+    ``ModuleList``/``ModuleDict``: of ``n > max_per_list`` elements, every ``ceil(n / max_per_list)``-th
+    one and the last are watched. A bad value propagates through the following blocks, so it is
+    still caught, at the next watched block; the replay after a hit names the exact module. An
+    element an explicit ``include`` pattern names is watched regardless. ``None``: no cap.
     """
-    chosen = []
-    for name, module in root.named_modules():
-        if not name:
-            continue
-        if any(fnmatch.fnmatchcase(name, p) for p in include) and not any(
+    explicit = [p for p in include if p != "*"]
+
+    def wanted(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in include) and not any(
             fnmatch.fnmatchcase(name, p) for p in exclude
-        ):
-            chosen.append((name, module))
+        )
+
+    if depth is None:
+        return [(n, m) for n, m in root.named_modules() if n and wanted(n)]
+    chosen: list[tuple[str, nn.Module]] = []
+    seen: set[int] = {id(root)}
+
+    def visit(module: nn.Module, prefix: str, level: int, in_block: bool) -> None:
+        transparent = isinstance(module, _CONTAINERS)
+        element = isinstance(module, _LISTS)
+        n = len(module._modules)
+        stride = -(-n // max_per_list) if element and max_per_list and n > max_per_list else 1
+        for i, (child_name, child) in enumerate(module.named_children()):
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            name = f"{prefix}{child_name}"
+            child_level = level if transparent and module is not root else level + 1
+            block = child_level <= depth or (element and not in_block)
+            if stride > 1 and (i + 1) % stride and i != n - 1:
+                block = False  # a long list: every stride-th element and the last
+            candidate = block or any(fnmatch.fnmatchcase(name, p) for p in explicit)
+            if candidate and not isinstance(child, _LISTS) and wanted(name):
+                chosen.append((name, child))
+            visit(child, f"{name}.", child_level, in_block or element)
+
+    visit(root, "", 0, False)
     return chosen
 
 
@@ -55,12 +105,30 @@ class _Hook:
         watch._exit(self.slot, output)
 
 
+class _Slots:
+    """A preallocated ``[n, 2]`` (min, max) buffer of one device and dtype, with a view pair per slot.
+
+    ``torch.aminmax(out, out=views[slot])`` writes a module's range into its row: one fused
+    reduction, no new tensor, no Python allocation beyond the call.
+    """
+
+    __slots__ = ("values", "views")
+
+    def __init__(self, n: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.values = torch.zeros(n, 2, device=device, dtype=dtype)
+        self.views = [(row[0], row[1]) for row in self.values.unbind(0)]
+
+
 class OutputWatch:
     """Records, per forward call of each watched module, the min and max of its floating outputs.
 
-    Nothing is read back: :meth:`total` folds the records into one 0-d value that is non-finite
-    when any watched output was, and :meth:`first_bad` (which
-    syncs; use after a hit) names the first module in execution order.
+    The first output of each watched module in a step goes into its row of a preallocated device
+    buffer (one per device and dtype, zeroed by :meth:`reset`) through ``torch.aminmax(out=...)``;
+    further calls of the same module in the step (a shared module, gradient accumulation) and
+    further floating leaves of a structured output are kept as extra records. Nothing is read
+    back: :meth:`total` folds everything into one 0-d value that is non-finite when any watched
+    output was, and :meth:`first_bad` (which syncs; use after a hit) names the first module in
+    execution order.
 
     A module's output that is the very tensor already recorded (a ``Sequential`` returning its
     last child's output) is not reduced twice.
@@ -69,6 +137,15 @@ class OutputWatch:
         root: the module whose submodules are watched.
         include: glob patterns of qualified names to watch.
         exclude: glob patterns of qualified names not to watch.
+        depth: watch blocks rather than every module (see :func:`select_modules`); ``None``
+            watches every module.
+        max_per_list: with ``depth``, at most about this many elements of one long
+            ``ModuleList``/``ModuleDict`` are watched (see :func:`select_modules`).
+
+    Attributes:
+        records: ``(slot, where)`` per recorded output in execution order: ``where`` is the
+            buffer key ``(device, dtype)`` for a row of a preallocated buffer, or the
+            ``(min, max)`` pair of an extra record.
     """
 
     def __init__(
@@ -76,13 +153,17 @@ class OutputWatch:
         root: nn.Module,
         include: Sequence[str] = ("*",),
         exclude: Sequence[str] = (),
+        depth: int | None = None,
+        max_per_list: int | None = MAX_PER_LIST,
     ) -> None:
-        modules = select_modules(root, include, exclude)
+        modules = select_modules(root, include, exclude, depth, max_per_list)
         self.names: list[str] = [n for n, _ in modules]
         self._modules = [weakref.ref(m) for _, m in modules]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._last_out: torch.Tensor | None = None
-        self.records: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
+        self._buffers: dict[tuple[torch.device, torch.dtype], _Slots] = {}
+        self._used = [False] * len(modules)  # a list: dynamo cannot subscript a bytearray
+        self.records: list[tuple[int, Any]] = []
         self.enabled = True
 
     def attach(self) -> None:
@@ -107,8 +188,12 @@ class OutputWatch:
         return bool(self._handles)
 
     def reset(self) -> None:
-        """Forget the records of the current step."""
-        self.records.clear()
+        """Forget the records of the current step (zeroes the rows written; no new tensor)."""
+        if self.records:
+            for slots in self._buffers.values():
+                slots.values.zero_()
+            self.records.clear()
+            self._used = [False] * len(self.names)
         self._last_out = None
 
     def _exit(self, slot: int, output: Any) -> None:
@@ -118,11 +203,23 @@ class OutputWatch:
             if output is self._last_out or not output.is_floating_point() or output.numel() == 0:
                 return
             self._last_out = output
-            self.records.append((slot, torch.aminmax(output.detach())))
+            self._record(slot, output.detach())
             return
         for _, t in floating_leaves(output, "out"):
             if t.numel():
-                self.records.append((slot, torch.aminmax(t.detach())))
+                self._record(slot, t.detach())
+
+    def _record(self, slot: int, t: torch.Tensor) -> None:
+        if self._used[slot]:  # a second output of this module in the step: an extra record
+            self.records.append((slot, torch.aminmax(t)))
+            return
+        self._used[slot] = True
+        key = (t.device, t.dtype)
+        slots = self._buffers.get(key)
+        if slots is None:  # once per device and dtype
+            slots = self._buffers[key] = _Slots(len(self.names), t.device, t.dtype)
+        torch.aminmax(t, out=slots.views[slot])
+        self.records.append((slot, key))
 
     def total(self, device: torch.device) -> torch.Tensor:
         """0-d float32: the sum of every recorded min and max (no sync).
@@ -132,26 +229,58 @@ class OutputWatch:
         """
         if not self.records:
             return torch.zeros((), dtype=torch.float32, device=device)
-        return self._values(device).sum()
+        # max-|x| in each buffer's own dtype, then to float32 with finite float64 values clamped: NaN and
+        # Inf propagate, huge finite values (1e100 under 64-true) never look non-finite
+        parts = [as_f32(s.values.abs().amax()).to(device, non_blocking=True) for s in self._buffers.values()]
+        extras = [t for _, where in self.records if isinstance(where[0], torch.Tensor) for t in where]
+        if extras:
+            parts.append(as_f32(torch.stack([t.to(device).double() for t in extras]).abs().amax()))
+        return parts[0] if len(parts) == 1 else torch.stack(parts).amax()
 
-    def _values(self, device: torch.device) -> torch.Tensor:
-        """``[n, 2]`` float32: each record's (min, max); one stack (cast only when dtypes differ)."""
-        flat = [t for _, pair in self.records for t in pair]
-        if any(t.device != device for t in flat):
-            flat = [t.to(device, non_blocking=True) for t in flat]
-        dtypes = {t.dtype for t in flat}
-        if len(dtypes) > 1:
-            flat = [t.float() for t in flat]
-        return torch.stack(flat).view(-1, 2).float()
+    def _values(self, device: torch.device) -> list[tuple[float, float]]:
+        """Each record's (min, max) on the host. **Syncs.**"""
+        rows = {key: s.values.float().tolist() for key, s in self._buffers.items()}
+        out: list[tuple[float, float]] = []
+        for slot, where in self.records:
+            if isinstance(where[0], torch.Tensor):
+                lo, hi = (float(t) for t in where)
+            else:
+                lo, hi = rows[where][slot]
+            out.append((lo, hi))
+        return out
 
-    def first_bad(self) -> list[tuple[str, float, float]]:
-        """Modules whose output went non-finite, first in execution order, with (min, max). **Syncs.**"""
-        if not self.records:
+    def record_tensors(self, start: int = 0, stop: int | None = None) -> list[torch.Tensor]:
+        """The device (min, max) tensors of ``records[start:stop]``, in order (no sync)."""
+        out: list[torch.Tensor] = []
+        for slot, where in self.records[start:stop]:
+            out.extend(where if isinstance(where[0], torch.Tensor) else self._buffers[where].views[slot])
+        return out
+
+    def keep(self) -> tuple[list[tuple[int, Any]], dict[tuple[torch.device, torch.dtype], torch.Tensor]]:
+        """This step's records and a device copy of its buffers, for :meth:`first_bad` a step later (no sync)."""
+        return list(self.records), {key: s.values.clone() for key, s in self._buffers.items()}
+
+    def first_bad(
+        self, kept: tuple[list[tuple[int, Any]], dict[Any, torch.Tensor]] | None = None
+    ) -> list[tuple[str, float, float]]:
+        """Modules whose output went non-finite, first in execution order, with (min, max). **Syncs.**
+
+        ``kept``: what :meth:`keep` returned for an earlier step, instead of the current records.
+        """
+        records = self.records if kept is None else kept[0]
+        if not records:
             return []
-        values = self._values(self.records[0][1][0].device).tolist()
+        if kept is None:
+            values = self._values(torch.device("cpu"))
+        else:
+            rows = {key: t.float().tolist() for key, t in kept[1].items()}
+            values = [
+                (float(where[0]), float(where[1])) if isinstance(where[0], torch.Tensor) else tuple(rows[where][slot])
+                for slot, where in records
+            ]
         seen: set[int] = set()
         bad = []
-        for (slot, _), (lo, hi) in zip(self.records, values):
+        for (slot, _), (lo, hi) in zip(records, values):
             if slot in seen:
                 continue
             if not (_finite(lo) and _finite(hi)):

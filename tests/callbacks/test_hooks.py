@@ -15,6 +15,7 @@ from torch.overrides import _get_current_function_mode_stack
 
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.core.opguard import OpGuard
+from lightning_numguard.core.opguard import patch as opguard_patch
 from lightning_numguard.errors import NumGuardWarning
 from tests.helpers import EVERY_CHECK, FaultData, FaultModel, loader, trainer
 
@@ -24,7 +25,8 @@ def _hook_count(model: nn.Module) -> int:
 
 
 def _opguards_active() -> list[Any]:
-    return [m for m in _get_current_function_mode_stack() if isinstance(m, OpGuard)]
+    # the op guard intercepts its functions itself (core.opguard.patch), not through the mode stack
+    return [g for g in opguard_patch.active_guards() if isinstance(g, OpGuard)]
 
 
 class _Census(pl.Callback):

@@ -82,3 +82,84 @@ def test_no_records_under_no_grad():
     with torch.no_grad():
         m(torch.randn(1, 2))
     assert w.records == []
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.act = nn.Sequential(nn.Tanh(), Bad())
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+class Deep(nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        self.stem = nn.Linear(2, 2)
+        self.trunk = nn.Module()
+        self.trunk.layers = nn.ModuleList(Block() for _ in range(n))
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(2, 1))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for layer in self.trunk.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_block_selection_watches_blocks_not_leaves():
+    m = Deep()
+    names = [n for n, _ in select_modules(m, depth=1)]
+    assert names == ["stem", "trunk", "trunk.layers.0", "trunk.layers.1", "trunk.layers.2", "head", "head.0", "head.1"]
+    assert "trunk.layers.1.fc" in [n for n, _ in select_modules(m, depth=3)]  # trunk 1, layers.1 2, fc 3
+    # an explicit pattern reaches below the depth; exclusion still applies
+    assert [n for n, _ in select_modules(m, ["*.act.1"], depth=1)] == [f"trunk.layers.{i}.act.1" for i in range(3)]
+    assert "trunk.layers.1" not in [n for n, _ in select_modules(m, ["*"], ["trunk.layers.1"], depth=1)]
+
+
+def test_block_watch_writes_into_a_preallocated_buffer_and_names_the_block():
+    m = Deep(n=200)
+    w = OutputWatch(m, depth=1, max_per_list=None)  # every block of the list (the default caps it)
+    w.attach()
+    m(torch.randn(3, 2))
+    (slots,) = w._buffers.values()
+    storage = slots.values.data_ptr()
+    w.reset()
+    m.trunk.layers[7].act[1].armed = True
+    with SyncCounter(copies_from_cpu=True) as counter, counter.step():
+        m(torch.randn(3, 2))
+        total = w.total(torch.device("cpu"))
+    assert counter.total == 0, counter.sites
+    assert slots.values.data_ptr() == storage and len(w._buffers) == 1  # the same buffer, step after step
+    assert not math.isfinite(total.item())
+    assert w.first_bad()[0][0] == "trunk.layers.7"
+
+
+def test_a_module_called_twice_in_a_step_keeps_both_records():
+    lin, bad = nn.Linear(2, 2), Bad()
+    m = nn.Sequential(lin, bad, lin)
+    w = OutputWatch(m)
+    w.attach()
+    m(torch.randn(1, 2))
+    assert [s for s, _ in w.records] == [0, 1, 0]
+    assert w.first_bad() == []
+    w.reset()
+    bad.armed = True  # the second call of `lin` (an extra record, not its buffer row) is bad too
+    m(torch.randn(1, 2))
+    assert [n for n, _, _ in w.first_bad()] == ["1", "0"]
+
+
+def test_a_long_list_is_watched_at_every_stride_th_block_and_still_catches_a_bad_one():
+    m = Deep(n=200)
+    listed = [n for n, _ in select_modules(m, depth=1) if n.startswith("trunk.layers.")]
+    assert listed == [f"trunk.layers.{i}" for i in range(12, 200, 13)] + ["trunk.layers.199"]  # ceil(200/16) = 13
+    assert len([n for n, _ in select_modules(m, depth=1, max_per_list=None) if n.startswith("trunk.layers.")]) == 200
+    assert "trunk.layers.7" in [n for n, _ in select_modules(m, ["trunk.layers.7"], depth=1)]  # named: watched
+    w = OutputWatch(m, depth=1)
+    w.attach()
+    m.trunk.layers[7].act[1].armed = True
+    m(torch.randn(3, 2))
+    assert not math.isfinite(w.total(torch.device("cpu")).item())
+    assert w.first_bad()[0][0] == "trunk.layers.12"  # the next watched block; the replay names the exact one

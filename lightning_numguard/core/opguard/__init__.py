@@ -6,10 +6,11 @@ embedding and indexing ops want indices in range, ``multinomial`` wants a valid
 distribution. On CUDA a violation is a device-side assert that kills the process (and the
 CUDA context with it); on CPU it is a ``RuntimeError`` or ``IndexError``.
 
-:class:`OpGuard` is a :class:`~torch.overrides.TorchFunctionMode` that sees these calls
-before their kernel runs. For each checked tensor it computes, on the op's device, a 0-d
-boolean flag that says whether the rule was broken, and (with ``sanitize=True``) replaces
-the offending values with :func:`torch.where` so the kernel neither asserts nor raises.
+:class:`OpGuard` sees these calls before their kernel runs: while it is entered, only the
+guarded functions are wrapped in their namespaces (``patch``), so no other op pays for it.
+For each checked tensor it computes, on the op's device, a 0-d boolean flag that says
+whether the rule was broken, and (with ``sanitize=True``) replaces the offending values
+with :func:`torch.where` so the kernel neither asserts nor raises.
 Nothing here reads a tensor value on the host: the caller packs every flag with
 :meth:`OpGuard.flags` into the step's single read, and only after a hit calls
 :func:`describe` (which does sync) for the details.
@@ -20,7 +21,8 @@ The package is split by concern:
   elementwise violation mask;
 - ``signatures``: the table of function objects that spell each op (``F.*``, ``torch.*``,
   ``Tensor.*``, ``torch._C._nn.*``); a name this torch lacks is left out, never an import error;
-- ``mode``: :class:`OpGuard`, :class:`OpRecord` and :func:`describe`.
+- ``mode``: :class:`OpGuard`, :class:`OpRecord` and :func:`describe`;
+- ``patch``: the per-thread, counted wrapping of the guarded functions while a guard is entered or held.
 
 The advice shown for each op lives outside ``core``, in ``lightning_numguard.reporting.hints``.
 

@@ -1,0 +1,74 @@
+"""The README's benchmark table, generated from a results file (never typed by hand).
+
+``python -m benchmarks.readme_table benchmarks/results/overhead.json`` prints the markdown;
+``--write README.md`` replaces the block between ``<!-- BENCHMARK TABLE -->`` and
+``<!-- /BENCHMARK TABLE -->`` in that file instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "table"]
+
+BEGIN, END = "<!-- BENCHMARK TABLE -->", "<!-- /BENCHMARK TABLE -->"
+#: the variants the README shows, in this order, with their label
+SHOWN = {
+    "numguard_default": "NumGuard defaults",
+    "numguard_all": "NumGuard, every check",
+    "numguard_zero_sync": "NumGuard, zero-sync",
+    "spike_detection": "Lightning SpikeDetection",
+    "naive_isfinite": "naive per-tensor isfinite",
+    "detect_anomaly": "detect_anomaly",
+}
+
+
+def table(result: dict[str, Any]) -> str:
+    """Step-time ratios to a plain Trainer (median of interleaved rounds), host reads per step."""
+    models = list(result["models"])
+    head = "| variant | " + " | ".join(models) + " | host reads / step (guard) |"
+    lines = [head, "|---|" + "---:|" * len(models) + "---:|"]
+    for key, label in SHOWN.items():
+        cells, reads = [], set()
+        for m in models:
+            entry = result["models"][m]
+            r = entry["variants"].get(key)
+            cells.append(f"{r['ratio_median']:.3f}×" if r else "–")
+            s = entry.get("host_reads", {}).get(key, {})
+            if s.get("per_step_guard") is not None:
+                reads.add(f"{s['per_step_guard']:g}")
+        if any(c != "–" for c in cells):
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {', '.join(sorted(reads)) or '–'} |")
+    env, cfg = result["environment"], result["config"]
+    lines += [
+        "",
+        f"Step period ratio to a plain `Trainer` (median of up to {cfg['rounds']} interleaved rounds), "
+        f"{env['device_name']}, torch {env['torch']}, {env['torch_threads']} thread(s); "
+        f"`{result['command']}`.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.readme_table", description=__doc__.split("\n\n")[0])
+    p.add_argument("results", help="an overhead.json written by python -m benchmarks.overhead")
+    p.add_argument("--write", help="a markdown file whose BENCHMARK TABLE block is replaced")
+    args = p.parse_args(argv)
+    text = table(json.loads(Path(args.results).read_text()))
+    if not args.write:
+        print(text)
+        return
+    target = Path(args.write)
+    doc = target.read_text()
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    if not pattern.search(doc):
+        raise SystemExit(f"{target}: no {BEGIN} ... {END} block to replace; add the two markers first")
+    target.write_text(pattern.sub(lambda _: f"{BEGIN}\n{text}\n{END}", doc))
+
+
+if __name__ == "__main__":
+    main()

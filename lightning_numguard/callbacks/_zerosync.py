@@ -1,0 +1,356 @@
+"""``NumGuardCallback(sync_mode="deferred")``: no host read on the step it checks.
+
+The step's flag vector is packed and all-reduced on the device exactly as in the default mode, then
+
+* the optimizer step is skipped **on the device** when any flag is set: ``found_inf`` is armed on
+  the (fused) optimizer, as ``torch.amp.GradScaler`` does, so the update is a bitwise no-op, and the
+  buffers the bad forward pass changed (BatchNorm statistics) are put back with ``torch.where``;
+* the vector is copied to host memory without blocking (:class:`~lightning_numguard.core.pending.PendingFlags`)
+  and read at the *next* optimizer step, when the copy has long landed;
+* the late read decides: a clean step verifies the snapshot taken at its start
+  (:class:`~lightning_numguard.core.pending.LateSnapshots`); a bad one is recorded at the step where
+  it happened, and when the weights or optimizer state are no longer finite the last verified
+  snapshot is restored (the step being computed is skipped on the device too), or training halts.
+
+Events name the step, the site and what went bad: the batch tensors, the watched block and the op
+call (from the step's records, kept one step: a device copy of the watch's small buffer and the op
+guard's record list), the loss values and the non-finite state. No replay runs, so a block is not
+narrowed down to its leaf module. See ``docs/performance.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_numguard.callbacks import _distributed
+from lightning_numguard.callbacks._inspector import StepRecord
+from lightning_numguard.core import checks, flags, policy
+from lightning_numguard.core.findings import Finding, mark_consequences, merge
+from lightning_numguard.core.opguard import OpGuard
+from lightning_numguard.core.pending import (
+    LateSnapshots,
+    PendingFlags,
+    arm_device_skip,
+    disarm_device_skip,
+    supports_device_skip,
+)
+from lightning_numguard.core.quarantine import position_key
+from lightning_numguard.core.snapshot import Snapshot, capture
+from lightning_numguard.errors import NumGuardConfigError
+
+if TYPE_CHECKING:
+    from lightning_numguard.callbacks.numguard import NumGuardCallback
+
+__all__ = ["SYNC_MODES", "DeferredSync"]
+
+log = logging.getLogger(__name__)
+
+SYNC_MODES = ("every_step", "deferred")
+
+#: The finding kind of each flag slot when only the flag is known.
+_SLOT_KIND = {
+    flags.OUTPUT: ("nonfinite_output", "a watched module"),
+    flags.OP: ("op_domain", "a guarded op"),
+    flags.NORMS: ("nonfinite_grad", "a gradient"),
+}
+
+
+class DeferredSync:
+    """The deferred read of one fit: device-side skips, flags read one step late, late-verified snapshots."""
+
+    def __init__(self) -> None:
+        self.pending = PendingFlags()
+        self.snapshots: LateSnapshots[Snapshot] = LateSnapshots()
+        self.records: dict[int, StepRecord] = {}
+        self.kept: dict[int, tuple[Any, list[Any]]] = {}  # per step: the watch's and op guard's records
+        self.schedules: dict[int, tuple[list[dict[str, Any]], list[list[float]]]] = {}
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._armed: list[torch.optim.Optimizer] = []
+        self._spare: Snapshot | None = None
+
+    # ------------------------------------------------------------------ fit start
+
+    def at_fit_start(self, guard: NumGuardCallback, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Refuse what a device-side skip cannot serve; the fit-start state becomes the first verified snapshot."""
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            raise NumGuardConfigError(
+                "`sync_mode='deferred'` cannot be used with fp16 AMP: the GradScaler owns `found_inf`; "
+                "use precision='bf16-mixed' or sync_mode='every_step'"
+            )
+        if not pl_module.automatic_optimization or len(trainer.optimizers) != 1:
+            raise NumGuardConfigError(
+                "`sync_mode='deferred'` needs automatic optimization with one optimizer; use sync_mode='every_step'"
+            )
+        optimizer = trainer.optimizers[0]
+        if guard.action != "warn" and not supports_device_skip(optimizer):
+            raise NumGuardConfigError(
+                f"`sync_mode='deferred'` skips a bad step on the device through `found_inf`, which "
+                f"{type(optimizer).__name__} ignores unless it is fused: create it with `fused=True` "
+                f"(e.g. torch.optim.AdamW(params, fused=True)), or use sync_mode='every_step'"
+            )
+        start = guard._inspector._start_buffer_map
+        self._buffers = [(b, start[n]) for n, b in pl_module.named_buffers() if n in start]
+        if guard._recovery.snapshot is not None:
+            self.snapshots.add(guard._recovery.snapshot.step, guard._recovery.snapshot)
+            self.snapshots.verified(guard._recovery.snapshot.step)
+
+    # ------------------------------------------------------------------ the step
+
+    def before_step(
+        self, guard: NumGuardCallback, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        """Pack and reduce the flags, arm the device skip, push the flags, act on the previous step's."""
+        inspector = guard._inspector
+        rec = inspector.record
+        assert rec is not None
+        rec.read_done = True
+        rec.step = trainer.global_step
+        due = guard.action != "warn" and policy.snapshot_due(
+            guard.action, trainer.global_step, guard._recovery.last_snapshot_step, guard.snapshot_every_n_steps
+        )
+        packed = pack(inspector, trainer, pl_module, optimizer, due)
+        if guard.action != "warn":
+            bad = packed.amax() > 0
+            if rec.forced_skip is not None:
+                bad = torch.ones((), dtype=torch.bool, device=packed.device)
+                guard.counters["skipped_steps"] += 1
+            arm_device_skip(optimizer, bad)
+            self._armed.append(optimizer)
+            for live, start in self._buffers:  # the bad forward pass's buffer updates, undone on the device
+                live.copy_(torch.where(bad, start, live))
+        self.records[rec.step] = rec
+        watch, opguard = inspector.watch, inspector.opguard
+        self.kept[rec.step] = (
+            watch.keep() if watch is not None and watch.enabled else None,
+            opguard.records if opguard is not None else [],  # reset() starts a new list: this one stays
+        )
+        schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
+        if schedulers:  # host-side and tiny: what a late hit puts back, as a rollback would
+            lrs = [[g["lr"] for g in o.param_groups] for o in trainer.optimizers]
+            self.schedules[rec.step] = ([s.state_dict() for s in schedulers], lrs)
+        late = self.pending.push(packed, rec.step)
+        restored = False
+        if late is not None:
+            restored = self.late(guard, trainer, pl_module, *late, optimizer=optimizer)
+        if due and not restored:  # the state at this step's start, verified when this step's flags read clean
+            snap = capture(
+                pl_module,
+                trainer.optimizers,
+                guard._recovery.stateful,
+                step=rec.step,
+                where="host" if guard.snapshot_device == "host" else "device",
+                rng=rec.start_rng,
+                model_state=rec.start_buffers,
+                stateful_state=rec.start_states,
+                reuse=self._spare,
+            )
+            self._spare = None
+            guard._recovery.last_snapshot_step = rec.step
+            self.snapshots.add(rec.step, snap)
+
+    def _verified(self, guard: NumGuardCallback, step: int) -> None:
+        """Promote the candidates up to ``step``; the snapshot they replace becomes the spare storage."""
+        before = self.snapshots.last
+        self.snapshots.verified(step)
+        last = self.snapshots.last
+        if last is not None and last is not before:
+            if before is not None:
+                self._spare = before[1]
+            guard._recovery.snapshot = last[1]  # what checkpoints and a halt fall back to: verified only
+
+    def after_step(self) -> None:
+        """Remove ``found_inf`` once the optimizer has used it."""
+        for optimizer in self._armed:
+            disarm_device_skip(optimizer)
+        self._armed.clear()
+
+    def at_train_end(self, guard: NumGuardCallback, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Read what is still pending (the last step's flags): one read per fit."""
+        late = self.pending.pop()
+        if late is not None:
+            self.late(guard, trainer, pl_module, *late, optimizer=None)
+        self.after_step()
+
+    # ------------------------------------------------------------------ the late read
+
+    def late(
+        self,
+        guard: NumGuardCallback,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        step: int,
+        values: list[float],
+        optimizer: Any,
+    ) -> bool:
+        """Step ``step``'s flags, read one step late: verify its snapshot, or record and act on its incident.
+
+        Returns whether the live state was restored from a snapshot.
+        """
+        rec = self.records.pop(step, None)
+        schedule = self.schedules.pop(step, None)
+        kept_records = self.kept.pop(step, (None, []))
+        for kept in (self.records, self.schedules, self.kept):
+            for old in [s for s in kept if s < step]:
+                del kept[old]
+        seen = flags.decode(values, trainer.world_size)
+        quiet = seen.seen(flags.QUARANTINE)  # a quarantined batch, skipped on the device without an incident
+        if quiet and rec is not None and rec.forced_skip is None:
+            guard.counters["skipped_steps"] += 1
+        if not seen.any or quiet or (rec is not None and rec.forced_skip is not None):
+            if seen.seen(flags.NORMS):  # gradients or state non-finite: its snapshot is not verified
+                self.snapshots.discard_from(step)
+            else:
+                self._verified(guard, step)
+            return False
+        recovery = guard._recovery
+        if rec is not None:
+            key = position_key(rec.batch, rec.batch_idx)
+            recovery.quarantine.count_failure(key)
+            if recovery.use_quarantine and recovery.quarantine.failures.get(key, 0) >= 2:
+                recovery.quarantine_batch(trainer, rec, "failed at the same position more than once")
+        self.snapshots.discard_from(step)
+        if guard.action == "warn":
+            state_bad: list[str] = []
+        else:  # exact, after a hit only
+            named = guard._inspector.state(trainer, with_optimizer=True)
+            bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
+            state_bad = _distributed.any_rank(trainer, bad)
+        action = policy.decide(
+            guard.action,
+            state_bad=bool(state_bad),
+            has_incident=True,
+            have_snapshot=self.snapshots.last is not None,
+            rollbacks_used=guard._recovery.rollbacks_this_fit,
+            max_rollbacks=guard.max_rollbacks,
+        )
+        findings = describe(seen, rec, state_bad, trainer.global_rank, guard.max_abs_input)
+        placed = located(guard, kept_records, trainer.global_rank) if seen.any_local() else {}
+        findings = [placed.get(f.kind, [f])[0] if f.where[0] in _PLACEHOLDERS else f for f in findings]
+        findings = merge([findings, placed.get("op_domain", [])])  # in causal order, without duplicates
+        mark_consequences(findings)
+        events = []
+        for f in findings:
+            f.details.update({"deferred": True, "read_at_step": trainer.global_step})
+            epoch, batch_idx = (rec.epoch, rec.batch_idx) if rec is not None else (None, -1)
+            events.append(guard._ledger.event(trainer, f, step, action, epoch, batch_idx))
+        if action != "warn":
+            guard.counters["skipped_steps"] += 1  # the device skipped it
+        if action == "rollback":
+            guard.counters["rollbacks"] += 1
+            guard._recovery.rollbacks_this_fit += 1
+        if action != "warn" and schedule is not None:  # the schedule as the bad step found it
+            for config, state in zip(trainer.lr_scheduler_configs, schedule[0]):
+                config.scheduler.load_state_dict(state)
+            for opt, lrs in zip(trainer.optimizers, schedule[1]):
+                for group, lr in zip(opt.param_groups, lrs):
+                    group["lr"] = lr
+        restored = bool(state_bad and action == "rollback") or action == "halt"
+        if restored:
+            assert self.snapshots.last is not None
+            guard._recovery.snapshot = self.snapshots.last[1]
+            guard._recovery.restore(trainer, pl_module)
+            if optimizer is not None:  # the step in flight started from the damaged state: skip it too
+                arm_device_skip(optimizer, torch.ones((), device=pl_module.device))
+        guard._ledger.record(trainer, events)
+        if action == "halt":
+            guard._recovery.halt(trainer, pl_module)
+        log.info("numguard (deferred) step %s was bad, read at step %s: %s", step, trainer.global_step, action)
+        return restored
+
+
+def pack(
+    inspector: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool
+) -> torch.Tensor:
+    """The step's reduced flag vector, on the device (``StepInspector.read`` without its host read)."""
+    rec = inspector.record
+    check = inspector.check
+    device = pl_module.device
+    every_buffer = "buffers" in check or "params" in check
+    tensors: list[torch.Tensor] = []
+    if "params" in check or snapshot_due:
+        tensors += [t for _, t in inspector.segment("params", trainer)]
+    if every_buffer or snapshot_due:
+        tensors += [t for _, t in inspector.segment("start_buffers", trainer)]
+    if "optimizer_state" in check or snapshot_due:
+        tensors += [t for _, t in inspector.segment("opt_state", trainer)]
+    if "grads" in check and optimizer is not None:
+        tensors += [t for _, t in inspector.grads(optimizer)]
+    if every_buffer:
+        tensors += [t for _, t in inspector.checked_buffers]
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    input_max = zero
+    if rec.inputs:
+        input_max = rec.inputs[0][1] if len(rec.inputs) == 1 else torch.stack([v for _, v in rec.inputs]).amax()
+    watch = inspector.watch if inspector.watch is not None and inspector.watch.enabled else None
+    guard = inspector.opguard
+    losses = [x.to(device, torch.float32) for x in rec.losses]
+    packed = flags.pack(
+        input_max=input_max,
+        norm_total=checks.norm_total(tensors, device),
+        output_total=watch.total(device) if watch is not None else zero,
+        loss_total=torch.stack(losses).sum() if losses else zero,
+        suspicious=(input_max >= inspector.max_abs_input).float() if inspector.max_abs_input is not None else zero,
+        op=guard.flags(device).amax() if guard is not None and guard.records else zero,
+        quarantine=rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
+    )
+    world = trainer.world_size
+    return _distributed.reduce_max(trainer, flags.encode_rank(packed, trainer.global_rank, world))
+
+
+_PLACEHOLDERS = {where for _, where in _SLOT_KIND.values()}
+
+
+def located(guard: NumGuardCallback, kept: tuple[Any, list[Any]], rank: int) -> dict[str, list[Finding]]:
+    """The bad block and the bad op calls of a past step, from the records kept for it (syncs)."""
+    watch_kept, op_records = kept
+    out: dict[str, list[Finding]] = {}
+    watch = guard._inspector.watch
+    if watch is not None and watch_kept is not None:
+        bad = watch.first_bad(watch_kept)
+        if bad:
+            first, lo, hi = bad[0]
+            details = {"min": lo, "max": hi, "also": [m for m, _, _ in bad[1:6]]}
+            out["nonfinite_output"] = [Finding("nonfinite_output", [first], details, rank)]
+    if op_records:
+        flags_now = torch.stack([r.flag.to(torch.float32).cpu() for r in op_records]).tolist()
+        ops = [
+            Finding("op_domain", [r.op] + ([r.module] if r.module else []), dict(OpGuard.describe(r)), rank)
+            for r, f in zip(op_records, flags_now)
+            if f
+        ]
+        if ops:
+            out["op_domain"] = ops
+    return out
+
+
+def describe(
+    seen: flags.StepFlags, rec: StepRecord | None, state_bad: list[str], rank: int, max_abs: float | None
+) -> list[Finding]:
+    """Findings from the flags of a past step, its kept batch and losses, and the state now (syncs)."""
+    out: list[Finding] = []
+    if rec is not None and (seen.seen(flags.INPUT) or seen.seen(flags.SUSPICIOUS)):
+        for leaves, _ in rec.inputs:
+            values = checks.max_abs([t for _, t in leaves]).tolist()
+            bad = [p for (p, _), v in zip(leaves, values) if v != v or v in (float("inf"), float("-inf"))]
+            huge = [p for (p, _), v in zip(leaves, values) if max_abs is not None and p not in bad and v >= max_abs]
+            if bad:
+                out.append(Finding("nonfinite_input", bad, {}, rank))
+            elif huge:
+                out.append(Finding("suspicious_input", huge, {"threshold": max_abs}, rank))
+    if state_bad:
+        out.append(Finding("nonfinite_param", state_bad, {}, rank))
+    for slot in (flags.OUTPUT, flags.OP):
+        if seen.seen(slot):
+            kind, where = _SLOT_KIND[slot]
+            out.append(Finding(kind, [where], {}, seen.rank(slot)))
+    if seen.seen(flags.LOSS):
+        values = [float(x.float().mean()) for x in rec.losses] if rec is not None else []
+        out.append(Finding("nonfinite_loss", ["loss"], {"values": values}, seen.rank(flags.LOSS)))
+    if not out and seen.seen(flags.NORMS):
+        kind, where = _SLOT_KIND[flags.NORMS]
+        out.append(Finding(kind, [where], {}, seen.rank(flags.NORMS)))
+    return out

@@ -1,0 +1,122 @@
+"""``sync_mode="deferred"`` in a real Trainer: no host read per step, a skip on the device, a late decision."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from pytorch_lightning import Callback
+
+from lightning_numguard import NumGuardCallback
+from lightning_numguard.core.syncs import SyncCounter
+from lightning_numguard.errors import NumGuardConfigError
+from tests.helpers import FaultData, FaultModel, all_finite, loader, trainer
+
+
+class FusedModel(FaultModel):
+    """``FaultModel`` with a fused AdamW (the device-side skip needs ``found_inf`` support)."""
+
+    def __init__(self, *args: Any, fused: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fused = fused
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1, fused=self.fused)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.95)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def run(tmp_path: Any, site: str | None, mode: str, **kwargs: Any) -> tuple[NumGuardCallback, FusedModel]:
+    torch.manual_seed(0)
+    model = FusedModel(site=site, step=3)
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / mode), sync_mode=mode, **kwargs)  # type: ignore[arg-type]
+    trainer(tmp_path / mode, [guard], max_steps=8).fit(
+        model, loader(FaultData(bad_batch=3 if site else None, site=site or "input"))
+    )
+    return guard, model
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if not k.startswith("metric")}
+
+
+def test_deferred_mode_reads_nothing_on_the_host_during_the_steps(tmp_path):
+    counter = SyncCounter(package="lightning_numguard")
+
+    class Window(Callback):
+        def on_train_batch_start(self, *a: Any) -> None:
+            counter.step_started()
+
+        def on_train_batch_end(self, *a: Any) -> None:
+            counter.step_ended()
+
+    guard = NumGuardCallback(
+        action="rollback", dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=2, sync_mode="deferred"
+    )
+    t = trainer(tmp_path, [Window(), guard], max_steps=8)
+    t.callbacks = [c for c in t.callbacks if c is not guard] + [guard]
+    with counter:
+        t.fit(FusedModel(), loader(FaultData()))
+    assert len(counter.step_total) == 8
+    assert counter.caused == 0, counter.sites
+    assert guard.events == []
+
+
+def test_a_nan_batch_is_skipped_on_the_device_and_ends_where_an_immediate_rollback_does(tmp_path):
+    immediate_guard, immediate = run(tmp_path, "input", "every_step")
+    deferred_guard, deferred = run(tmp_path, "input", "deferred")
+    assert all_finite(deferred.state_dict())
+    a, b = weights(immediate), weights(deferred)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    opt_a, opt_b = (m.trainer.optimizers[0].state_dict()["state"] for m in (immediate, deferred))
+    assert all(torch.equal(opt_a[i][k], opt_b[i][k]) for i in opt_a for k in opt_a[i])  # AdamW moments and step
+    event = deferred_guard.events[0]
+    assert event["kind"] == "nonfinite_input" and event["where"] == ["batch['x']"]
+    assert event["step"] == 3 and event["details"]["read_at_step"] == 4 and event["action"] == "rollback"
+    assert {e["step"] for e in deferred_guard.events} == {3}
+    assert all(e["details"]["after"] == "nonfinite_input in `batch['x']`" for e in deferred_guard.events[1:])
+    assert deferred_guard.counters["rollbacks"] == immediate_guard.counters["rollbacks"] == 1
+
+
+def test_a_poisoned_weight_is_rolled_back_late_to_a_verified_snapshot(tmp_path):
+    guard, model = run(tmp_path, "param", "deferred", snapshot_every_n_steps=1)
+    assert all_finite(model.state_dict())
+    first = guard.events[0]
+    assert first["kind"] == "nonfinite_param" and first["step"] == 3 and "body.0.weight" in first["where"]
+    assert guard.counters["rollbacks"] >= 1
+
+
+def test_deferred_mode_refuses_an_optimizer_that_ignores_found_inf(tmp_path):
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), sync_mode="deferred")
+    with pytest.raises(NumGuardConfigError, match=r"AdamW ignores unless it is fused: create it with `fused=True`"):
+        trainer(tmp_path, [guard], max_steps=2).fit(FusedModel(fused=False), loader(FaultData()))
+
+
+def test_deferred_mode_and_retry_transient_are_refused_together():
+    with pytest.raises(NumGuardConfigError, match="retry_transient"):
+        NumGuardCallback(sync_mode="deferred", retry_transient=True)
+    with pytest.raises(NumGuardConfigError, match="`sync_mode` must be one of"):
+        NumGuardCallback(sync_mode="never")  # type: ignore[arg-type]
+
+
+def test_a_batch_that_fails_twice_is_quarantined_and_then_skipped_on_the_device(tmp_path):
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), sync_mode="deferred")
+    model = FusedModel()
+    trainer(tmp_path, [guard], max_epochs=3).fit(model, loader(FaultData(bad_batch=3)))
+    assert [(q["epoch"], q["batch_idx"]) for q in guard.quarantined] == [(1, 3)]
+    assert guard.counters["incidents"] > 0 and guard.counters["rollbacks"] == 2  # epochs 0 and 1, not 2
+    assert guard.counters["skipped_steps"] == 3  # the third time, quietly
+    assert all_finite(model.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("site", "kind", "where"),
+    [("output", "nonfinite_output", ["body.1"]), ("op", "op_domain", ["binary_cross_entropy"])],
+)
+def test_a_late_event_names_the_block_and_the_op_from_the_records_kept_for_its_step(tmp_path, site, kind, where):
+    guard, model = run(tmp_path, site, "deferred")
+    first = guard.events[0]
+    assert (first["kind"], first["where"][: len(where)], first["step"]) == (kind, where, 3)
+    assert all_finite(model.state_dict())
