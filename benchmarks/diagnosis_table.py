@@ -1,6 +1,7 @@
 """Run every fault scenario with the guard and with ``detect_anomaly=True`` (no guard); write a markdown table.
 
-Usage: ``python -m benchmarks.diagnosis_table --out docs/diagnosis.md``
+Usage: ``python -m benchmarks.diagnosis_table --out docs/diagnosis.md --readme README.md`` (``--readme``
+replaces the short table between ``<!-- DIAGNOSIS TABLE -->`` and ``<!-- /DIAGNOSIS TABLE -->``).
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ import logging
 import tempfile
 from pathlib import Path
 
+from benchmarks.markdown import replace_block
 from tests.diagnosis.scenarios import CASES, culprit_right, message_holds, run_detect_anomaly, run_guarded
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="docs/diagnosis.md")
+    parser.add_argument("--readme", help="a markdown file whose DIAGNOSIS TABLE block gets the short table")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     rows = [
@@ -23,6 +26,7 @@ def main() -> None:
         "| detect_anomaly=True |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    short = ["| fault | the guard names first | right? | `detect_anomaly=True` |", "|---|---|---|---|"]
     for case in CASES:
         with tempfile.TemporaryDirectory() as root:
             event = run_guarded(case, root)["event"]
@@ -37,6 +41,8 @@ def main() -> None:
             f"| {'yes' if right else '**no**'} | {'yes' if event and message_holds(event) else 'no'} "
             f"| {anomaly.replace('|', '/')} |"
         )
+        named = f"{kind} `{where}`" + (f", op `{event['op']}` ({line})" if event.get("op") else "")
+        short.append(f"| {case.story} | {named} | {'yes' if right else '**no**'} | {_short(anomaly)} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -47,7 +53,15 @@ def main() -> None:
         + "\n",
         encoding="utf-8",
     )
+    if args.readme:
+        replace_block(args.readme, "DIAGNOSIS TABLE", "\n".join(short))
     print("\n".join(rows))
+
+
+def _short(text: str) -> str:
+    """detect_anomaly's answer in a few words: the exception type and the node or message it names."""
+    text = text.replace("|", "/").replace("crashed with RuntimeError: ", "crashed: ")
+    return text if len(text) <= 70 else text[:67].rstrip() + "..."
 
 
 if __name__ == "__main__":

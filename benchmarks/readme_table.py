@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 from typing import Any
 
+from benchmarks.markdown import replace_block
+
 __all__ = ["main", "table"]
 
-BEGIN, END = "<!-- BENCHMARK TABLE -->", "<!-- /BENCHMARK TABLE -->"
 #: the variants the README shows, in this order, with their label
 SHOWN = {
     "numguard_default": "NumGuard defaults",
     "numguard_all": "NumGuard, every check",
-    "numguard_zero_sync": "NumGuard, zero-sync",
+    "numguard_deferred": 'NumGuard, `sync_mode="deferred"` (zero-sync)',
     "spike_detection": "Lightning SpikeDetection",
     "naive_isfinite": "naive per-tensor isfinite",
     "detect_anomaly": "detect_anomaly",
@@ -62,12 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.write:
         print(text)
         return
-    target = Path(args.write)
-    doc = target.read_text()
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-    if not pattern.search(doc):
-        raise SystemExit(f"{target}: no {BEGIN} ... {END} block to replace; add the two markers first")
-    target.write_text(pattern.sub(lambda _: f"{BEGIN}\n{text}\n{END}", doc))
+    replace_block(args.write, "BENCHMARK TABLE", text)
 
 
 if __name__ == "__main__":
