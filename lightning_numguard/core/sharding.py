@@ -114,7 +114,8 @@ def shard(
         for t in tensors:
             lo, hi = max(start, pos), min(stop, pos + t.numel())
             if lo < hi:
-                mine[lo - start : hi - start].copy_(t[lo - pos : hi - pos])
+                src = t[lo - pos : hi - pos]  # CUDA into pinned host memory: ordered on the stream, no host stall
+                mine[lo - start : hi - start].copy_(src, non_blocking=src.is_cuda and mine.is_pinned())
             pos += t.numel()
         local[dtype] = mine
     return ShardedState(skeleton, sizes, local, rank, world)
