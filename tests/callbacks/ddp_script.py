@@ -86,16 +86,18 @@ def main() -> None:
 def sharded_main(out: Path, fault_rank: int, action: str) -> None:
     """SITE ``sharded``: two fits in one launch, ``snapshot_sharding="auto"`` then ``"off"``, the same seed.
 
-    AdamW's ``exp_avg_sq`` goes NaN at step 2 on ``fault_rank``; a ModelCheckpoint saving every step
-    catches the NaN weights (the checkpoint swap gathers the sharded snapshot), the next step rolls
-    back. Each rank saves OUT_DIR/sharded_{mode}_rank{r}.pt: its final weights, buffers and AdamW
+    Snapshots every 2 steps (the one of step 2 holds BatchNorm buffers that differ per rank); AdamW's
+    ``exp_avg_sq`` goes NaN at step 3 on ``fault_rank``; a ModelCheckpoint saving every step catches
+    the NaN weights (the checkpoint swap gathers the sharded snapshot), the next step rolls back. Each rank saves OUT_DIR/sharded_{mode}_rank{r}.pt: its final weights, buffers and AdamW
     state, the snapshot's bytes, the events and the saved checkpoints' state dicts.
     """
     from pytorch_lightning.callbacks import ModelCheckpoint
 
     for mode in ("auto", "off"):
         pl.seed_everything(0, verbose=False)
-        guard = NumGuardCallback(action=action, dirpath=str(out / f"ng_{mode}"), snapshot_sharding=mode)
+        guard = NumGuardCallback(
+            action=action, dirpath=str(out / f"ng_{mode}"), snapshot_sharding=mode, snapshot_every_n_steps=2
+        )
         saver = ModelCheckpoint(dirpath=out / f"ckpt_{mode}", every_n_train_steps=1, save_top_k=-1)
         trainer = pl.Trainer(
             accelerator="cpu",
@@ -109,7 +111,7 @@ def sharded_main(out: Path, fault_rank: int, action: str) -> None:
             callbacks=[guard, saver],
         )
         rank = trainer.global_rank
-        model = FaultModel(site="opt_state", step=2, rank=fault_rank)
+        model = FaultModel(site="opt_state", step=3, rank=fault_rank)
         data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
         trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
         snapshot = guard._recovery.snapshot
