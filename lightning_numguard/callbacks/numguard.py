@@ -125,8 +125,8 @@ class NumGuardCallback(Callback):
             parameters and optimizer states (buffers, schedulers, the scaler, metrics and RNG states
             stay whole and per rank), and a rollback, a halt, the end-of-fit repair and the checkpoint
             swap gather them back from every rank (one all-gather, only on those events). ``"off"``
-            keeps a full copy on every rank. FSDP, DeepSpeed and ``sync_mode="deferred"`` always keep
-            full copies.
+            keeps a full copy on every rank; use it when the ranks do not hold the same parameters
+            and optimizer state. FSDP, DeepSpeed and ``sync_mode="deferred"`` always keep full copies.
 
     Raises:
         NumGuardConfigError: at construction, for any invalid argument.
