@@ -1,9 +1,12 @@
 """Host memory of a snapshot per rank against the data-parallel world size, full copies vs sharded.
 
 ``python -m benchmarks.snapshot_memory [--out DIR]``: for each benchmark model, the bytes of one
-snapshot (weights, buffers and AdamW state after a step) that every rank keeps today (a full copy)
-and with ``lightning_numguard.core.sharding`` (this rank's slice; the largest rank is shown), for
-world sizes 1, 2, 4 and 8, measured by sharding the real state (no processes are needed to shard);
+snapshot (weights, buffers and AdamW state after a step) that each rank's ``Recovery`` holds with
+``snapshot_sharding="off"`` (a full copy on every rank) and with the default ``"auto"`` under DDP
+(this rank's slice of the parameters and optimizer state, plus its whole buffers; the largest rank
+is shown), for world sizes 1, 2, 4 and 8. Measured with ``core.snapshot.capture``, the call
+``Recovery.take`` makes, with the ``shard_among=(rank, world)`` it passes under DDP (sharding needs
+no communication, so no processes are started; world 1 is not sharded);
 plus the same arithmetic for a 7B-parameter model (12 bytes per parameter: float32 weights and two
 Adam moments). Writes ``DIR/snapshot_memory.md`` with ``--out``.
 """
@@ -16,8 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import bench_models
-from lightning_numguard.core.sharding import shard
-from lightning_numguard.core.tree import nbytes
+from lightning_numguard.core.snapshot import capture
 
 __all__ = ["main"]
 
@@ -35,11 +37,17 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", help="write DIR/snapshot_memory.md")
     args = p.parse_args(argv)
-    head = "| model | parameters | full copy, every rank | " + " | ".join(f"sharded, world {w}" for w in WORLDS) + " |"
+    head = (
+        "| model | parameters | `off`: full copy, every rank | "
+        + " | ".join(f"`auto`, world {w}" for w in WORLDS)
+        + " |"
+    )
     lines = [
         "## Snapshot host memory per rank",
         "",
-        "`python -m benchmarks.snapshot_memory`: bytes each rank keeps for one snapshot.",
+        "`python -m benchmarks.snapshot_memory`: bytes of one snapshot held by each rank's `Recovery`",
+        '(`snapshot_sharding="off"`: a full copy; the default `"auto"` under DDP: the rank\'s slice of the',
+        "parameters and AdamW state plus its own buffers; world 1 is not sharded).",
         "",
         head,
         "|---|---:|---:|" + "---:|" * len(WORLDS),
@@ -50,11 +58,14 @@ def main(argv: list[str] | None = None) -> None:
         opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
         module.loss(spec.batches[0]).backward()
         opt.step()
-        state = {"model": module.state_dict(), "optimizers": [opt.state_dict()]}
+        full = capture(module, [opt], step=1).nbytes
         params = sum(q.numel() for q in module.parameters())
-        per_world = [max(shard(state, r, w).nbytes for r in range(w)) for w in WORLDS]
+        per_world = [
+            max(capture(module, [opt], step=1, shard_among=(r, w) if w > 1 else None).nbytes for r in range(w))
+            for w in WORLDS
+        ]
         cells = " | ".join(_fmt(b) for b in per_world)
-        lines.append(f"| {name} | {params:,} | {_fmt(nbytes(state))} | {cells} |")
+        lines.append(f"| {name} | {params:,} | {_fmt(full)} | {cells} |")
     seven_b = 7e9 * 12
     cells = " | ".join(_fmt(seven_b / w) for w in WORLDS)
     lines.append(f"| 7B (arithmetic: 12 B/param) | 7,000,000,000 | {_fmt(seven_b)} | {cells} |")

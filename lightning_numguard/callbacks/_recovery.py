@@ -10,7 +10,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_numguard.callbacks import _distributed, _micro
+from lightning_numguard.callbacks import _distributed, _micro, _sharded
 from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
 from lightning_numguard.callbacks._retry import is_transient
 from lightning_numguard.core import checks
@@ -52,6 +52,8 @@ class Recovery:
         lr_backoff: factor applied to every learning rate after each rollback.
         retry_transient: re-run the batch once after a rollback, to tell transient from persistent.
         quarantine: quarantine batches that fail twice (or fail their retry).
+        snapshot_sharding: ``"auto"``: under DDP with several ranks, each keeps only its ``1/world`` of the
+            parameters and optimizer state, gathered back (collectively) to restore; ``"off"``: full copies.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class Recovery:
         lr_backoff: float,
         retry_transient: bool,
         quarantine: bool,
+        snapshot_sharding: str = "off",
     ) -> None:
         self.dirpath = dirpath
         self.snapshot_device = snapshot_device
@@ -69,6 +72,7 @@ class Recovery:
         self.lr_backoff = lr_backoff
         self.retry_transient = retry_transient
         self.use_quarantine = quarantine
+        self.snapshot_sharding = snapshot_sharding
         self.quarantine = Quarantine()
         self.snapshot: Snapshot | None = None
         self.last_snapshot_step = -(10**9)
@@ -95,6 +99,7 @@ class Recovery:
             model_state=rec.start_buffers if rec is not None else None,
             stateful_state=rec.start_states if rec is not None else None,
             reuse=self.snapshot,
+            shard_among=_sharded.shard_among(trainer, self.snapshot_sharding),
         )
         self.last_snapshot_step = self.snapshot.step
 
@@ -141,7 +146,12 @@ class Recovery:
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, restore_rng: bool = True) -> None:
         """Put the snapshot back in place."""
         assert self.snapshot is not None
-        restore(self.snapshot, pl_module, trainer.optimizers, self.stateful, restore_rng=restore_rng)
+        restore(self.full(trainer), pl_module, trainer.optimizers, self.stateful, restore_rng=restore_rng)
+
+    def full(self, trainer: pl.Trainer) -> Snapshot:
+        """The whole snapshot (gathered from every rank when sharded: then collective)."""
+        assert self.snapshot is not None
+        return _sharded.gather_snapshot(trainer, self.snapshot)
 
     def repair_at_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, bad: list[str]) -> dict[str, Any]:
         """End of fit: put back only ``bad`` tensors that took no part in training, else the whole snapshot.
@@ -152,11 +162,12 @@ class Recovery:
         """
         assert self.snapshot is not None
         params = dict(pl_module.named_parameters())
-        idle = [n for n in bad if n in params and params[n].grad is None and n in self.snapshot.model]
+        snapshot = self.full(trainer)
+        idle = [n for n in bad if n in params and params[n].grad is None and n in snapshot.model]
         if len(idle) == len(bad):
             with torch.no_grad():
                 for name in idle:
-                    params[name].copy_(self.snapshot.model[name].to(params[name].device))
+                    params[name].copy_(snapshot.model[name].to(params[name].device))
             log.warning(
                 "numguard restored only %s from the snapshot of step %s at the end of training: they took no part "
                 "in training (no gradient), so no training step is given up",
@@ -271,7 +282,8 @@ class Recovery:
         found = tensors(model_state) + tensors(checkpoint.get("optimizer_states", []))
         if not found or not _distributed.any_rank(trainer, ["bad"] if any(checks.confirm_nonfinite(found)) else []):
             return False
-        checkpoint["state_dict"] = clone_tree(self.snapshot.model, "cpu")
+        snapshot = self.full(trainer)
+        checkpoint["state_dict"] = clone_tree(snapshot.model, "cpu")
         if "optimizer_states" in checkpoint:
-            checkpoint["optimizer_states"] = clone_tree(self.snapshot.optimizers, "cpu")
+            checkpoint["optimizer_states"] = clone_tree(snapshot.optimizers, "cpu")
         return True

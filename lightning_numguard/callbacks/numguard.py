@@ -36,6 +36,7 @@ from lightning_numguard.callbacks._ledger import Ledger
 from lightning_numguard.callbacks._metrics import LoggedValues
 from lightning_numguard.callbacks._progress import FitProgress
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
+from lightning_numguard.callbacks._sharded import SHARDING
 from lightning_numguard.callbacks._strategies import check_strategy
 from lightning_numguard.callbacks._zerosync import SYNC_MODES, DeferredSync
 from lightning_numguard.core import flags as slots
@@ -119,6 +120,13 @@ class NumGuardCallback(Callback):
             from a snapshot verified before it is needed. Events keep the step of the fault and name
             the watched block and op call, not the leaf module inside the block; ``retry_transient``
             is refused and ``replay`` does not run (see ``docs/performance.md``).
+        snapshot_sharding: ``"auto"`` shards snapshots under DDP with more than one rank (every rank
+            holds the same weights and optimizer state): each rank keeps only its ``1/world`` of the
+            parameters and optimizer states (buffers, schedulers, the scaler, metrics and RNG states
+            stay whole and per rank), and a rollback, a halt, the end-of-fit repair and the checkpoint
+            swap gather them back from every rank (one all-gather, only on those events). ``"off"``
+            keeps a full copy on every rank; use it when the ranks do not hold the same parameters
+            and optimizer state. FSDP, DeepSpeed and ``sync_mode="deferred"`` always keep full copies.
 
     Raises:
         NumGuardConfigError: at construction, for any invalid argument.
@@ -171,6 +179,7 @@ class NumGuardCallback(Callback):
         emit_warnings: bool = True,
         warn: bool | None = None,
         sync_mode: Literal["every_step", "deferred"] = "every_step",
+        snapshot_sharding: Literal["auto", "off"] = "auto",
     ) -> None:
         super().__init__()
         _config.choice("sync_mode", sync_mode, SYNC_MODES)
@@ -183,6 +192,8 @@ class NumGuardCallback(Callback):
         _config.choice("action", action, _config.ACTIONS)
         _config.choice("check_optimizer_coverage", check_optimizer_coverage, ("off", "warn", "error"))
         _config.choice("snapshot_device", snapshot_device, ("host", "device"))
+        _config.choice("snapshot_sharding", snapshot_sharding, SHARDING)
+        self.snapshot_sharding = snapshot_sharding
         self.check = _config.checks(check)
         self.watch_modules = _config.patterns("watch_modules", watch_modules)
         self.ignore_modules = _config.patterns("ignore_modules", ignore_modules)
@@ -234,6 +245,9 @@ class NumGuardCallback(Callback):
             self.lr_backoff,
             self.retry_transient,
             self.quarantine,
+            getattr(self, "snapshot_sharding", "off")
+            if getattr(self, "sync_mode", "every_step") == "every_step"
+            else "off",
         )
         self._coverage = CoverageCheck(self.check_optimizer_coverage)
         self._progress = FitProgress()

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShardedState", "gather", "shard", "unshard"]
+__all__ = ["ShardedState", "gather", "pack", "shard", "unpack", "unshard"]
 
 
 @dataclass
@@ -80,10 +80,20 @@ def _flatten(tree: Any, out: dict[torch.dtype, list[torch.Tensor]], sizes: dict[
     return tree
 
 
-def shard(tree: Any, rank: int, world: int, device: torch.device | str = "cpu") -> ShardedState:
+def shard(
+    tree: Any,
+    rank: int,
+    world: int,
+    device: torch.device | str = "cpu",
+    *,
+    pin: bool = False,
+    reuse: ShardedState | None = None,
+) -> ShardedState:
     """This rank's ``1/world`` of every tensor in ``tree`` (copied, on ``device``), and the tree's shape.
 
     Every rank must pass the same tree (data parallelism keeps the ranks' states identical).
+    ``pin`` allocates host slices in pinned memory; ``reuse`` is an older state whose slices may be
+    overwritten when their dtype, length and device match (a copy, not an allocation).
     """
     if not 0 <= rank < world:
         raise ValueError(f"`rank` must be in [0, {world}), got {rank}")
@@ -94,12 +104,18 @@ def shard(tree: Any, rank: int, world: int, device: torch.device | str = "cpu") 
     for dtype, tensors in parts.items():
         chunk = -(-sizes[dtype] // world)
         start, stop = min(rank * chunk, sizes[dtype]), min((rank + 1) * chunk, sizes[dtype])
-        mine = torch.zeros(chunk, dtype=dtype, device=device)
+        old = reuse.local.get(dtype) if reuse is not None else None
+        if old is not None and old.numel() == chunk and old.device == torch.device(device):
+            mine = old
+            mine[max(stop - start, 0) :].zero_()  # the padding
+        else:
+            mine = torch.zeros(chunk, dtype=dtype, device=device, pin_memory=pin and torch.device(device).type == "cpu")
         pos = 0  # copy only the pieces of each tensor that fall in [start, stop): no full flat copy
         for t in tensors:
             lo, hi = max(start, pos), min(stop, pos + t.numel())
             if lo < hi:
-                mine[lo - start : hi - start].copy_(t[lo - pos : hi - pos])
+                src = t[lo - pos : hi - pos]  # CUDA into pinned host memory: ordered on the stream, no host stall
+                mine[lo - start : hi - start].copy_(src, non_blocking=src.is_cuda and mine.is_pinned())
             pos += t.numel()
         local[dtype] = mine
     return ShardedState(skeleton, sizes, local, rank, world)
@@ -139,3 +155,23 @@ def gather(state: ShardedState, group: Any = None) -> Any:
         for r, part in enumerate(parts):
             slices[r][dtype] = part
     return unshard(state, slices)
+
+
+def pack(state: ShardedState) -> torch.Tensor:
+    """This rank's slices as one byte vector (dtypes in a fixed order): the same length on every rank."""
+    parts = [state.local[d].reshape(-1).view(torch.uint8) for d in sorted(state.totals, key=str)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+
+
+def unpack(state: ShardedState, gathered: torch.Tensor) -> list[dict[torch.dtype, torch.Tensor]]:
+    """Every rank's slices from the ``[world, n]`` stack of their :func:`pack` vectors (bitwise)."""
+    out: list[dict[torch.dtype, torch.Tensor]] = []
+    for row in gathered.cpu():
+        slices: dict[torch.dtype, torch.Tensor] = {}
+        pos = 0
+        for dtype in sorted(state.totals, key=str):
+            n = state.local[dtype].numel() * state.local[dtype].element_size()
+            slices[dtype] = row[pos : pos + n].clone().view(dtype)
+            pos += n
+        out.append(slices)
+    return out

@@ -50,6 +50,8 @@ class Report(pl.Callback):
 
 def main() -> None:
     out, site, fault_rank, action = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    if site == "sharded":
+        return sharded_main(out, fault_rank, action)
     warnings.simplefilter("ignore")
     pl.seed_everything(0, verbose=False)
     guard = NumGuardCallback(action=action, dirpath=str(out / "ng"), replay=site != "manual")
@@ -79,6 +81,53 @@ def main() -> None:
         model = TwoOptimizerGAN(bad_batch=2 if rank == fault_rank else None)
     shard = torch.utils.data.Subset(data, list(range(rank * 40, rank * 40 + 40)))
     trainer.fit(model, DataLoader(shard, batch_size=8, shuffle=False))
+
+
+def sharded_main(out: Path, fault_rank: int, action: str) -> None:
+    """SITE ``sharded``: two fits in one launch, ``snapshot_sharding="auto"`` then ``"off"``, the same seed.
+
+    Snapshots every 2 steps (the one of step 2 holds BatchNorm buffers that differ per rank); AdamW's
+    ``exp_avg_sq`` goes NaN at step 3 on ``fault_rank``; a ModelCheckpoint saving every step catches
+    the NaN weights (the checkpoint swap gathers the sharded snapshot), the next step rolls back. Each rank saves OUT_DIR/sharded_{mode}_rank{r}.pt: its final weights, buffers and AdamW
+    state, the snapshot's bytes, the events and the saved checkpoints' state dicts.
+    """
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    for mode in ("auto", "off"):
+        pl.seed_everything(0, verbose=False)
+        guard = NumGuardCallback(
+            action=action, dirpath=str(out / f"ng_{mode}"), snapshot_sharding=mode, snapshot_every_n_steps=2
+        )
+        saver = ModelCheckpoint(dirpath=out / f"ckpt_{mode}", every_n_train_steps=1, save_top_k=-1)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp",
+            max_steps=5,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=[guard, saver],
+        )
+        rank = trainer.global_rank
+        model = FaultModel(site="opt_state", step=3, rank=fault_rank)
+        data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
+        trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
+        snapshot = guard._recovery.snapshot
+        assert snapshot is not None
+        ckpts = sorted((out / f"ckpt_{mode}").glob("*.ckpt")) if rank == 0 else []
+        result = {
+            "state": model.state_dict(),
+            "optimizer": trainer.optimizers[0].state_dict(),
+            "snapshot_nbytes": snapshot.nbytes,
+            "sharded_nbytes": snapshot.sharded.nbytes if snapshot.sharded is not None else 0,
+            "events": guard.events,
+            "counters": guard.counters,
+            "checkpoints": {f.name: torch.load(f, weights_only=False)["state_dict"] for f in ckpts},
+        }
+        torch.save(result, out / f"sharded_{mode}_rank{rank}.pt")
+        (out / f"rank{rank}.json").write_text(json.dumps({"modes_done": mode}))
 
 
 if __name__ == "__main__":

@@ -206,6 +206,7 @@ def test_at_most_one_host_sync_per_training_step(tmp_path):
         ({"snapshot_every_n_steps": 0}, r"`snapshot_every_n_steps` must be an integer >= 1, got 0"),
         ({"snapshot_every_n_steps": 2.5}, r"`snapshot_every_n_steps` must be an integer >= 1, got 2.5"),
         ({"snapshot_device": "gpu"}, r"`snapshot_device` must be one of \['host', 'device'\], got 'gpu'"),
+        ({"snapshot_sharding": "on"}, r"`snapshot_sharding` must be one of \['auto', 'off'\], got 'on'"),
         ({"max_rollbacks": -1}, r"`max_rollbacks` must be an integer >= 0, got -1"),
         (
             {"skip_batches_after_rollback": True},

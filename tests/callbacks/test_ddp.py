@@ -95,3 +95,42 @@ def test_manual_two_optimizers_fault_on_rank_1_ranks_stay_in_step(tmp_path):
     assert ranks[0]["events"] == ranks[1]["events"]
     first = ranks[0]["events"][0]
     assert first["kind"] == "nonfinite_loss" and first["rank"] == 1 and first["batch_idx"] == 2
+
+
+def _bitwise(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_bitwise(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_bitwise(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.ddp
+def test_sharded_snapshots_hold_half_per_rank_and_restore_bitwise_like_full_copies(tmp_path):
+    """snapshot_sharding="auto" vs "off", the same faulty run (AdamW state NaN on rank 1 at step 3, a snapshot every
+    2 steps, a checkpoint every step): each rank holds about half the parameter and optimizer bytes, and the
+    checkpoint swap and the rollback (both gather from the two ranks) give bitwise the weights, buffers and AdamW
+    state of full copies (buffers, which differ per rank, are kept whole: sharding them too fails this test)."""
+    import torch
+
+    run_ddp(tmp_path, "sharded", 1, "rollback")
+    load = lambda mode, r: torch.load(tmp_path / f"sharded_{mode}_rank{r}.pt", weights_only=False)  # noqa: E731
+    auto, off = [load("auto", r) for r in (0, 1)], [load("off", r) for r in (0, 1)]
+    for r in (0, 1):
+        a, o = auto[r], off[r]
+        assert a["counters"]["rollbacks"] == 1 and a["counters"] == o["counters"]
+        assert a["events"] == o["events"]
+        assert any(e["where"] == ["checkpoint"] for e in a["events"])  # the swap ran
+        assert _bitwise(a["state"], o["state"]) and _bitwise(a["optimizer"], o["optimizer"])
+        assert all(torch.isfinite(t).all() for t in a["state"].values() if t.is_floating_point())
+        # about 1/2 of the parameters and AdamW state per rank (the rest: buffers, scheduler, metric, RNG)
+        assert o["sharded_nbytes"] == 0 and 0 < a["sharded_nbytes"] <= o["snapshot_nbytes"] / 2
+        assert a["snapshot_nbytes"] < 0.6 * o["snapshot_nbytes"], (a["snapshot_nbytes"], o["snapshot_nbytes"])
+    assert auto[0]["checkpoints"].keys() == off[0]["checkpoints"].keys() and auto[0]["checkpoints"]
+    assert _bitwise(auto[0]["checkpoints"], off[0]["checkpoints"])
+    print({f"rank{r}": {k: v[r][f"{k}_nbytes"] for k, v in (("snapshot", auto), ("sharded", auto))} for r in (0, 1)})
+    print({"off": [o["snapshot_nbytes"] for o in off]})

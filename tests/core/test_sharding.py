@@ -78,3 +78,26 @@ def test_two_gloo_ranks_restore_bitwise_from_their_halves(tmp_path: Path):
     results = [torch.load(tmp_path / f"result.{r}") for r in range(2)]
     assert [r["ok"] for r in results] == [True, True]
     assert all(r["bytes"] <= r["full"] / 2 + 64 for r in results), results
+
+
+def test_a_sharded_capture_keeps_buffers_whole_and_rebuilds_the_full_snapshot_bitwise():
+    import pytest
+
+    from lightning_numguard.core.sharding import pack, unpack
+    from lightning_numguard.core.snapshot import capture, restore, unsharded
+
+    model, opt = _trained()
+    full = capture(model, [opt], step=2)
+    parts = [capture(model, [opt], step=2, shard_among=(r, 3)) for r in range(3)]
+    for p in parts:  # parameters and AdamW state sharded; BatchNorm buffers (may differ per rank) kept whole
+        assert p.optimizers == [] and set(p.model) == {k for k in full.model if "running" in k or "batches" in k}
+        assert p.sharded is not None and p.sharded.nbytes <= (full.nbytes - nbytes(p.model)) / 3 + 64
+    assert parts[1].nbytes < full.nbytes / 2
+    stacked = torch.stack([pack(p.sharded) for p in parts])  # what the strategy's all_gather returns
+    back = unsharded(parts[1], unpack(parts[1].sharded, stacked))
+    assert list(back.model) == list(full.model)  # the state_dict's order too
+    assert _equal(back.model, full.model) and _equal(back.optimizers, full.optimizers)
+    with pytest.raises(ValueError, match="unsharded"):
+        restore(parts[0], model, [opt])
+    again = capture(model, [opt], step=3, shard_among=(1, 3), reuse=parts[1])  # storage reused, not reallocated
+    assert all(again.sharded.local[d] is parts[1].sharded.local[d] for d in again.sharded.local)
