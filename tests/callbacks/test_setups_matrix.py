@@ -1,0 +1,94 @@
+"""Precisions x optimization modes on one device: a NaN at a chosen step is caught, named, rolled back.
+
+Each case runs a guard-free reference and a guarded run with one fault; the guarded run survives with
+finite weights and the reference's ``global_step``. 16-mixed runs under a real ``GradScaler`` on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.plugins import MixedPrecision
+
+from lightning_numguard import NumGuardCallback
+from lightning_numguard.errors import NumGuardWarning
+from tests.callbacks.test_setups_retry import CountingGAN
+from tests.helpers import FaultData, FaultModel, all_finite, loader, trainer
+
+PRECISIONS = ("16-mixed", "bf16-mixed", "64-true")
+
+
+def precision_args(precision: str, init_scale: float = 2.0**10) -> dict[str, Any]:
+    """Trainer arguments for ``precision``; 16-mixed gets a real CPU GradScaler."""
+    if precision == "16-mixed":
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+    return {"precision": precision}
+
+
+def fit(
+    tmp_path: Any, model: pl.LightningModule, data: FaultData, callbacks: list[Any], precision: str, **kwargs: Any
+) -> pl.Trainer:
+    torch.manual_seed(0)
+    t = trainer(
+        tmp_path, callbacks, max_epochs=1, **precision_args(precision, kwargs.pop("init_scale", 2.0**10)), **kwargs
+    )
+    t.fit(model, loader(data))
+    return t
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_accumulation_names_and_rolls_back_the_bad_micro_batch(tmp_path, precision):
+    """accumulate 2: batch 3 (window 1's second micro-batch) is NaN; the event names batch 3 at step 1."""
+    ref = fit(tmp_path / "ref", FaultModel(), FaultData(), [], precision, accumulate_grad_batches=2)
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"))
+    model = FaultModel()
+    with pytest.warns(NumGuardWarning, match=r"batch\['x'\]` at step 1"):
+        t = fit(tmp_path / "ng", model, FaultData(bad_batch=3), [guard], precision, accumulate_grad_batches=2)
+    first = guard.events[0]
+    assert first["kind"] == "nonfinite_input" and first["batch_idx"] == 3 and first["step"] == 1, first
+    assert first["where"] == ["batch['x']"]
+    assert {e["batch_idx"] for e in guard.events} == {3}
+    assert guard.counters["rollbacks"] == 1 and guard.counters["skipped_steps"] == 1
+    assert guard.counters["amp_overflow_steps"] == 0  # a NaN input is an incident, never the scaler's overflow
+    assert t.global_step == ref.global_step == 4
+    assert all_finite(model.state_dict())
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_manual_gan_names_the_discriminator_loss_and_rolls_back(tmp_path, precision):
+    """Two optimizers per batch, through Lightning's wrappers (``manual_backward``, ``opt.step()``; under fp16 the
+    GradScaler's). The discriminator's loss is NaN at batch 2: read at its optimizer's step (global step 5)."""
+    ref = fit(tmp_path / "ref", CountingGAN(), FaultData(n=48), [], precision)
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"))  # the default replay: it steps no optimizer
+    model = CountingGAN(bad_batch=2)
+    with pytest.warns(NumGuardWarning, match="the loss is non-finite at step 5"):
+        t = fit(tmp_path / "ng", model, FaultData(n=48), [guard], precision)
+    first = guard.events[0]
+    assert first["kind"] == "nonfinite_loss" and first["batch_idx"] == 2 and first["step"] == 5, first
+    assert [e["where"] for e in guard.events[1:]] == [["disc.weight", "disc.bias"]]  # the discriminator's grads
+    assert "`mul` at" in first["message"] and "test_setups_accumulation.py" in first["message"]  # the replay's op
+    assert guard.counters["rollbacks"] == 1 and guard.counters["skipped_steps"] == 1
+    assert guard.counters["amp_overflow_steps"] == 0
+    assert t.global_step == ref.global_step == 12
+    assert model.steps[0] == 6 and model.steps[1] <= 6  # no step taken by the replay
+    assert all_finite(model.state_dict())
+
+
+@pytest.mark.parametrize("bad_batch", [None, 4])
+def test_manual_fp16_overflow_is_the_scalers_and_a_nan_is_an_incident(tmp_path, bad_batch):
+    """Under ``manual_backward`` and the scaler's ``opt.step()``: a loss scale of 2**30 overflows the fp16
+    gradients of finite losses; those steps are the scaler's (skipped and counted by it, no incident). A real
+    NaN loss among them is still an incident."""
+    ref = fit(tmp_path / "ref", CountingGAN(), FaultData(n=48), [], "16-mixed", init_scale=2.0**30)
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"))
+    model = CountingGAN(bad_batch)
+    t = fit(tmp_path / "ng", model, FaultData(n=48), [guard], "16-mixed", init_scale=2.0**30)
+    assert guard.counters["amp_overflow_steps"] >= 1
+    assert t.global_step == ref.global_step == 12
+    assert [e["batch_idx"] for e in guard.events if e["kind"] == "nonfinite_loss"] == ([] if bad_batch is None else [4])
+    assert guard.counters["incidents"] == (0 if bad_batch is None else 1)
+    assert all_finite(model.state_dict())
