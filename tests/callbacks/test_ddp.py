@@ -13,11 +13,14 @@ import pytest
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 
 
-def run_ddp(tmp_path: Path, site: str, fault_rank: int, action: str) -> list[dict]:
+def run_ddp(tmp_path: Path, site: str, fault_rank: int, action: str, *precisions: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
     env["MASTER_PORT"] = str(20000 + (os.getpid() % 20000))
+    args = [sys.executable, str(SCRIPT), str(tmp_path), site, str(fault_rank), action]
+    if precisions:
+        args.append(",".join(precisions))
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), site, str(fault_rank), action],
+        args,
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -25,6 +28,8 @@ def run_ddp(tmp_path: Path, site: str, fault_rank: int, action: str) -> list[dic
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    if precisions:
+        return []  # one fit per site and precision: read with ``ranks_of``
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
@@ -95,3 +100,45 @@ def test_manual_two_optimizers_fault_on_rank_1_ranks_stay_in_step(tmp_path):
     assert ranks[0]["events"] == ranks[1]["events"]
     first = ranks[0]["events"][0]
     assert first["kind"] == "nonfinite_loss" and first["rank"] == 1 and first["batch_idx"] == 2
+    assert first["step"] == 5  # the discriminator's optimizer step of batch 2
+    # the default replay ran on rank 1 (stepping no optimizer, moving no counter) and named the op
+    assert "`mul` at" in first["message"] and "test_setups_accumulation.py" in first["message"]
+    assert ranks[0]["counters"]["rollbacks"] == 1
+
+
+def ranks_of(root: Path) -> list[dict]:
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def assert_rolled_back_together(ranks: list[dict]) -> None:
+    """NaN inputs in batch 2 of rank 1: every rank rolls back at step 2, ends finite, identical, at step 5."""
+    for r in ranks:
+        assert r["finite"] and r["same_as_rank0"]
+        assert r["counters"]["rollbacks"] == 1 and r["counters"]["skipped_steps"] == 1
+        assert r["counters"]["amp_overflow_steps"] == 0  # a NaN input is an incident, never the scaler's
+        assert r["global_step"] == 5
+    assert ranks[0]["events"] == ranks[1]["events"]
+    first = ranks[0]["events"][0]
+    assert first["kind"] == "nonfinite_input" and first["rank"] == 1 and first["step"] == 2
+    assert first["batch_idx"] == 2 and first["where"] == ["batch['x']"]
+
+
+@pytest.mark.ddp
+def test_bf16_and_64_true_input_fault_on_rank_1(tmp_path):
+    """One launch, two fits in sequence: bf16-mixed, then 64-true."""
+    run_ddp(tmp_path, "input", 1, "rollback", "bf16-mixed", "64-true")
+    for precision in ("bf16-mixed", "64-true"):
+        assert_rolled_back_together(ranks_of(tmp_path / "input" / precision))
+
+
+@pytest.mark.ddp
+def test_fp16_gradscaler_input_fault_and_overflow_on_rank_1(tmp_path):
+    """16-mixed under a CPU GradScaler, one launch, two fits: NaN inputs on rank 1 are an incident, rolled back
+    on every rank; a non-finite gradient on rank 1 only (all-reduced to every rank) is the scaler's overflow,
+    skipped by the scaler on every rank alike, no incident."""
+    run_ddp(tmp_path, "input,grad", 1, "rollback", "16-mixed")
+    assert_rolled_back_together(ranks_of(tmp_path / "input" / "16-mixed"))
+    for r in ranks_of(tmp_path / "grad" / "16-mixed"):
+        assert r["finite"] and r["same_as_rank0"]
+        assert r["counters"]["amp_overflow_steps"] == 1 and r["counters"]["incidents"] == 0, r["counters"]
+        assert not r["events"] and r["global_step"] == 5
