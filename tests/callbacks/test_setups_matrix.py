@@ -12,13 +12,14 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins import MixedPrecision
+from torch import nn
 
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.errors import NumGuardWarning
 from tests.callbacks.test_setups_retry import CountingGAN
 from tests.helpers import FaultData, FaultModel, all_finite, loader, trainer
 
-PRECISIONS = ("16-mixed", "bf16-mixed", "64-true")
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "64-true")
 
 
 def precision_args(precision: str, init_scale: float = 2.0**10) -> dict[str, Any]:
@@ -92,3 +93,48 @@ def test_manual_fp16_overflow_is_the_scalers_and_a_nan_is_an_incident(tmp_path, 
     assert [e["batch_idx"] for e in guard.events if e["kind"] == "nonfinite_loss"] == ([] if bad_batch is None else [4])
     assert guard.counters["incidents"] == (0 if bad_batch is None else 1)
     assert all_finite(model.state_dict())
+
+
+class LogHead(nn.Module):
+    """``lin(x) + log1p(shift)``: NaN inside the module when its ``shift`` buffer is set below -1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 1)
+        self.register_buffer("shift", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.log1p(self.shift)
+
+
+class CompiledLogHeadModel(FaultModel):
+    """The head is compiled (``backend="eager"``: dynamo without codegen); batch 3 makes it NaN from inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = LogHead()
+
+    def configure_model(self) -> None:
+        self.head = torch.compile(self.head, backend="eager")
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.head.shift.fill_(-2.0 if batch_idx == 3 else 0.0)  # a buffer: a graph input, no recompile
+
+
+def test_a_nan_inside_a_compiled_module_is_caught_at_its_boundary_and_rolled_back(tmp_path):
+    """The guard sees the compiled region from outside: it names the compiled module (``head``), not the op inside
+    it (uncompiled, the replay names ``log1p``). The step is rolled back, the run survives, no graph break."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"))
+    model = CompiledLogHeadModel()
+    t = trainer(tmp_path, [guard], max_steps=6)
+    with pytest.warns(NumGuardWarning, match="module `head` produced the first non-finite output at step 3"):
+        t.fit(model, loader(FaultData()))
+    assert dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it really compiled
+    assert not dynamo.utils.counters["graph_break"], dict(dynamo.utils.counters["graph_break"])
+    first = guard.events[0]
+    assert first["kind"] == "nonfinite_output" and first["where"] == ["head"] and first["step"] == 3, first
+    assert guard.counters["rollbacks"] == 1 and guard.counters["skipped_steps"] == 1
+    assert t.global_step == 6 and all_finite(model.state_dict())
