@@ -110,34 +110,46 @@ def ranks_of(root: Path) -> list[dict]:
     return [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-def assert_rolled_back_together(ranks: list[dict]) -> None:
-    """NaN inputs in batch 2 of rank 1: every rank rolls back at step 2, ends finite, identical, at step 5."""
+#: site: (kind, global step of the read, batch_idx, global_step at the end of a guard-free run)
+EXPECTED = {
+    "input": ("nonfinite_input", 2, 2, 5),
+    "accumulate": ("nonfinite_input", 1, 3, 3),  # accumulate 2: batch 3 is window 1's second micro-batch
+    "manual": ("nonfinite_loss", 5, 2, 10),  # the GAN: two optimizer steps per batch, read at the second's
+}
+
+
+def assert_rolled_back_together(ranks: list[dict], site: str) -> None:
+    """A fault on rank 1: every rank rolls back in the same step, names the same rank and micro-batch, and ends
+    finite, identical and at a guard-free run's ``global_step``."""
+    kind, step, batch_idx, global_step = EXPECTED[site]
     for r in ranks:
         assert r["finite"] and r["same_as_rank0"]
         assert r["counters"]["rollbacks"] == 1 and r["counters"]["skipped_steps"] == 1
-        assert r["counters"]["amp_overflow_steps"] == 0  # a NaN input is an incident, never the scaler's
-        assert r["global_step"] == 5
+        assert r["counters"]["amp_overflow_steps"] == 0  # a NaN is an incident, never the scaler's overflow
+        assert r["global_step"] == global_step
     assert ranks[0]["events"] == ranks[1]["events"]
     first = ranks[0]["events"][0]
-    assert first["kind"] == "nonfinite_input" and first["rank"] == 1 and first["step"] == 2
-    assert first["batch_idx"] == 2 and first["where"] == ["batch['x']"]
+    assert (first["kind"], first["step"], first["batch_idx"], first["rank"]) == (kind, step, batch_idx, 1), first
 
 
 @pytest.mark.ddp
-def test_bf16_and_64_true_input_fault_on_rank_1(tmp_path):
-    """One launch, two fits in sequence: bf16-mixed, then 64-true."""
-    run_ddp(tmp_path, "input", 1, "rollback", "bf16-mixed", "64-true")
-    for precision in ("bf16-mixed", "64-true"):
-        assert_rolled_back_together(ranks_of(tmp_path / "input" / precision))
+def test_bf16_and_64_true_faults_on_rank_1(tmp_path):
+    """One launch, six fits in sequence: NaN inputs, NaN inputs in an accumulation window's second micro-batch,
+    and a manual-optimization GAN's NaN loss (under the default replay), each under bf16-mixed and 64-true."""
+    run_ddp(tmp_path, "input,accumulate,manual", 1, "rollback", "bf16-mixed", "64-true")
+    for site in ("input", "accumulate", "manual"):
+        for precision in ("bf16-mixed", "64-true"):
+            assert_rolled_back_together(ranks_of(tmp_path / site / precision), site)
 
 
 @pytest.mark.ddp
-def test_fp16_gradscaler_input_fault_and_overflow_on_rank_1(tmp_path):
-    """16-mixed under a CPU GradScaler, one launch, two fits: NaN inputs on rank 1 are an incident, rolled back
+def test_fp16_gradscaler_faults_and_overflow_on_rank_1(tmp_path):
+    """16-mixed under a CPU GradScaler, one launch, four fits: the three faults above are incidents, rolled back
     on every rank; a non-finite gradient on rank 1 only (all-reduced to every rank) is the scaler's overflow,
     skipped by the scaler on every rank alike, no incident."""
-    run_ddp(tmp_path, "input,grad", 1, "rollback", "16-mixed")
-    assert_rolled_back_together(ranks_of(tmp_path / "input" / "16-mixed"))
+    run_ddp(tmp_path, "input,grad,accumulate,manual", 1, "rollback", "16-mixed")
+    for site in ("input", "accumulate", "manual"):
+        assert_rolled_back_together(ranks_of(tmp_path / site / "16-mixed"), site)
     for r in ranks_of(tmp_path / "grad" / "16-mixed"):
         assert r["finite"] and r["same_as_rank0"]
         assert r["counters"]["amp_overflow_steps"] == 1 and r["counters"]["incidents"] == 0, r["counters"]

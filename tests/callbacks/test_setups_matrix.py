@@ -11,8 +11,11 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.accelerators import CPUAccelerator
 from pytorch_lightning.plugins import MixedPrecision
+from pytorch_lightning.strategies import Strategy
 from torch import nn
+from typing_extensions import override
 
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.errors import NumGuardWarning
@@ -138,3 +141,55 @@ def test_a_nan_inside_a_compiled_module_is_caught_at_its_boundary_and_rolled_bac
     assert first["kind"] == "nonfinite_output" and first["where"] == ["head"] and first["step"] == 3, first
     assert guard.counters["rollbacks"] == 1 and guard.counters["skipped_steps"] == 1
     assert t.global_step == 6 and all_finite(model.state_dict())
+
+
+class OwnStrategy(Strategy):
+    """A user's own single-process strategy, built on ``Strategy`` directly: not one the guard knows."""
+
+    def __init__(self) -> None:
+        super().__init__(accelerator=CPUAccelerator())
+        self.global_rank, self.local_rank, self.world_size = 0, 0, 1
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        return True
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+
+def test_an_unknown_strategy_is_said_at_setup_and_a_single_process_rollback_works(tmp_path):
+    """Not refused: a warning at setup says recovery assumes every rank holds the full state; on one process
+    a NaN batch is still caught and rolled back."""
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"))
+    model = FaultModel()
+    t = trainer(tmp_path, [guard], strategy=OwnStrategy(), accelerator="auto", devices="auto", max_steps=6)
+    with pytest.warns(NumGuardWarning, match=r"has not been tested under OwnStrategy: .*Check a rollback"):
+        t.fit(model, loader(FaultData(bad_batch=3)))
+    first = guard.events[0]
+    assert first["kind"] == "nonfinite_input" and first["batch_idx"] == 3, first
+    assert guard.counters["rollbacks"] == 1 and t.global_step == 6 and all_finite(model.state_dict())
