@@ -4,7 +4,8 @@ Usage: python ddp_script.py OUT_DIR SITE FAULT_RANK ACTION [PRECISIONS]
 PRECISIONS: comma-separated (``16-mixed`` runs under a CPU GradScaler), and then SITE may be comma-separated
 too: one fit per site and precision, in sequence in the same processes, each under OUT_DIR/SITE/PRECISION.
 SITE ``accumulate``: ``accumulate_grad_batches=2`` and NaN inputs in batch 3 (a window's second micro-batch);
-SITE ``manual``: a two-optimizer GAN (manual optimization) whose discriminator loss is NaN at batch 2.
+SITE ``manual``: a two-optimizer GAN (manual optimization) whose discriminator loss is NaN at batch 2;
+SITE ``compile``: a ``torch.compile``d head whose ``log1p`` goes NaN at batch 3.
 Each rank writes OUT_DIR/rank{r}.json with its events, counters and a digest of its weights.
 """
 
@@ -25,10 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_numguard import NumGuardCallback
 from tests.callbacks.test_setups_accumulation import TwoOptimizerGAN
+from tests.callbacks.test_setups_matrix import CompiledLogHeadModel
 from tests.helpers import FaultData, FaultModel
 
 INPUTS = ("input", "accumulate")  # sites whose fault is a NaN batch
-MODES = (*INPUTS, "manual")  # sites not injected by FaultModel
+MODES = (*INPUTS, "manual", "compile")  # sites not injected by FaultModel
 
 
 class Report(pl.Callback):
@@ -99,6 +101,8 @@ def fit(out: Path, site: str, fault_rank: int, action: str, precision: str | Non
     )
     if site == "manual":
         model = TwoOptimizerGAN(bad_batch=2 if rank == fault_rank else None)
+    if site == "compile":
+        model = CompiledLogHeadModel(rank=fault_rank)
     shard = torch.utils.data.Subset(data, list(range(rank * 40, rank * 40 + 40)))
     trainer.fit(model, DataLoader(shard, batch_size=8, shuffle=False))
 

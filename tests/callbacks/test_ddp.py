@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 
@@ -115,6 +116,7 @@ EXPECTED = {
     "input": ("nonfinite_input", 2, 2, 5),
     "accumulate": ("nonfinite_input", 1, 3, 3),  # accumulate 2: batch 3 is window 1's second micro-batch
     "manual": ("nonfinite_loss", 5, 2, 10),  # the GAN: two optimizer steps per batch, read at the second's
+    "compile": ("nonfinite_output", 3, 3, 5),  # NaN inside a compiled head
 }
 
 
@@ -144,12 +146,16 @@ def test_bf16_and_64_true_faults_on_rank_1(tmp_path):
 
 @pytest.mark.ddp
 def test_fp16_gradscaler_faults_and_overflow_on_rank_1(tmp_path):
-    """16-mixed under a CPU GradScaler, one launch, four fits: the three faults above are incidents, rolled back
-    on every rank; a non-finite gradient on rank 1 only (all-reduced to every rank) is the scaler's overflow,
-    skipped by the scaler on every rank alike, no incident."""
-    run_ddp(tmp_path, "input,grad,accumulate,manual", 1, "rollback", "16-mixed")
-    for site in ("input", "accumulate", "manual"):
+    """16-mixed under a CPU GradScaler, one launch, five fits: the three faults above and a NaN inside a
+    ``torch.compile``d head are incidents, rolled back on every rank; a non-finite gradient on rank 1 only
+    (all-reduced to every rank) is the scaler's overflow, skipped by the scaler on every rank alike, no incident."""
+    run_ddp(tmp_path, "input,grad,accumulate,manual,compile", 1, "rollback", "16-mixed")
+    for site in ("input", "accumulate", "manual", "compile"):
         assert_rolled_back_together(ranks_of(tmp_path / site / "16-mixed"), site)
+    if hasattr(torch.compiler, "set_stance"):  # rank 1's replay ran the compiled head eagerly and found the op
+        assert (
+            "op `log1p` in `head._orig_mod`" in ranks_of(tmp_path / "compile" / "16-mixed")[0]["events"][0]["message"]
+        )
     for r in ranks_of(tmp_path / "grad" / "16-mixed"):
         assert r["finite"] and r["same_as_rank0"]
         assert r["counters"]["amp_overflow_steps"] == 1 and r["counters"]["incidents"] == 0, r["counters"]

@@ -99,55 +99,84 @@ def test_manual_fp16_overflow_is_the_scalers_and_a_nan_is_an_incident(tmp_path, 
 
 
 class LogHead(nn.Module):
-    """``lin(x) + log1p(shift)``: NaN inside the module when its ``shift`` buffer is set below -1."""
+    """``lin(x) + log1p(shift)``: NaN inside the module when its ``shift`` tensor is set below -1."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(16, 1)
-        self.register_buffer("shift", torch.zeros(()))
+        self.shift = torch.zeros(())  # not a buffer: DDP would broadcast rank 0's over a fault on rank 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) + torch.log1p(self.shift)
 
 
 class CompiledLogHeadModel(FaultModel):
-    """The head is compiled (``backend="eager"``: dynamo without codegen); batch 3 makes it NaN from inside."""
+    """The head is compiled (``backend="eager"``: dynamo without codegen); batch 3 makes it NaN from inside
+    (on ``rank`` only, when given)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int | None = None) -> None:
         super().__init__()
         self.head = LogHead()
+        self.bad_rank = rank
 
     def configure_model(self) -> None:
         self.head = torch.compile(self.head, backend="eager")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.head.shift.fill_(-2.0 if batch_idx == 3 else 0.0)  # a buffer: a graph input, no recompile
+        bad = batch_idx == 3 and self.bad_rank in (None, self.global_rank)
+        self.head.shift.fill_(-2.0 if bad else 0.0)  # a tensor: a graph input, no recompile
 
 
-def test_a_nan_inside_a_compiled_module_is_caught_at_its_boundary_and_rolled_back(tmp_path):
-    """Each step the guard sees a compiled region from outside: its module's output (``head``), not the ops inside.
-    After the hit, the replay runs the compiled module eagerly (``torch.compiler.set_stance("force_eager")``,
-    torch >= 2.6) and names the op, ``log1p``; before, it named the module only. The step is rolled back, the run
-    survives, and the compiled graph has no graph break."""
+class CompiledGAN(CountingGAN):
+    """The two-optimizer GAN with its discriminator compiled; its loss is NaN at ``bad_batch``."""
+
+    def configure_model(self) -> None:
+        self.disc = torch.compile(self.disc, backend="eager")
+
+
+@pytest.fixture
+def dynamo() -> Any:
     dynamo = pytest.importorskip("torch._dynamo")
     dynamo.reset()
     dynamo.utils.counters.clear()
-    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"))
-    model = CompiledLogHeadModel()
-    t = trainer(tmp_path, [guard], max_steps=6)
-    with pytest.warns(NumGuardWarning, match="module `head.*` produced the first non-finite output at step 3"):
-        t.fit(model, loader(FaultData()))
+    yield dynamo
     assert dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it really compiled
     assert not dynamo.utils.counters["graph_break"], dict(dynamo.utils.counters["graph_break"])
+
+
+@pytest.mark.parametrize(("accumulate", "step"), [(1, 3), (2, 1)])
+def test_a_nan_inside_a_compiled_module_is_caught_at_its_boundary_and_rolled_back(tmp_path, dynamo, accumulate, step):
+    """Each step the guard sees a compiled region from outside: its module's output (``head``), not the ops inside.
+    After the hit, the replay runs the compiled module eagerly (``torch.compiler.set_stance("force_eager")``,
+    torch >= 2.6) and names the op, ``log1p``; before, it named the module only. The step is rolled back, the run
+    survives, and the compiled graph has no graph break. With ``accumulate_grad_batches=2`` batch 3 is window 1's
+    second micro-batch."""
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"))
+    model = CompiledLogHeadModel()
+    t = trainer(tmp_path, [guard], max_steps=6 // accumulate, accumulate_grad_batches=accumulate)
+    with pytest.warns(NumGuardWarning, match=f"module `head.*` produced the first non-finite output at step {step}"):
+        t.fit(model, loader(FaultData()))
     first = guard.events[0]
-    assert first["kind"] == "nonfinite_output" and first["step"] == 3, first
+    assert first["kind"] == "nonfinite_output" and first["step"] == step and first["batch_idx"] == 3, first
     if hasattr(torch.compiler, "set_stance"):
         # named as in the model's state_dict: the compiled wrapper's original module is ``head._orig_mod``
         assert first["where"] == ["head._orig_mod"] and "op `log1p` in `head._orig_mod`" in first["message"], first
     else:
         assert first["where"] == ["head"], first
     assert guard.counters["rollbacks"] == 1 and guard.counters["skipped_steps"] == 1
-    assert t.global_step == 6 and all_finite(model.state_dict())
+    assert t.global_step == 6 // accumulate and all_finite(model.state_dict())
+
+
+def test_a_compiled_gan_under_manual_optimization_is_rolled_back(tmp_path, dynamo):
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"))
+    model = CompiledGAN(bad_batch=2)
+    t = trainer(tmp_path, [guard], max_epochs=1)
+    with pytest.warns(NumGuardWarning, match="the loss is non-finite at step 5"):
+        t.fit(model, loader(FaultData(n=48)))
+    first = guard.events[0]
+    assert first["kind"] == "nonfinite_loss" and first["batch_idx"] == 2, first
+    assert guard.counters["rollbacks"] == 1 and guard.counters["skipped_steps"] == 1
+    assert t.global_step == 12 and model.steps[0] == 6 and all_finite(model.state_dict())
 
 
 class OwnStrategy(Strategy):
