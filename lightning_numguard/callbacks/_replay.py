@@ -81,7 +81,15 @@ def replay_batch(
         for opt in _optimizers(trainer, pl_module):
             stack.enter_context(_patched(opt, step=_closure_only))
         stack.enter_context(trainer.precision_plugin.train_step_context())
+        stack.enter_context(_eager())
         return replay(pl_module, run_step, rng, sites=True)
+
+
+def _eager() -> contextlib.AbstractContextManager[Any]:
+    """``torch.compile``d modules run their Python forward during the replay (torch >= 2.6), so that the op
+    search sees inside a compiled region; on older torch the compiled module is named as a whole."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if callable(set_stance) else contextlib.nullcontext()
 
 
 def _ignore(*args: Any, **kwargs: Any) -> None:

@@ -1,8 +1,11 @@
 """Run by test_ddp.py in a subprocess: real DDP (gloo, 2 CPU processes), a fault on one rank only.
 
-Usage: python ddp_script.py OUT_DIR SITE FAULT_RANK ACTION
+Usage: python ddp_script.py OUT_DIR SITE FAULT_RANK ACTION [PRECISIONS]
+PRECISIONS: comma-separated (``16-mixed`` runs under a CPU GradScaler), and then SITE may be comma-separated
+too: one fit per site and precision, in sequence in the same processes, each under OUT_DIR/SITE/PRECISION.
 SITE ``accumulate``: ``accumulate_grad_batches=2`` and NaN inputs in batch 3 (a window's second micro-batch);
-SITE ``manual``: a two-optimizer GAN (manual optimization) whose discriminator loss is NaN at batch 2.
+SITE ``manual``: a two-optimizer GAN (manual optimization) whose discriminator loss is NaN at batch 2;
+SITE ``compile``: a ``torch.compile``d head whose ``log1p`` goes NaN at batch 3.
 Each rank writes OUT_DIR/rank{r}.json with its events, counters and a digest of its weights.
 """
 
@@ -12,19 +15,22 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.plugins import MixedPrecision
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_numguard import NumGuardCallback
 from tests.callbacks.test_setups_accumulation import TwoOptimizerGAN
+from tests.callbacks.test_setups_matrix import CompiledLogHeadModel
 from tests.helpers import FaultData, FaultModel
 
 INPUTS = ("input", "accumulate")  # sites whose fault is a NaN batch
-MODES = (*INPUTS, "manual")  # sites not injected by FaultModel
+MODES = (*INPUTS, "manual", "compile")  # sites not injected by FaultModel
 
 
 class Report(pl.Callback):
@@ -48,13 +54,30 @@ class Report(pl.Callback):
         )
 
 
+def precision_args(precision: str | None) -> dict[str, Any]:
+    if precision == "16-mixed":
+        return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))]}
+    return {"precision": precision} if precision else {}
+
+
 def main() -> None:
-    out, site, fault_rank, action = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    root, site, fault_rank, action = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
     if site == "sharded":
-        return sharded_main(out, fault_rank, action)
+        return sharded_main(root, fault_rank, action)
     warnings.simplefilter("ignore")
+    if len(sys.argv) == 5:
+        fit(root, site, fault_rank, action, None)
+        return
+    for one_site in site.split(","):
+        for precision in sys.argv[5].split(","):
+            out = root / one_site / precision
+            out.mkdir(parents=True, exist_ok=True)
+            fit(out, one_site, fault_rank, action, precision)
+
+
+def fit(out: Path, site: str, fault_rank: int, action: str, precision: str | None) -> None:
     pl.seed_everything(0, verbose=False)
-    guard = NumGuardCallback(action=action, dirpath=str(out / "ng"), replay=site != "manual")
+    guard = NumGuardCallback(action=action, dirpath=str(out / "ng"))
     model: pl.LightningModule = FaultModel(site=None if site in MODES else site, step=2, rank=fault_rank)
     trainer = pl.Trainer(
         accumulate_grad_batches=2 if site == "accumulate" else 1,
@@ -69,6 +92,7 @@ def main() -> None:
         enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=[guard, Report(out, guard)],
+        **precision_args(precision),
     )
     rank = trainer.global_rank
     # each rank trains on its own 40 samples; batch 2 of the faulty rank holds NaN
@@ -79,6 +103,8 @@ def main() -> None:
     )
     if site == "manual":
         model = TwoOptimizerGAN(bad_batch=2 if rank == fault_rank else None)
+    if site == "compile":
+        model = CompiledLogHeadModel(rank=fault_rank)
     shard = torch.utils.data.Subset(data, list(range(rank * 40, rank * 40 + 40)))
     trainer.fit(model, DataLoader(shard, batch_size=8, shuffle=False))
 

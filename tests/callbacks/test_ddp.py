@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 
 
-def run_ddp(tmp_path: Path, site: str, fault_rank: int, action: str) -> list[dict]:
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ddp(tmp_path: Path, site: str, fault_rank: int, action: str, *precisions: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
-    env["MASTER_PORT"] = str(20000 + (os.getpid() % 20000))
+    env["MASTER_PORT"] = str(_free_port())  # a fixed port can still be in TIME_WAIT from the previous launch
+    args = [sys.executable, str(SCRIPT), str(tmp_path), site, str(fault_rank), action]
+    if precisions:
+        args.append(",".join(precisions))
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), site, str(fault_rank), action],
+        args,
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -25,6 +36,8 @@ def run_ddp(tmp_path: Path, site: str, fault_rank: int, action: str) -> list[dic
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    if precisions:
+        return []  # one fit per site and precision: read with ``ranks_of``
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
@@ -95,6 +108,10 @@ def test_manual_two_optimizers_fault_on_rank_1_ranks_stay_in_step(tmp_path):
     assert ranks[0]["events"] == ranks[1]["events"]
     first = ranks[0]["events"][0]
     assert first["kind"] == "nonfinite_loss" and first["rank"] == 1 and first["batch_idx"] == 2
+    assert first["step"] == 5  # the discriminator's optimizer step of batch 2
+    # the default replay ran on rank 1 (stepping no optimizer, moving no counter) and named the op
+    assert "`mul` at" in first["message"] and "test_setups_accumulation.py" in first["message"]
+    assert ranks[0]["counters"]["rollbacks"] == 1
 
 
 def _bitwise(a, b) -> bool:
@@ -134,3 +151,58 @@ def test_sharded_snapshots_hold_half_per_rank_and_restore_bitwise_like_full_copi
     assert _bitwise(auto[0]["checkpoints"], off[0]["checkpoints"])
     print({f"rank{r}": {k: v[r][f"{k}_nbytes"] for k, v in (("snapshot", auto), ("sharded", auto))} for r in (0, 1)})
     print({"off": [o["snapshot_nbytes"] for o in off]})
+
+
+def ranks_of(root: Path) -> list[dict]:
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+#: site: (kind, global step of the read, batch_idx, global_step at the end of a guard-free run)
+EXPECTED = {
+    "input": ("nonfinite_input", 2, 2, 5),
+    "accumulate": ("nonfinite_input", 1, 3, 3),  # accumulate 2: batch 3 is window 1's second micro-batch
+    "manual": ("nonfinite_loss", 5, 2, 10),  # the GAN: two optimizer steps per batch, read at the second's
+    "compile": ("nonfinite_output", 3, 3, 5),  # NaN inside a compiled head
+}
+
+
+def assert_rolled_back_together(ranks: list[dict], site: str) -> None:
+    """A fault on rank 1: every rank rolls back in the same step, names the same rank and micro-batch, and ends
+    finite, identical and at a guard-free run's ``global_step``."""
+    kind, step, batch_idx, global_step = EXPECTED[site]
+    for r in ranks:
+        assert r["finite"] and r["same_as_rank0"]
+        assert r["counters"]["rollbacks"] == 1 and r["counters"]["skipped_steps"] == 1
+        assert r["counters"]["amp_overflow_steps"] == 0  # a NaN is an incident, never the scaler's overflow
+        assert r["global_step"] == global_step
+    assert ranks[0]["events"] == ranks[1]["events"]
+    first = ranks[0]["events"][0]
+    assert (first["kind"], first["step"], first["batch_idx"], first["rank"]) == (kind, step, batch_idx, 1), first
+
+
+@pytest.mark.ddp
+def test_bf16_and_64_true_faults_on_rank_1(tmp_path):
+    """One launch, six fits in sequence: NaN inputs, NaN inputs in an accumulation window's second micro-batch,
+    and a manual-optimization GAN's NaN loss (under the default replay), each under bf16-mixed and 64-true."""
+    run_ddp(tmp_path, "input,accumulate,manual", 1, "rollback", "bf16-mixed", "64-true")
+    for site in ("input", "accumulate", "manual"):
+        for precision in ("bf16-mixed", "64-true"):
+            assert_rolled_back_together(ranks_of(tmp_path / site / precision), site)
+
+
+@pytest.mark.ddp
+def test_fp16_gradscaler_faults_and_overflow_on_rank_1(tmp_path):
+    """16-mixed under a CPU GradScaler, one launch, five fits: the three faults above and a NaN inside a
+    ``torch.compile``d head are incidents, rolled back on every rank; a non-finite gradient on rank 1 only
+    (all-reduced to every rank) is the scaler's overflow, skipped by the scaler on every rank alike, no incident."""
+    run_ddp(tmp_path, "input,grad,accumulate,manual,compile", 1, "rollback", "16-mixed")
+    for site in ("input", "accumulate", "manual", "compile"):
+        assert_rolled_back_together(ranks_of(tmp_path / site / "16-mixed"), site)
+    if hasattr(torch.compiler, "set_stance"):  # rank 1's replay ran the compiled head eagerly and found the op
+        assert (
+            "op `log1p` in `head._orig_mod`" in ranks_of(tmp_path / "compile" / "16-mixed")[0]["events"][0]["message"]
+        )
+    for r in ranks_of(tmp_path / "grad" / "16-mixed"):
+        assert r["finite"] and r["same_as_rank0"]
+        assert r["counters"]["amp_overflow_steps"] == 1 and r["counters"]["incidents"] == 0, r["counters"]
+        assert not r["events"] and r["global_step"] == 5
