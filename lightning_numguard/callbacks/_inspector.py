@@ -117,6 +117,8 @@ class StepInspector:
         self.unchecked_buffers: set[str] = set()
         self.checked_buffers: Named = []
         self._metric_keys: list[str] = []
+        # Per optimizer: its param groups' layout (key) and the named parameters in order, resolved once.
+        self._opt_params: dict[int, tuple[Any, list[tuple[list[Any], int]], list[tuple[str, torch.Tensor]]]] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -144,6 +146,7 @@ class StepInspector:
         """Resolve names once per fit: the hot path must not walk the module tree every step."""
         self.named_params = list(pl_module.named_parameters())
         self.param_names = {id(p): n for n, p in self.named_params}
+        self._opt_params = {}
         persistent = set(pl_module.state_dict())
         self._named_buffers = [(n, b) for n, b in pl_module.named_buffers() if n in persistent]
         self._start_buffers = [b.detach().clone() for _, b in self._named_buffers]
@@ -383,13 +386,28 @@ class StepInspector:
     # ------------------------------------------------------------------ named tensors
 
     def grads(self, optimizer: Any) -> Named:
-        """The named gradients of ``optimizer``'s parameters."""
-        names = self.param_names
+        """The named gradients of ``optimizer``'s parameters.
+
+        The (name, parameter) list is resolved once per optimizer (and again when its param groups change);
+        a step only reads each ``.grad`` (a new tensor each step) and applies :func:`checks.is_checkable` inline.
+        """
+        groups = optimizer.param_groups
+        cached = self._opt_params.get(id(optimizer))
+        if (
+            cached is None
+            or cached[0] is not optimizer
+            or len(cached[1]) != len(groups)
+            or any(g["params"] is not ps or len(ps) != n for g, (ps, n) in zip(groups, cached[1]))
+        ):
+            names = self.param_names
+            layout = [(g["params"], len(g["params"])) for g in groups]
+            cached = (optimizer, layout, [(names.get(id(p), "?"), p) for g in groups for p in g["params"]])
+            self._opt_params[id(optimizer)] = cached
+        strided = torch.strided
         return [
-            (names.get(id(p), "?"), p.grad)
-            for g in optimizer.param_groups
-            for p in g["params"]
-            if p.grad is not None and checks.is_checkable(p.grad)
+            (n, g)
+            for n, p in cached[2]
+            if (g := p.grad) is not None and g.layout is strided and g.is_floating_point() and g.numel() > 0
         ]
 
     def segment(self, segment: str, trainer: pl.Trainer) -> Named:
