@@ -40,18 +40,6 @@ Named = list[tuple[str, torch.Tensor]]
 
 
 @dataclass
-class MicroBatch:
-    """One micro-batch of an accumulation window: its batch and what it recorded (device tensors, no sync)."""
-
-    batch_idx: int
-    batch: Any
-    input_max: torch.Tensor | None = None
-    loss: torch.Tensor | None = None
-    first_output: int = 0  # index of its first record in the output watch
-    rng: dict[str, Any] | None = None  # the RNG state at its start (see _micro.micro_rng)
-
-
-@dataclass
 class StepRecord:
     """What one optimizer step (one accumulation window) has recorded so far, on the device."""
 
@@ -73,7 +61,7 @@ class StepRecord:
     step: int = 0
     # every micro-batch of the window (one entry without accumulation); after a hit ``batch`` and
     # ``batch_idx`` above are those of the first bad micro-batch (``bad_micro_batch`` is its index here)
-    micro: list[MicroBatch] = field(default_factory=list)
+    micro: list[_micro.MicroBatch] = field(default_factory=list)
     bad_micro_batch: int = 0
     seen_at_read: tuple[int, int] = (0, 0)  # losses and output records already read by an earlier optimizer
 
@@ -94,16 +82,22 @@ class StepInspector:
         max_abs_input: the suspicious-input threshold, or ``None``.
         watch_modules: glob patterns of the modules whose outputs are watched.
         ignore_modules: glob patterns of modules not watched.
+        watch_depth: the depth of the blocks whose outputs are watched (``None``: every module).
     """
 
     def __init__(
-        self, check: list[str], max_abs_input: float | None, watch_modules: list[str], ignore_modules: list[str]
+        self,
+        check: list[str],
+        max_abs_input: float | None,
+        watch_modules: list[str],
+        ignore_modules: list[str],
+        watch_depth: int | None = 1,
     ) -> None:
         self.check = check
         self.max_abs_input = max_abs_input
         self.watch_modules = watch_modules
         self.ignore_modules = ignore_modules
-        self.watch_depth: int | None = 1  # blocks, not every module (core.watch.select_modules)
+        self.watch_depth = watch_depth  # blocks, not every module (core.watch.select_modules)
         self.record: StepRecord | None = None
         self.watch: OutputWatch | None = None
         self.opguard: OpGuard | None = None
@@ -191,7 +185,9 @@ class StepInspector:
                 # numpy's RNG is left to the snapshot: reading its state costs ~0.1 ms, more than all the rest
                 rec.start_states = clone_states(stateful, self._metric_keys)
                 rec.start_rng = rng_state()
-        micro = MicroBatch(batch_idx, batch, first_output=len(self.watch.records) if self.watch is not None else 0)
+        micro = _micro.MicroBatch(
+            batch_idx, batch, first_output=len(self.watch.records) if self.watch is not None else 0
+        )
         if rec.start_rng is not None:
             micro.rng = _micro.micro_rng(rec.start_rng) if rec.micro else rec.start_rng
         rec.micro.append(micro)

@@ -8,6 +8,7 @@ no sync); Python's ``random`` state is the window's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
@@ -20,7 +21,19 @@ if TYPE_CHECKING:
     from lightning_numguard.callbacks._inspector import StepRecord
     from lightning_numguard.core.watch import OutputWatch
 
-__all__ = ["first_bad", "merge_flag", "micro_rng"]
+__all__ = ["MicroBatch", "first_bad", "merge_flag", "micro_rng"]
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of an accumulation window: its batch and what it recorded (device tensors, no sync)."""
+
+    batch_idx: int
+    batch: Any
+    input_max: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    first_output: int = 0  # index of its first record in the output watch
+    rng: dict[str, Any] | None = None  # the RNG state at its start (see _micro.micro_rng)
 
 
 def micro_rng(window_rng: dict[str, Any]) -> dict[str, Any]:

@@ -234,8 +234,7 @@ class NumGuardCallback(Callback):
 
     def _fresh_run(self, dirpath: Path | None = None) -> None:
         """New collaborators for a fit (run in ``setup``, before Lightning loads this callback's state)."""
-        self._inspector = StepInspector(self.check, self.max_abs_input, self.watch_modules, self.ignore_modules)
-        self._inspector.watch_depth = self.watch_depth
+        self._inspector = self._new_inspector()
         self._reporter = Reporter(dirpath, warn=self.emit_warnings)
         self._ledger = Ledger(self._reporter)
         self._recovery = Recovery(
@@ -245,15 +244,16 @@ class NumGuardCallback(Callback):
             self.lr_backoff,
             self.retry_transient,
             self.quarantine,
-            getattr(self, "snapshot_sharding", "off")
-            if getattr(self, "sync_mode", "every_step") == "every_step"
-            else "off",
+            self.snapshot_sharding if self.sync_mode == "every_step" else "off",  # deferred keeps its own ring
         )
         self._coverage = CoverageCheck(self.check_optimizer_coverage)
         self._progress = FitProgress()
         self._logged = LoggedValues()
         self._amp = AmpCounters()
-        self._deferred = DeferredSync() if getattr(self, "sync_mode", "every_step") == "deferred" else None
+        self._deferred = DeferredSync() if self.sync_mode == "deferred" else None
+
+    def _new_inspector(self) -> StepInspector:
+        return StepInspector(self.check, self.max_abs_input, self.watch_modules, self.ignore_modules, self.watch_depth)
 
     # ------------------------------------------------------------------ public state
 
@@ -319,7 +319,7 @@ class NumGuardCallback(Callback):
     def __getstate__(self) -> dict[str, Any]:
         # Hooks, the op-guard mode and the step record belong to a running fit; setup rebuilds them.
         state = self.__dict__.copy()
-        state["_inspector"] = StepInspector(self.check, self.max_abs_input, self.watch_modules, self.ignore_modules)
+        state["_inspector"] = self._new_inspector()
         return state
 
     # ------------------------------------------------------------------ hooks

@@ -35,7 +35,7 @@ def run_ddp(tmp_path: Path, site: str, fault_rank: int, action: str, *precisions
         text=True,
         timeout=240,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     if precisions:
         return []  # one fit per site and precision: read with ``ranks_of``
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
