@@ -107,6 +107,8 @@ class StepInspector:
         self.param_names: dict[int, str] = {}
         self._named_buffers: Named = []
         self._start_buffers: list[torch.Tensor] = []
+        self._live_buffers: list[torch.Tensor] = []
+        self._start_checked: Named = []  # checked buffers paired with their start-of-step copies
         self._start_buffer_map: dict[str, torch.Tensor] = {}
         self.unchecked_buffers: set[str] = set()
         self.checked_buffers: Named = []
@@ -145,6 +147,7 @@ class StepInspector:
         self._named_buffers = [(n, b) for n, b in pl_module.named_buffers() if n in persistent]
         self._start_buffers = [b.detach().clone() for _, b in self._named_buffers]
         self._start_buffer_map = {n: c for (n, _), c in zip(self._named_buffers, self._start_buffers)}
+        self._live_buffers = [b for _, b in self._named_buffers]
         self._metric_keys = [k for k in stateful if k.startswith("metric:")]
 
     def leave_unchecked(self, bad_at_start: list[str]) -> list[str]:
@@ -159,6 +162,7 @@ class StepInspector:
         self.checked_buffers = [
             (n, b) for n, b in self._named_buffers if n not in self.unchecked_buffers and b.is_floating_point()
         ]
+        self._start_checked = [(n, self._start_buffer_map[n]) for n, _ in self.checked_buffers]
         return [n for n in bad_at_start if n not in self.unchecked_buffers]
 
     # ------------------------------------------------------------------ recording
@@ -180,7 +184,7 @@ class StepInspector:
                 self.watch.reset()
             if keep_start:
                 if self._start_buffers:  # one fused copy of every buffer, into storage reused each step
-                    _compat.foreach_copy_(self._start_buffers, [b for _, b in self._named_buffers])
+                    _compat.foreach_copy_(self._start_buffers, self._live_buffers)
                 rec.start_buffers = self._start_buffer_map
                 # numpy's RNG is left to the snapshot: reading its state costs ~0.1 ms, more than all the rest
                 rec.start_states = clone_states(stateful, self._metric_keys)
@@ -413,8 +417,7 @@ class StepInspector:
         if segment == "opt_state":
             return self.optimizer_state(trainer)
         if segment == "start_buffers" and self.record is not None and self.record.start_buffers is not None:
-            start = self.record.start_buffers
-            return [(n, start[n]) for n, _ in self.checked_buffers]
+            return self._start_checked  # the start-of-step copies live in storage reused every step
         if segment == "live_buffers":
             return self.checked_buffers
         return []
