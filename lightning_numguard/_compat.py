@@ -20,6 +20,7 @@ from lightning_numguard.errors import NumGuardError
 __all__ = [
     "callbacks_of_trainer_being_built",
     "foreach_copy_",
+    "foreach_nonfinite_",
     "foreach_norm_f32",
     "lightning_will_stop",
     "logger_metric_dicts",
@@ -181,6 +182,25 @@ def foreach_norm_f32(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
     except (TypeError, RuntimeError):
         return [n.float() for n in torch._foreach_norm(list(tensors), 2)]
+
+
+def foreach_nonfinite_(tensors: Sequence[torch.Tensor], found: torch.Tensor) -> bool:
+    """Set ``found`` (a float32 0-d tensor on the tensors' device) to 1 when any of ``tensors`` holds NaN/Inf.
+
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` with a scale of exactly 1: the fused check the
+    GradScaler runs on the gradients of every AMP step. It writes each element back multiplied by 1.0 (the
+    same bits: finite values, signed zeros and subnormals are unchanged, and no version counter moves), so
+    it is meant for gradients only. There is no public fused form. Returns ``False`` when the op is missing
+    or refuses the tensors (the caller then uses another reduction).
+    """
+    op = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+    if op is None:  # pragma: no cover - every supported torch has it
+        return False
+    try:
+        op(list(tensors), found, torch.ones((), dtype=torch.float32, device=found.device))
+    except (TypeError, RuntimeError):  # pragma: no cover - a dtype or device this build's kernel lacks
+        return False
+    return True
 
 
 def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:

@@ -114,7 +114,8 @@ class StepInspector:
         self.checked_buffers: Named = []
         self._metric_keys: list[str] = []
         # Per optimizer: its param groups' layout (key) and the named parameters in order, resolved once.
-        self._opt_params: dict[int, tuple[Any, list[tuple[list[Any], int]], list[tuple[str, torch.Tensor]]]] = {}
+        self._opt_params: dict[int, tuple[Any, list[tuple[list[Any], int]], Named, checks.TotalPlan]] = {}
+        self._grads_plan: checks.TotalPlan | None = None  # the plan of the gradients grads() last returned
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -280,18 +281,37 @@ class StepInspector:
             input_max = rec.inputs[0][1] if len(rec.inputs) == 1 else torch.stack([v for _, v in rec.inputs]).amax()
         watch = self.watch if self.watch is not None and self.watch.enabled else None
         losses = [x.to(device, torch.float32) for x in rec.losses]
-        packed = flags.pack(
-            input_max=input_max,
-            norm_total=checks.norm_total([t for seg in segments.values() for _, t in seg], device),
-            output_total=watch.total(device) if watch is not None else zero,
-            loss_total=torch.stack(losses).sum() if losses else zero,
-            suspicious=(input_max >= self.max_abs_input).float() if self.max_abs_input is not None else zero,
-            op=self.opguard.flags(device).amax() if self.opguard is not None and self.opguard.records else zero,
-            quarantine=rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
-        )
+        loss_total = zero
+        if losses:
+            loss_total = losses[0] if len(losses) == 1 and losses[0].dim() == 0 else torch.stack(losses).sum()
+        slots = {
+            "input_max": input_max,
+            "norm_total": self._norm_total(segments, device, zero),
+            "output_total": watch.total(device) if watch is not None else zero,
+            "loss_total": loss_total,
+            "suspicious": (input_max >= self.max_abs_input).float() if self.max_abs_input is not None else zero,
+            "op": self.opguard.flags(device).amax() if self.opguard is not None and self.opguard.records else zero,
+            "quarantine": rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
+        }
         world = trainer.world_size
-        reduced = _distributed.reduce_max(trainer, flags.encode_rank(packed, trainer.global_rank, world))
+        if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
+            return Reading(flags.decode_raw(flags.stack_raw(list(slots.values())).tolist()), segments)
+        reduced = _distributed.reduce_max(trainer, flags.encode_rank(flags.pack(**slots), trainer.global_rank, world))
         return Reading(flags.decode(reduced.tolist(), world), segments)  # the one host read of the step
+
+    def _norm_total(self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor) -> torch.Tensor:
+        """The ``NORMS`` slot's total: the gradients through the check that may rewrite them, the rest read-only."""
+        totals = []
+        if segments.get("grads"):
+            grads = [t for _, t in segments["grads"]]
+            plan = self._grads_plan if self._grads_plan is not None else checks.TotalPlan(grads)
+            totals.append(plan.total(grads, device, rewritable=True))
+        state = [t for name, seg in segments.items() if name != "grads" for _, t in seg]
+        if state:
+            totals.append(checks.norm_total(state, device))
+        if not totals:
+            return zero
+        return totals[0] if len(totals) == 1 else totals[0] + totals[1]
 
     # ------------------------------------------------------------------ after a hit
 
@@ -388,8 +408,10 @@ class StepInspector:
     def grads(self, optimizer: Any) -> Named:
         """The named gradients of ``optimizer``'s parameters.
 
-        The (name, parameter) list is resolved once per optimizer (and again when its param groups change);
-        a step only reads each ``.grad`` (a new tensor each step) and applies :func:`checks.is_checkable` inline.
+        The floating, non-empty (name, parameter) list is resolved once per optimizer (and again when its param
+        groups change), with the :class:`~lightning_numguard.core.checks.TotalPlan` of their layout; a step only
+        reads each ``.grad`` (a new tensor each step, with its parameter's dtype and shape) and skips missing and
+        sparse ones. When none is skipped, :meth:`read` checks them with that plan.
         """
         groups = optimizer.param_groups
         cached = self._opt_params.get(id(optimizer))
@@ -401,14 +423,18 @@ class StepInspector:
         ):
             names = self.param_names
             layout = [(g["params"], len(g["params"])) for g in groups]
-            cached = (optimizer, layout, [(names.get(id(p), "?"), p) for g in groups for p in g["params"]])
+            params = [
+                (names.get(id(p), "?"), p)
+                for g in groups
+                for p in g["params"]
+                if p.is_floating_point() and p.numel() > 0
+            ]
+            cached = (optimizer, layout, params, checks.TotalPlan([p for _, p in params]))
             self._opt_params[id(optimizer)] = cached
         strided = torch.strided
-        return [
-            (n, g)
-            for n, p in cached[2]
-            if (g := p.grad) is not None and g.layout is strided and g.is_floating_point() and g.numel() > 0
-        ]
+        named = [(n, g) for n, p in cached[2] if (g := p.grad) is not None and g.layout is strided]
+        self._grads_plan = cached[3] if len(named) == cached[3].size else None
+        return named
 
     def segment(self, segment: str, trainer: pl.Trainer) -> Named:
         """The named tensors of one state segment, for the step's flag or for an exact look after a hit."""

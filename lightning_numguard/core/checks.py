@@ -25,9 +25,10 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_numguard._compat import foreach_norm_f32
+from lightning_numguard._compat import foreach_nonfinite_, foreach_norm_f32
 
 __all__ = [
+    "TotalPlan",
     "as_f32",
     "confirm_nonfinite",
     "is_checkable",
@@ -93,25 +94,80 @@ def norm_candidates(tensors: Sequence[torch.Tensor], device: torch.device | None
     return torch.stack(slots)
 
 
-def norm_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """0-d float32 on ``device``: the sum of every tensor's float32 L2 norm; no sync.
+#: On the CPU a tensor of at least this many elements is checked by its own ``sum`` (one vectorised read,
+#: about 3x cheaper than its norm); below it, the per-call overhead dominates and one fused call takes them all.
+CPU_SUM_MIN_NUMEL = 1 << 15
 
-    Finite exactly when every norm is finite — so a finite total proves every tensor finite,
-    and a non-finite one makes them candidates for :func:`confirm_nonfinite`. The hot-path form
-    of :func:`norm_candidates` for tensors the caller knows to be strided, floating and
-    non-empty (parameters, buffers, gradients): one ``_foreach_norm`` per (device, dtype) group
-    and no per-tensor Python work beyond grouping.
+
+def norm_total(tensors: Sequence[torch.Tensor], device: torch.device, *, rewritable: bool = False) -> torch.Tensor:
+    """0-d float32 on ``device``, finite when every tensor is; no sync.
+
+    A finite total proves every tensor finite; a non-finite one makes them candidates for
+    :func:`confirm_nonfinite` (NaN/Inf, or finite values so large that a reduction overflowed). The
+    hot-path form of :func:`norm_candidates` for tensors the caller knows to be strided, floating and
+    non-empty (parameters, buffers, gradients), per (device, dtype) group:
+
+    * on an accelerator, one ``_foreach_norm`` (a fused multi-tensor kernel) and its sum;
+    * on the CPU, where ``_foreach_norm`` is a loop of norm kernels, each tensor of at least
+      :data:`CPU_SUM_MIN_NUMEL` elements is summed (in float32, float64 for float64; a sum overflows
+      only past ~3e38 in all, far later than a norm's squares at ~1e19), and the smaller ones take one
+      fused call: with ``rewritable`` (gradients, which nothing else holds) the GradScaler's own
+      non-finite check, which writes every element back unchanged; otherwise ``_foreach_norm``.
+
+    Measured on the project's 2-core CPU, one thread (``benchmarks/results``): the 1.6M gradients of
+    the MLP (8 tensors) 0.21 ms with ``_foreach_norm`` and 0.09 ms this way; the 1.6M gradients of the
+    deep model (580 tensors) 0.87 ms and 0.35 ms.
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    sums = []
-    for (dev, _), ts in groups.items():
-        total = torch.stack(foreach_norm_f32(ts)).sum()
-        sums.append(total if dev == device else total.to(device, non_blocking=True))
-    if not sums:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+    return TotalPlan(tensors).total(tensors, device, rewritable=rewritable)
+
+
+class TotalPlan:
+    """:func:`norm_total` with the grouping done once, for tensors whose layout repeats every step.
+
+    A step's gradients are new tensors, but each has its parameter's device, dtype and shape: a plan
+    built from the parameters groups them (by device and dtype, large and small) once per fit, so a
+    step pays no per-tensor Python work beyond indexing.
+
+    Args:
+        like: tensors with the devices, dtypes and sizes of those :meth:`total` will get, in order.
+    """
+
+    def __init__(self, like: Sequence[torch.Tensor]) -> None:
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[int]]] = {}
+        for i, t in enumerate(like):
+            large, small = groups.setdefault((t.device, t.dtype), ([], []))
+            (large if t.device.type == "cpu" and t.numel() >= CPU_SUM_MIN_NUMEL else small).append(i)
+        self.groups = [(dev, dtype, large, small) for (dev, dtype), (large, small) in groups.items()]
+        self.size = len(like)
+
+    def total(self, tensors: Sequence[torch.Tensor], device: torch.device, *, rewritable: bool = False) -> torch.Tensor:
+        """:func:`norm_total` of ``tensors`` (laid out as this plan's ``like``); no sync."""
+        sums = []
+        for dev, dtype, large, small in self.groups:
+            if dev.type == "cpu":
+                total = _cpu_total([tensors[i] for i in large], [tensors[i] for i in small], dtype, rewritable)
+            else:
+                total = torch.stack(foreach_norm_f32([tensors[i] for i in small])).sum()
+            sums.append(total if dev == device else total.to(device, non_blocking=True))
+        if not sums:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+
+
+def _cpu_total(
+    large: list[torch.Tensor], small: list[torch.Tensor], dtype: torch.dtype, rewritable: bool
+) -> torch.Tensor:
+    """One CPU group of :func:`norm_total`: float32, non-finite when a tensor is (or a sum overflowed)."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    parts = [t.sum(dtype=acc) for t in large]
+    if small:
+        found = torch.zeros((), dtype=torch.float32) if rewritable else None
+        if found is not None and foreach_nonfinite_(small, found):
+            parts.append(found.neg().log1p().to(acc))  # 0 when clean, -inf when a value was not finite
+        else:
+            parts.append(torch.stack(foreach_norm_f32(small)).sum().to(acc))
+    total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+    return as_f32(total)
 
 
 def is_checkable(t: torch.Tensor) -> bool:

@@ -13,11 +13,40 @@ from torch import nn
 from .checks import as_f32
 from .tree import floating_leaves
 
-__all__ = ["MAX_PER_LIST", "OutputWatch", "select_modules"]
+__all__ = ["MAX_PER_LIST", "PASS_THROUGH", "OutputWatch", "select_modules"]
 
 #: Default cap on the watched elements of one ``ModuleList``/``ModuleDict`` (see :func:`select_modules`).
 MAX_PER_LIST = 16
 
+
+#: Stateless modules whose output is finite whenever their input is (short of exceeding float32's range):
+#: a NaN or Inf they pass on is already in the output of the block before them, or in the step's
+#: input. At block granularity (``depth``) they are not watched; the replay after a hit, watching
+#: every module, still sees them. Exact types only: a subclass may compute anything.
+PASS_THROUGH: frozenset[type[nn.Module]] = frozenset(
+    {
+        nn.Identity,
+        nn.ReLU,
+        nn.ReLU6,
+        nn.GELU,
+        nn.SiLU,
+        nn.Tanh,
+        nn.Sigmoid,
+        nn.Hardtanh,
+        nn.Hardsigmoid,
+        nn.Hardswish,
+        nn.Softmax,
+        nn.Dropout,
+        nn.Dropout1d,
+        nn.Dropout2d,
+        nn.Dropout3d,
+        nn.Flatten,
+        nn.Unflatten,
+        nn.MaxPool1d,
+        nn.MaxPool2d,
+        nn.MaxPool3d,
+    }
+)
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _LISTS = (nn.ModuleList, nn.ModuleDict)
@@ -42,6 +71,11 @@ def select_modules(
     ``ModuleDict`` themselves have no forward and are never watched. A module matched by an
     ``include`` pattern other than ``"*"`` is a candidate at any depth. ``None`` makes every
     module a candidate.
+
+    With ``depth``, modules of the :data:`PASS_THROUGH` types (activations, dropout, pooling by
+    maximum, ``Flatten``) are not blocks: they cannot turn finite values into NaN or Inf, so what
+    they pass on was already in the previous block's output. An ``include`` pattern other than
+    ``"*"`` can still name them.
 
     ``max_per_list`` (with ``depth`` only) caps the watched elements of one long
     ``ModuleList``/``ModuleDict``: of ``n > max_per_list`` elements, every ``ceil(n / max_per_list)``-th
@@ -75,6 +109,8 @@ def select_modules(
             block = child_level <= depth or (element and not in_block)
             if stride > 1 and (i + 1) % stride and i != n - 1:
                 block = False  # a long list: every stride-th element and the last
+            if type(child) in PASS_THROUGH:
+                block = False
             candidate = block or any(fnmatch.fnmatchcase(name, p) for p in explicit)
             if candidate and not isinstance(child, _LISTS) and wanted(name):
                 chosen.append((name, child))

@@ -112,3 +112,38 @@ def test_hot_path_totals_agree_with_the_reference(dtype, value):
 def test_totals_of_nothing_are_zero():
     assert checks.max_abs_total([torch.arange(2)], torch.device("cpu")).item() == 0.0
     assert checks.norm_total([], torch.device("cpu")).item() == 0.0
+
+
+@pytest.mark.parametrize("rewritable", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("value", [*VALUES, 1e4])
+@pytest.mark.parametrize("where", ["large", "small"])
+def test_cpu_total_sums_large_tensors_and_fuses_small_ones(rewritable, dtype, value, where):
+    # one tensor takes the per-tensor sum path (>= CPU_SUM_MIN_NUMEL elements), the others the fused call
+    large = torch.randn(checks.CPU_SUM_MIN_NUMEL).to(dtype)
+    small = [torch.randn(5).to(dtype), torch.randn(2, 3).to(dtype)]
+    (large if where == "large" else small[1])[1] = value
+    tensors = [large, *small]
+    before = [t.clone() for t in tensors]
+    finite_ref = all(bool(torch.isfinite(t).all()) for t in tensors)
+    total = checks.norm_total(tensors, torch.device("cpu"), rewritable=rewritable)
+    assert total.dtype == torch.float32 and total.dim() == 0
+    assert math.isfinite(total.item()) == finite_ref
+    for t, b in zip(tensors, before):  # the rewriting check writes back the very same bits
+        assert torch.equal(t.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_rewritable_total_keeps_signed_zeros_and_subnormals_bitwise():
+    grads = [torch.tensor([-0.0, 1e-40, -1e-45, 3.0e38, 1.0])]
+    before = grads[0].clone()
+    assert math.isfinite(checks.norm_total(grads, torch.device("cpu"), rewritable=True).item())
+    assert torch.equal(grads[0].view(torch.int32), before.view(torch.int32))
+
+
+def test_cpu_total_of_huge_finite_values_is_only_a_candidate():
+    # finite values whose float32 sum overflows: a candidate (confirmed exactly afterwards), never a proof
+    tensors = [torch.full((checks.CPU_SUM_MIN_NUMEL,), 3.0e38)]
+    assert not math.isfinite(checks.norm_total(tensors, torch.device("cpu")).item())
+    assert checks.confirm_nonfinite(tensors) == [False]
+    wide = [torch.full((checks.CPU_SUM_MIN_NUMEL,), 1e300, dtype=torch.float64)]
+    assert checks.confirm_nonfinite(wide) == [False]

@@ -55,6 +55,24 @@ def test_pack_marks_non_finite_totals_and_raised_flags(values, seen):
     assert all(decoded.rank(s) == 0 for s in seen)
 
 
+@pytest.mark.parametrize(("values", "seen"), PACKS)
+def test_one_process_reads_the_raw_values_and_decodes_them_like_a_pack(values, seen):
+    args = dict.fromkeys(("input_max", "norm_total", "output_total", "loss_total"), 0.0)
+    args.update(dict.fromkeys(("suspicious", "op", "quarantine"), 0.0))
+    args.update(values)
+    raw = [torch.tensor(v, dtype=torch.float64 if k == "loss_total" else torch.float32) for k, v in args.items()]
+    vector = flags.stack_raw(raw)
+    assert vector.dtype == torch.float32 and vector.shape == (len(flags.SLOTS),)
+    decoded = flags.decode_raw(vector.tolist())
+    assert decoded == flags.decode(packed(**values).tolist(), world=1)
+    assert {s for s in range(len(flags.SLOTS)) if decoded.seen(s)} == seen
+
+
+def test_decode_raw_wants_every_slot():
+    with pytest.raises(ValueError, match="expected 7 slot values"):
+        flags.decode_raw([0.0] * 6)
+
+
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_a_max_reduce_keeps_the_lowest_rank_that_saw_each_slot(world):
     # rank r sees the input slot when r is odd, the loss slot only on the last rank

@@ -112,11 +112,31 @@ class Deep(nn.Module):
 def test_block_selection_watches_blocks_not_leaves():
     m = Deep()
     names = [n for n, _ in select_modules(m, depth=1)]
-    assert names == ["stem", "trunk", "trunk.layers.0", "trunk.layers.1", "trunk.layers.2", "head", "head.0", "head.1"]
+    # head.0 is a ReLU: a pass-through module is not a block (see the next test)
+    assert names == ["stem", "trunk", "trunk.layers.0", "trunk.layers.1", "trunk.layers.2", "head", "head.1"]
     assert "trunk.layers.1.fc" in [n for n, _ in select_modules(m, depth=3)]  # trunk 1, layers.1 2, fc 3
     # an explicit pattern reaches below the depth; exclusion still applies
     assert [n for n, _ in select_modules(m, ["*.act.1"], depth=1)] == [f"trunk.layers.{i}.act.1" for i in range(3)]
     assert "trunk.layers.1" not in [n for n, _ in select_modules(m, ["*"], ["trunk.layers.1"], depth=1)]
+
+
+def test_pass_through_modules_are_not_blocks_but_what_they_pass_on_is_caught():
+    class Relu2(nn.ReLU):  # a subclass may compute anything: watched like any module
+        pass
+
+    m = nn.Sequential(nn.Linear(2, 2), nn.GELU(), nn.Dropout(0.0), Relu2(), nn.Linear(2, 2), nn.Sigmoid())
+    names = [n for n, _ in select_modules(m, depth=1)]
+    assert names == ["0", "3", "4"]
+    assert [n for n, _ in select_modules(m, ["*", "1"], depth=1)] == ["0", "1", "3", "4"]  # named explicitly
+    assert [n for n, _ in select_modules(m, depth=None)] == [str(i) for i in range(6)]  # every module
+    w = OutputWatch(m, depth=1)
+    w.attach()
+    with torch.no_grad():
+        m[0].bias.fill_(float("nan"))
+    with torch.enable_grad():
+        m(torch.randn(3, 2))
+    assert not math.isfinite(w.total(torch.device("cpu")).item())
+    assert [name for name, _, _ in w.first_bad()] == ["0", "3", "4"]
 
 
 def test_block_watch_writes_into_a_preallocated_buffer_and_names_the_block():
