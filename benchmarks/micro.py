@@ -1,8 +1,9 @@
 """Micro-measurements of the guard's building blocks, interleaved, median of many calls.
 
-(a) the gradient check alone (``norm_candidates`` + one ``isfinite``) against the AdamW
-    ``optimizer.step()`` on the same parameters, and the alternatives: ``_foreach_norm(ord=inf)``,
-    per-tensor ``isfinite().all()`` (stacked, no sync; and with one ``bool()`` per tensor),
+(a) the gradient check alone (``checks.TotalPlan.total``, what the read runs on the gradients
+    every step) against the AdamW ``optimizer.step()`` on the same parameters, and the
+    alternatives: ``_foreach_norm(ord=inf)``, per-tensor ``isfinite().all()`` (stacked, no sync;
+    and with one ``bool()`` per tensor),
     ``torch._amp_foreach_non_finite_check_and_unscale_``;
 (b) snapshot cost: ``core.snapshot.capture`` of model + AdamW state (time, host bytes), amortised
     over ``snapshot_every_n_steps`` in {10, 50, 100};
@@ -107,12 +108,15 @@ def grad_check(
     found_inf = torch.zeros(1, device=grads[0].device)
     inv_scale = torch.ones(1, device=grads[0].device)
 
-    def numguard_grads() -> torch.Tensor:
-        return (~torch.isfinite(checks.norm_candidates(grads))).any()
+    plan = checks.TotalPlan(grads)  # built once per fit, as StepInspector.grads does
+    device_ = grads[0].device
+
+    def numguard_grads() -> torch.Tensor:  # what the read does with the gradients every step
+        return plan.total(grads, device_, rewritable=True)
 
     def numguard_params_and_grads() -> torch.Tensor:
-        # what the default check set (which includes "params") norms in the one read per step
-        return (~torch.isfinite(checks.norm_candidates(tensors + grads))).any()
+        # what a snapshot step (and check=[..., "params"]) adds: the parameters, read-only
+        return plan.total(grads, device_, rewritable=True) + checks.norm_total(tensors, device_)
 
     def foreach_norm_inf() -> torch.Tensor:
         return (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))).any()
@@ -129,7 +133,7 @@ def grad_check(
 
     cands: dict[str, Callable[[], Any]] = {
         "adamw_step": opt.step,
-        "numguard_norm_candidates": numguard_grads,
+        "numguard_grads": numguard_grads,
         "numguard_params_and_grads": numguard_params_and_grads,
         "foreach_norm_inf": foreach_norm_inf,
         "per_tensor_isfinite_all": per_tensor_isfinite,
@@ -144,7 +148,7 @@ def grad_check(
     }
     adamw = out["times"]["adamw_step"]["median_ms"]
     out["ratio_to_adamw"] = {k: v["median_ms"] / adamw for k, v in out["times"].items()}
-    out["target"] = f"numguard_norm_candidates <= {GRAD_CHECK_TARGET} x adamw_step"
+    out["target"] = f"numguard_grads <= {GRAD_CHECK_TARGET} x adamw_step"
     out["raw_ms"] = times
     return out
 
@@ -224,7 +228,7 @@ def opguard_cost(
     idle.enabled = False
     guard.hold()  # as the callback does for a fit: entering then only pushes the guard
     idle.hold()
-    watch = OutputWatch(module.net)
+    watch = OutputWatch(module.net, depth=1)  # the default: blocks (watch_depth=1), attached for the fit
 
     def plain() -> None:
         with autocast:
@@ -240,12 +244,10 @@ def opguard_cost(
             module.loss(batch)
 
     def with_watch() -> None:
-        watch.attach()
-        try:
-            with autocast:
-                module.loss(batch)
-        finally:
-            watch.detach()
+        watch.attach()  # idempotent: attached once, as for a fit
+        watch.reset()
+        with autocast:
+            module.loss(batch)
 
     times = interleaved(
         {
@@ -260,6 +262,7 @@ def opguard_cost(
     )
     guard.release()
     idle.release()
+    watch.detach()
     base = statistics.median(times["forward"])
     return {
         "times": {k: _summ(v) for k, v in times.items()},

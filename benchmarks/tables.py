@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "ALL_CHECKS_TARGET",
     "GRAD_CHECK_TARGET",
+    "OPGUARD_TARGET",
     "SNAPSHOT_TARGET_INTERVAL",
     "SNAPSHOT_TARGET_PCT",
     "STEP_TARGET",
@@ -30,6 +31,7 @@ STEP_TARGET = 1.02  # numguard_default step time vs the plain Trainer, on the st
 ALL_CHECKS_TARGET = 1.05  # numguard_all (every check every step), likewise
 SYNC_TARGET = 1.0  # guard-caused host reads per step (0 under sync_mode="deferred")
 GRAD_CHECK_TARGET = 0.25  # x the AdamW step
+OPGUARD_TARGET = 1.01  # the LM forward (+ loss) inside the op guard vs without it (micro d)
 SNAPSHOT_TARGET_PCT = 1.0  # % of a step, amortised at the default interval
 SNAPSHOT_TARGET_INTERVAL = 50  # NumGuardCallback's default snapshot_every_n_steps
 
@@ -71,7 +73,7 @@ class Verdict:
 
 def grad_check_ratio(g: dict[str, Any]) -> float:
     """Micro (a): the guard's gradient check, in AdamW steps (the number printed in the table)."""
-    return float(g["ratio_to_adamw"]["numguard_norm_candidates"])
+    return float(g["ratio_to_adamw"]["numguard_grads"])
 
 
 def snapshot_pct(s: dict[str, Any]) -> float:
@@ -114,6 +116,17 @@ def verdicts(result: dict[str, Any]) -> list[Verdict]:
                     GRAD_CHECK_TARGET,
                     "×",
                     "perf_counter (micro)",
+                )
+            )
+        for name, d in m.get("opguard", {}).items():
+            out.append(
+                Verdict(
+                    f"{name}: forward with the op guard vs without it",
+                    float(d["ratio_to_forward"]["forward_opguard"]),
+                    OPGUARD_TARGET,
+                    "×",
+                    "perf_counter (micro)",
+                    f"{d['guarded_calls_per_forward']} guarded call(s) per forward",
                 )
             )
         for name, s in m["snapshot"].items():
@@ -175,7 +188,7 @@ def micro_tables(m: dict[str, Any]) -> str:
     out = ["### (a) gradient check vs the AdamW step (median ms per call; ratio to AdamW step)", ""]
     cols = [
         "adamw_step",
-        "numguard_norm_candidates",
+        "numguard_grads",
         "numguard_params_and_grads",
         "foreach_norm_inf",
         "per_tensor_isfinite_all",
