@@ -68,7 +68,10 @@ def select_modules(
     ``depth`` levels below the root, counting containers (``Sequential``, ``ModuleList``,
     ``ModuleDict``) as transparent, or when it is an element of a ``ModuleList``/``ModuleDict``
     (a repeated block: a transformer layer) not inside another such element. ``ModuleList`` and
-    ``ModuleDict`` themselves have no forward and are never watched. A module matched by an
+    ``ModuleDict`` themselves have no forward and are never watched; a transparent ``Sequential``
+    is not watched either (its output is its last element's). Only the outermost ``Sequential`` of
+    a nest is transparent: a ``Sequential`` that is an element of a transparent container is a
+    block (a conv-BatchNorm-ReLU stage), and its own elements lie one level deeper. A module matched by an
     ``include`` pattern other than ``"*"`` is a candidate at any depth. ``None`` makes every
     module a candidate.
 
@@ -95,9 +98,12 @@ def select_modules(
     chosen: list[tuple[str, nn.Module]] = []
     seen: set[int] = {id(root)}
 
-    def visit(module: nn.Module, prefix: str, level: int, in_block: bool) -> None:
-        transparent = isinstance(module, _CONTAINERS)
+    def visit(module: nn.Module, prefix: str, level: int, in_block: bool, in_container: bool) -> None:
+        # ModuleList/ModuleDict have no forward: always transparent. A Sequential is transparent (its elements
+        # are the blocks, at its own level) unless it is itself an element of a transparent container: then
+        # it is a block (a conv-BN-ReLU stage) and its insides are one level deeper.
         element = isinstance(module, _LISTS)
+        transparent = module is not root and (element or (isinstance(module, nn.Sequential) and not in_container))
         n = len(module._modules)
         stride = -(-n // max_per_list) if element and max_per_list and n > max_per_list else 1
         for i, (child_name, child) in enumerate(module.named_children()):
@@ -105,18 +111,19 @@ def select_modules(
                 continue
             seen.add(id(child))
             name = f"{prefix}{child_name}"
-            child_level = level if transparent and module is not root else level + 1
+            child_level = level if transparent else level + 1
+            child_in_container = transparent or (module is root and isinstance(module, _CONTAINERS))
             block = child_level <= depth or (element and not in_block)
             if stride > 1 and (i + 1) % stride and i != n - 1:
                 block = False  # a long list: every stride-th element and the last
-            if type(child) in PASS_THROUGH:
-                block = False
+            if type(child) in PASS_THROUGH or (isinstance(child, nn.Sequential) and not child_in_container):
+                block = False  # passes on what the block before saw / a transparent Sequential: its last element's
             candidate = block or any(fnmatch.fnmatchcase(name, p) for p in explicit)
             if candidate and not isinstance(child, _LISTS) and wanted(name):
                 chosen.append((name, child))
-            visit(child, f"{name}.", child_level, in_block or element)
+            visit(child, f"{name}.", child_level, in_block or element, child_in_container)
 
-    visit(root, "", 0, False)
+    visit(root, "", 0, False, False)
     return chosen
 
 

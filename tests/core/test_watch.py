@@ -112,12 +112,38 @@ class Deep(nn.Module):
 def test_block_selection_watches_blocks_not_leaves():
     m = Deep()
     names = [n for n, _ in select_modules(m, depth=1)]
-    # head.0 is a ReLU: a pass-through module is not a block (see the next test)
-    assert names == ["stem", "trunk", "trunk.layers.0", "trunk.layers.1", "trunk.layers.2", "head", "head.1"]
+    # head is a transparent Sequential (its output is head.1's); head.0 is a ReLU, a pass-through module
+    assert names == ["stem", "trunk", "trunk.layers.0", "trunk.layers.1", "trunk.layers.2", "head.1"]
     assert "trunk.layers.1.fc" in [n for n, _ in select_modules(m, depth=3)]  # trunk 1, layers.1 2, fc 3
     # an explicit pattern reaches below the depth; exclusion still applies
     assert [n for n, _ in select_modules(m, ["*.act.1"], depth=1)] == [f"trunk.layers.{i}.act.1" for i in range(3)]
     assert "trunk.layers.1" not in [n for n, _ in select_modules(m, ["*"], ["trunk.layers.1"], depth=1)]
+
+
+def test_only_the_outermost_sequential_of_a_nest_is_transparent():
+    def stage():
+        return nn.Sequential(nn.Conv2d(1, 1, 1), nn.BatchNorm2d(1), nn.ReLU())
+
+    net = nn.Sequential(stage(), nn.MaxPool2d(1), stage(), nn.Flatten(), nn.Linear(1, 1))
+    outer = nn.Module()
+    outer.net = net
+    # the stages are blocks, their convolutions and norms are not (one level deeper)
+    assert [n for n, _ in select_modules(outer, depth=1)] == ["net.0", "net.2", "net.4"]
+    assert [n for n, _ in select_modules(outer, depth=2)] == [
+        "net.0",
+        "net.0.0",
+        "net.0.1",
+        "net.2",
+        "net.2.0",
+        "net.2.1",
+        "net.4",
+    ]
+    assert [n for n, _ in select_modules(net, depth=1)] == ["0", "2", "4"]  # the Sequential as the root
+    # a Sequential element of a long ModuleList is a block, sampled like any element; its insides are not
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)) for _ in range(4))
+    holder = nn.Module()
+    holder.blocks = blocks
+    assert [n for n, _ in select_modules(holder, depth=1, max_per_list=2)] == ["blocks.1", "blocks.3"]
 
 
 def test_pass_through_modules_are_not_blocks_but_what_they_pass_on_is_caught():
