@@ -12,6 +12,12 @@ The step's flag vector is packed and all-reduced on the device exactly as in the
   it happened, and when the weights or optimizer state are no longer finite the last verified
   snapshot is restored (the step being computed is skipped on the device too), or training halts.
 
+Under DDP with ``snapshot_sharding="auto"`` the ring's snapshots are sharded like the default mode's
+(each rank keeps ``1/world`` of the parameters and optimizer state; a new candidate overwrites the
+spare's slices). Capturing one is local; only a reader of the whole state gathers it
+(``Recovery.full``: the late restore, a halt, the end-of-fit repair, the checkpoint swap), and
+every rank reaches those together because they follow from flags reduced across ranks.
+
 Events name the step, the site and what went bad: the batch tensors, the watched block and the op
 call (from the step's records, kept one step: a device copy of the watch's small buffer and the op
 guard's record list), the loss values and the non-finite state. No replay runs, so a block is not
@@ -26,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_numguard.callbacks import _distributed
+from lightning_numguard.callbacks import _distributed, _sharded
 from lightning_numguard.callbacks._inspector import StepRecord
 from lightning_numguard.core import checks, flags, policy
 from lightning_numguard.core.findings import Finding, mark_consequences, merge
@@ -71,6 +77,7 @@ class DeferredSync:
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._armed: list[torch.optim.Optimizer] = []
         self._spare: Snapshot | None = None
+        self._shard: tuple[int, int] | None = None  # (rank, world) when the ring's snapshots are sharded
 
     # ------------------------------------------------------------------ fit start
 
@@ -92,6 +99,7 @@ class DeferredSync:
                 f"{type(optimizer).__name__} ignores unless it is fused: create it with `fused=True` "
                 f"(e.g. torch.optim.AdamW(params, fused=True)), or use sync_mode='every_step'"
             )
+        self._shard = _sharded.shard_among(trainer, guard._recovery.snapshot_sharding)
         start = guard._inspector._start_buffer_map
         self._buffers = [(b, start[n]) for n, b in pl_module.named_buffers() if n in start]
         if guard._recovery.snapshot is not None:
@@ -147,6 +155,7 @@ class DeferredSync:
                 model_state=rec.start_buffers,
                 stateful_state=rec.start_states,
                 reuse=self._spare,
+                shard_among=self._shard,  # no collective here: only the restores gather, on every rank
             )
             self._spare = None
             guard._recovery.last_snapshot_step = rec.step
@@ -249,10 +258,11 @@ class DeferredSync:
                 for group, lr in zip(opt.param_groups, lrs):
                     group["lr"] = lr
         restored = bool(state_bad and action == "rollback") or action == "halt"
-        if restored:
+        if restored:  # every rank is here together (the flags and state_bad were merged across ranks)
             assert self.snapshots.last is not None
             guard._recovery.snapshot = self.snapshots.last[1]
-            guard._recovery.restore(trainer, pl_module)
+            if action != "halt":  # a halt restores (and gathers) once, below
+                guard._recovery.restore(trainer, pl_module)  # collective when the snapshot is sharded
             if optimizer is not None:  # the step in flight started from the damaged state: skip it too
                 arm_device_skip(optimizer, torch.ones((), device=pl_module.device))
         guard._ledger.record(trainer, events)

@@ -244,7 +244,7 @@ class NumGuardCallback(Callback):
             self.lr_backoff,
             self.retry_transient,
             self.quarantine,
-            self.snapshot_sharding if self.sync_mode == "every_step" else "off",  # deferred keeps its own ring
+            self.snapshot_sharding,  # the deferred ring shards the same way (callbacks/_zerosync.py)
         )
         self._coverage = CoverageCheck(self.check_optimizer_coverage)
         self._progress = FitProgress()

@@ -64,6 +64,8 @@ def main() -> None:
     root, site, fault_rank, action = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
     if site == "sharded":
         return sharded_main(root, fault_rank, action)
+    if site == "deferred_sharded":
+        return deferred_sharded_main(root, fault_rank, action)
     warnings.simplefilter("ignore")
     if len(sys.argv) == 5:
         fit(root, site, fault_rank, action, None)
@@ -153,6 +155,91 @@ def sharded_main(out: Path, fault_rank: int, action: str) -> None:
             "checkpoints": {f.name: torch.load(f, weights_only=False)["state_dict"] for f in ckpts},
         }
         torch.save(result, out / f"sharded_{mode}_rank{rank}.pt")
+        (out / f"rank{rank}.json").write_text(json.dumps({"modes_done": mode}))
+
+
+class StepWindow(pl.Callback):
+    """A ``SyncCounter`` step window around each training batch; after it, what the deferred ring holds."""
+
+    def __init__(self, counter: Any, guard: NumGuardCallback) -> None:
+        self.counter, self.guard = counter, guard
+        self.ring: list[list[tuple[int, bool, int]]] = []  # per step: (step, sharded, nbytes) of each snapshot
+        self.storage: dict[int, list[int]] = {}  # per snapshot step: the data pointers of its sharded slices
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.counter.step_started()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.counter.step_ended()
+        deferred = self.guard._deferred
+        assert deferred is not None
+        held = [*deferred.snapshots._candidates, *([deferred.snapshots.last] if deferred.snapshots.last else [])]
+        self.ring.append([(step, s.sharded is not None, s.nbytes) for step, s in held])
+        for step, s in held:
+            if s.sharded is not None:
+                self.storage.setdefault(step, sorted(t.data_ptr() for t in s.sharded.local.values()))
+
+
+def deferred_sharded_main(out: Path, fault_rank: int, action: str) -> None:
+    """SITE ``deferred_sharded``: ``sync_mode="deferred"``, ``snapshot_sharding="auto"`` then ``"off"``, the same seed.
+
+    A fused AdamW (the device-side skip needs it) whose ``exp_avg_sq`` goes NaN at step 3 on ``fault_rank``:
+    step 3's update leaves NaN weights on that rank, a ModelCheckpoint saving every step swaps them for the
+    verified snapshot's (a gather), step 4's flags see them and the late read at step 5 rolls every rank back
+    (a gather). Snapshots every 2 steps, so the ring holds a candidate while the verified one is kept. Each rank
+    saves OUT_DIR/deferred_{mode}_rank{r}.pt: its final weights, buffers and AdamW state, the bytes of the
+    verified snapshot, what the ring held after each step (and where each snapshot's slices live), the events, the
+    counters, the saved checkpoints' state dicts and the guard's host reads per step (``SyncCounter``).
+    """
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from lightning_numguard.core.syncs import SyncCounter
+    from tests.callbacks.test_zerosync import FusedModel
+
+    for mode in ("auto", "off"):
+        pl.seed_everything(0, verbose=False)
+        guard = NumGuardCallback(
+            action=action,
+            dirpath=str(out / f"ng_{mode}"),
+            snapshot_sharding=mode,
+            snapshot_every_n_steps=2,
+            sync_mode="deferred",
+        )
+        saver = ModelCheckpoint(dirpath=out / f"ckpt_{mode}", every_n_train_steps=1, save_top_k=-1)
+        counter = SyncCounter(package="lightning_numguard")
+        window = StepWindow(counter, guard)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp",
+            max_steps=10,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=[window, guard, saver],
+        )
+        rank = trainer.global_rank
+        model = FusedModel(site="opt_state", step=3, rank=fault_rank)
+        data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
+        with counter:
+            trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
+        snapshot = guard._recovery.snapshot
+        assert snapshot is not None
+        ckpts = sorted((out / f"ckpt_{mode}").glob("*.ckpt")) if rank == 0 else []
+        result = {
+            "state": model.state_dict(),
+            "optimizer": trainer.optimizers[0].state_dict(),
+            "snapshot_nbytes": snapshot.nbytes,
+            "sharded_nbytes": snapshot.sharded.nbytes if snapshot.sharded is not None else 0,
+            "ring": window.ring,
+            "storage": window.storage,
+            "events": guard.events,
+            "counters": guard.counters,
+            "reads_per_step": counter.step_caused,
+            "checkpoints": {f.name: torch.load(f, weights_only=False)["state_dict"] for f in ckpts},
+        }
+        torch.save(result, out / f"deferred_{mode}_rank{rank}.pt")
         (out / f"rank{rank}.json").write_text(json.dumps({"modes_done": mode}))
 
 

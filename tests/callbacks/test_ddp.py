@@ -206,3 +206,43 @@ def test_fp16_gradscaler_faults_and_overflow_on_rank_1(tmp_path):
         assert r["finite"] and r["same_as_rank0"]
         assert r["counters"]["amp_overflow_steps"] == 1 and r["counters"]["incidents"] == 0, r["counters"]
         assert not r["events"] and r["global_step"] == 5
+
+
+@pytest.mark.ddp
+def test_deferred_sync_shards_its_snapshot_ring_and_rolls_back_late_bitwise_like_full_copies(tmp_path):
+    """sync_mode="deferred", snapshot_sharding="auto" vs "off", the same faulty run (fused AdamW's exp_avg_sq NaN on
+    rank 1 at step 3, a snapshot every 2 steps, a checkpoint every step, 10 steps): every snapshot the ring holds is
+    about half the bytes on each rank; the checkpoint swaps and the late rollback read at step 5 gather it, and the
+    final weights, buffers and AdamW state, the events, the counters and every checkpoint are bitwise those of full
+    copies; a new candidate reuses the spare's slices; the guard reads nothing on the host on a clean step."""
+    import torch
+
+    run_ddp(tmp_path, "deferred_sharded", 1, "rollback")
+    load = lambda mode, r: torch.load(tmp_path / f"deferred_{mode}_rank{r}.pt", weights_only=False)  # noqa: E731
+    auto, off = [load("auto", r) for r in (0, 1)], [load("off", r) for r in (0, 1)]
+    for r in (0, 1):
+        a, o = auto[r], off[r]
+        assert a["counters"]["rollbacks"] >= 1 and a["counters"] == o["counters"]
+        assert a["events"] == o["events"]
+        assert any(e["where"] == ["checkpoint"] for e in a["events"])  # the swap ran
+        rolled = [e for e in a["events"] if e["kind"] == "nonfinite_param" and e["action"] == "rollback"]
+        assert rolled and rolled[0]["details"]["read_at_step"] == 5  # the late rollback
+        assert _bitwise(a["state"], o["state"]) and _bitwise(a["optimizer"], o["optimizer"])
+        assert all(torch.isfinite(t).all() for t in a["state"].values() if t.is_floating_point())
+        assert all(torch.isfinite(t).all() for s in a["optimizer"]["state"].values() for t in s.values())
+        # every snapshot the ring held, after every step: sharded, about half the bytes of the full copy
+        assert len(a["ring"]) == len(o["ring"]) == 10
+        for held_a, held_o in zip(a["ring"], o["ring"]):
+            assert [s for s, _, _ in held_a] == [s for s, _, _ in held_o] and held_a
+            assert all(sharded for _, sharded, _ in held_a) and not any(sharded for _, sharded, _ in held_o)
+            assert all(na < 0.6 * no for (_, _, na), (_, _, no) in zip(held_a, held_o)), (held_a, held_o)
+        assert o["sharded_nbytes"] == 0 and 0 < a["sharded_nbytes"] <= o["snapshot_nbytes"] / 2
+        # the candidate of step 8 overwrote the slices of the snapshot of step 2 (the spare once step 6 verified)
+        assert a["storage"][8] == a["storage"][2] and a["storage"][4] != a["storage"][2]
+        # no host read by the guard on a clean step: only where a bad step's flags were read
+        reads = a["reads_per_step"]
+        late = {e["details"]["read_at_step"] for e in a["events"] if "read_at_step" in e["details"]}
+        assert len(reads) == 10 and {i for i, n in enumerate(reads) if n} == late, (reads, late)
+    assert auto[0]["checkpoints"].keys() == off[0]["checkpoints"].keys() and auto[0]["checkpoints"]
+    assert _bitwise(auto[0]["checkpoints"], off[0]["checkpoints"])
+    print({f"rank{r}": (auto[r]["snapshot_nbytes"], off[r]["snapshot_nbytes"]) for r in (0, 1)})

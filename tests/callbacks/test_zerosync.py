@@ -120,3 +120,26 @@ def test_a_late_event_names_the_block_and_the_op_from_the_records_kept_for_its_s
     first = guard.events[0]
     assert (first["kind"], first["where"][: len(where)], first["step"]) == (kind, where, 3)
     assert all_finite(model.state_dict())
+
+
+def test_a_late_halt_restores_the_verified_snapshot_and_writes_it_as_last_finite(tmp_path):
+    """A weight poisoned at step 3, read at step 4 under action="halt": training stops after the step in flight (skipped
+    on the device) with the snapshot of step 2 (the last verified) in place, which is also what last_finite.ckpt holds
+    (the halt restores once: under DDP with sharded snapshots that is the one gather, test_ddp.py)."""
+    torch.manual_seed(0)
+    model = FusedModel(site="param", step=3)
+    guard = NumGuardCallback(
+        action="halt", dirpath=str(tmp_path / "ng"), sync_mode="deferred", snapshot_every_n_steps=2
+    )
+    t = trainer(tmp_path, [guard], max_steps=8)
+    t.fit(model, loader(FaultData()))
+    assert t.global_step == 5 and all_finite(model.state_dict())
+    first = guard.events[0]
+    assert (first["kind"], first["step"], first["action"]) == ("nonfinite_param", 3, "halt")
+    assert first["details"]["read_at_step"] == 4
+    assert guard._recovery.snapshot is not None and guard._recovery.snapshot.step == 2
+    saved = torch.load(tmp_path / "ng" / "last_finite.ckpt", weights_only=False)
+    live = weights(model)
+    assert all(torch.equal(saved["state_dict"][k], live[k]) for k in live)
+    snap = guard._recovery.snapshot.model
+    assert all(torch.equal(snap[k], live[k]) for k in live)
