@@ -240,6 +240,7 @@ class DeferredSync:
         placed = located(guard, kept_records, trainer.global_rank) if seen.any_local() else {}
         findings = [placed.get(f.kind, [f])[0] if f.where[0] in _PLACEHOLDERS else f for f in findings]
         findings = merge([findings, placed.get("op_domain", [])])  # in causal order, without duplicates
+        findings = _across_ranks(trainer, findings)  # every rank is here together: the flags were reduced
         mark_consequences(findings)
         events = []
         for f in findings:
@@ -265,6 +266,10 @@ class DeferredSync:
                 guard._recovery.restore(trainer, pl_module)  # collective when the snapshot is sharded
             if optimizer is not None:  # the step in flight started from the damaged state: skip it too
                 arm_device_skip(optimizer, torch.ones((), device=pl_module.device))
+                current = guard._inspector.record
+                if current is not None and current.forced_skip is None:  # its late read is not a new incident
+                    current.forced_skip = "it started from the state a late rollback replaced"
+                    guard.counters["skipped_steps"] += 1
         guard._ledger.record(trainer, events)
         if action == "halt":
             guard._recovery.halt(trainer, pl_module)
@@ -312,6 +317,19 @@ def pack(
 
 
 _PLACEHOLDERS = {where for _, where in _SLOT_KIND.values()}
+
+
+def _across_ranks(trainer: pl.Trainer, findings: list[Finding]) -> list[Finding]:
+    """Every rank's findings merged (a gather: only after a hit), so that each rank records the same events.
+
+    A rank that only saw a slot's flag (``"a watched module"``) drops that placeholder when another rank
+    named the place from its own records.
+    """
+    if trainer.world_size <= 1:
+        return findings
+    merged = merge(_distributed.gather(trainer, findings))
+    named = {f.kind for f in merged if not (f.where and f.where[0] in _PLACEHOLDERS)}
+    return [f for f in merged if not (f.where and f.where[0] in _PLACEHOLDERS and f.kind in named)]
 
 
 def located(guard: NumGuardCallback, kept: tuple[Any, list[Any]], rank: int) -> dict[str, list[Finding]]:

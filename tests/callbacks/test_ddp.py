@@ -245,4 +245,8 @@ def test_deferred_sync_shards_its_snapshot_ring_and_rolls_back_late_bitwise_like
         assert len(reads) == 10 and {i for i, n in enumerate(reads) if n} == late, (reads, late)
     assert auto[0]["checkpoints"].keys() == off[0]["checkpoints"].keys() and auto[0]["checkpoints"]
     assert _bitwise(auto[0]["checkpoints"], off[0]["checkpoints"])
+    # the late events are merged across ranks: both ranks record the same ones, each place named
+    late_events = [[e for e in auto[r]["events"] if "read_at_step" in e["details"]] for r in (0, 1)]
+    assert late_events[0] and late_events[0] == late_events[1]
+    assert not any(e["where"][0].startswith("a ") for e in late_events[0]), late_events[0]
     print({f"rank{r}": (auto[r]["snapshot_nbytes"], off[r]["snapshot_nbytes"]) for r in (0, 1)})

@@ -85,7 +85,11 @@ def test_a_poisoned_weight_is_rolled_back_late_to_a_verified_snapshot(tmp_path):
     assert all_finite(model.state_dict())
     first = guard.events[0]
     assert first["kind"] == "nonfinite_param" and first["step"] == 3 and "body.0.weight" in first["where"]
-    assert guard.counters["rollbacks"] >= 1
+    # one incident, one rollback: the step in flight when step 3's flags were read (step 4, computed from the
+    # damaged state) is skipped on the device with it and is not a second incident when its own flags are read
+    assert guard.counters["rollbacks"] == 1 and guard.counters["incidents"] == 1
+    assert {e["step"] for e in guard.events} == {3}
+    assert guard.counters["skipped_steps"] == 2
 
 
 def test_deferred_mode_refuses_an_optimizer_that_ignores_found_inf(tmp_path):
