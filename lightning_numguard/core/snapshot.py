@@ -179,7 +179,8 @@ def tree_device(state: Mapping[str, Any]) -> torch.device:
 
 def unsharded(snapshot: Snapshot, slices: Sequence[dict[torch.dtype, torch.Tensor]]) -> Snapshot:
     """The whole snapshot from every rank's slices of a sharded one, in rank order (no communication)."""
-    if snapshot.ready().sharded is None:
+    snapshot.ready()
+    if snapshot.sharded is None:
         return snapshot
     tree = unshard(snapshot.sharded, slices)
     model = {k: tree["model"][k] if k in tree["model"] else snapshot.model[k] for k in tree["keys"]}
