@@ -19,6 +19,7 @@ __all__ = [
     "checks",
     "choice",
     "flag",
+    "flag_or_none",
     "fraction",
     "integer",
     "path_or_none",
@@ -45,6 +46,12 @@ def integer(name: str, value: Any, minimum: int) -> None:
 def flag(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise NumGuardConfigError(f"`{name}` must be True or False, got {value!r}")
+
+
+def flag_or_none(name: str, value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise NumGuardConfigError(f"`{name}` must be True, False or None (automatic), got {value!r}")
+    return value
 
 
 def checks(value: Any) -> list[str]:

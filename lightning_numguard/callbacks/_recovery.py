@@ -15,7 +15,15 @@ from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
 from lightning_numguard.callbacks._retry import is_transient
 from lightning_numguard.core import checks
 from lightning_numguard.core.quarantine import Quarantine, position_key, sample_indices
-from lightning_numguard.core.snapshot import Snapshot, Stateful, capture, restore
+from lightning_numguard.core.snapshot import (
+    PendingCapture,
+    Snapshot,
+    Stateful,
+    capture,
+    finish_capture,
+    restore,
+    start_capture,
+)
 from lightning_numguard.core.stateful import MetricState, NumpyRNG, PrecisionState, apply_lr_backoff
 from lightning_numguard.core.tree import clone_tree, tensors, to_plain
 
@@ -54,6 +62,10 @@ class Recovery:
         quarantine: quarantine batches that fail twice (or fail their retry).
         snapshot_sharding: ``"auto"``: under DDP with several ranks, each keeps only its ``1/world`` of the
             parameters and optimizer state, gathered back (collectively) to restore; ``"off"``: full copies.
+        snapshot_async: copy the parameters and optimizer state of a snapshot step from its batch start on,
+            overlapped with the forward and backward passes, into a spare snapshot (double buffering); the
+            candidate is promoted at the read only if the state it copied is verified finite. ``None``: on
+            when the module is on CUDA and snapshots go to the host (resolved at train start).
     """
 
     def __init__(
@@ -65,6 +77,7 @@ class Recovery:
         retry_transient: bool,
         quarantine: bool,
         snapshot_sharding: str = "off",
+        snapshot_async: bool | None = False,
     ) -> None:
         self.dirpath = dirpath
         self.snapshot_device = snapshot_device
@@ -75,6 +88,10 @@ class Recovery:
         self.snapshot_sharding = snapshot_sharding
         self.quarantine = Quarantine()
         self.snapshot: Snapshot | None = None
+        self.snapshot_async = snapshot_async
+        self.async_on = False  # resolved at train start
+        self.spare: Snapshot | None = None  # the storage the next asynchronous candidate is copied into
+        self.pending: PendingCapture | None = None  # the candidate in flight (from batch start to the read)
         self.last_snapshot_step = -(10**9)
         self.stateful: dict[str, Stateful] = {}
         self.skip_remaining = 0
@@ -87,8 +104,47 @@ class Recovery:
 
     # ------------------------------------------------------------------ snapshots
 
+    def start_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, due: bool) -> None:
+        """Batch start of a step whose snapshot is ``due``: start copying into the spare (asynchronous only)."""
+        if not due or self.pending is not None:
+            return
+        self.pending = start_capture(
+            pl_module,
+            trainer.optimizers,
+            step=trainer.global_step,
+            where="host" if self.snapshot_device == "host" else "device",
+            reuse=self.spare,  # never the verified snapshot: it stays whole until the candidate is verified
+            shard_among=_sharded.shard_among(trainer, self.snapshot_sharding),
+            backend="stream" if pl_module.device.type == "cuda" else "thread",
+        )
+
+    def settle(self) -> None:
+        """After the read: a candidate not promoted (the state it copied was not verified) is discarded."""
+        if self.pending is not None:
+            self.pending.copies.synchronize()  # nothing may overwrite its sources (a restore) before it is done
+            self.pending = None
+
     def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord | None = None) -> None:
         """Keep the state at the start of this step (just verified finite), or the live state without ``rec``."""
+        pending = self.pending
+        if pending is not None and rec is not None and pending.step == rec.step:
+            candidate = finish_capture(
+                pending,
+                pl_module,
+                trainer.optimizers,
+                self.stateful,
+                rng=rec.micro[0].rng if rec.micro else rec.start_rng,
+                model_state=rec.start_buffers,
+                stateful_state=rec.start_states,
+            )
+            pending.wait()  # the optimizer step, queued next, cannot overwrite a source before it is copied
+            self.pending = None
+            self.spare, self.snapshot = self.snapshot, candidate  # the old verified snapshot becomes the spare
+            self.last_snapshot_step = candidate.step
+            return
+        self.settle()
+        if self.snapshot is not None:
+            self.snapshot.ready()  # an asynchronous snapshot's copies are done before its storage is reused
         self.snapshot = capture(
             pl_module,
             trainer.optimizers,
@@ -113,6 +169,8 @@ class Recovery:
         named = inspector.state(trainer, with_optimizer=True)
         bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
         bad = inspector.leave_unchecked(_distributed.any_rank(trainer, bad))
+        auto = pl_module.device.type == "cuda" and self.snapshot_device == "host"
+        self.async_on = auto if self.snapshot_async is None else self.snapshot_async
         if not bad and take:
             self.take(trainer, pl_module)
         return bad
@@ -151,7 +209,7 @@ class Recovery:
     def full(self, trainer: pl.Trainer) -> Snapshot:
         """The whole snapshot (gathered from every rank when sharded: then collective)."""
         assert self.snapshot is not None
-        return _sharded.gather_snapshot(trainer, self.snapshot)
+        return _sharded.gather_snapshot(trainer, self.snapshot.ready())
 
     def repair_at_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, bad: list[str]) -> dict[str, Any]:
         """End of fit: put back only ``bad`` tensors that took no part in training, else the whole snapshot.

@@ -127,6 +127,14 @@ class NumGuardCallback(Callback):
             swap gather them back from every rank (one all-gather, only on those events). ``"off"``
             keeps a full copy on every rank; use it when the ranks do not hold the same parameters
             and optimizer state. FSDP, DeepSpeed and ``sync_mode="deferred"`` always keep full copies.
+        snapshot_async: take snapshots asynchronously: from the start of a step whose snapshot is due, the
+            parameters and optimizer state are copied on a CUDA side stream (on the CPU: a worker thread),
+            overlapped with the forward and backward passes, into a second snapshot buffer; the copy becomes
+            the snapshot only once the step's read verified the state finite, and the optimizer step waits
+            for it on the device (no host stall). Costs a second snapshot buffer while on (twice the
+            snapshot's host memory). ``None`` (default): on when the LightningModule is on CUDA and
+            ``snapshot_device="host"``, off on the CPU (a worker thread competes with compute on small
+            machines); ``True`` forces it; ``sync_mode="deferred"`` keeps its own synchronous snapshots.
 
     Raises:
         NumGuardConfigError: at construction, for any invalid argument.
@@ -180,6 +188,7 @@ class NumGuardCallback(Callback):
         warn: bool | None = None,
         sync_mode: Literal["every_step", "deferred"] = "every_step",
         snapshot_sharding: Literal["auto", "off"] = "auto",
+        snapshot_async: bool | None = None,
     ) -> None:
         super().__init__()
         _config.choice("sync_mode", sync_mode, SYNC_MODES)
@@ -194,6 +203,7 @@ class NumGuardCallback(Callback):
         _config.choice("snapshot_device", snapshot_device, ("host", "device"))
         _config.choice("snapshot_sharding", snapshot_sharding, SHARDING)
         self.snapshot_sharding = snapshot_sharding
+        self.snapshot_async = _config.flag_or_none("snapshot_async", snapshot_async)
         self.check = _config.checks(check)
         self.watch_modules = _config.patterns("watch_modules", watch_modules)
         self.ignore_modules = _config.patterns("ignore_modules", ignore_modules)
@@ -245,6 +255,7 @@ class NumGuardCallback(Callback):
             self.retry_transient,
             self.quarantine,
             self.snapshot_sharding,  # the deferred ring shards the same way (callbacks/_zerosync.py)
+            self.snapshot_async if self.sync_mode == "every_step" else False,  # deferred keeps its own ring
         )
         self._coverage = CoverageCheck(self.check_optimizer_coverage)
         self._progress = FitProgress()
@@ -360,6 +371,11 @@ class NumGuardCallback(Callback):
         stateful = self._recovery.stateful
         rec = self._inspector.begin(trainer, pl_module, batch, batch_idx, self.action != "warn", stateful)
         self._recovery.flag_batch(rec, batch, batch_idx, trainer.global_step, new_step)
+        if new_step and self._recovery.async_on:  # start the due snapshot's copies, overlapped with the step
+            due = policy.snapshot_due(
+                self.action, trainer.global_step, self._recovery.last_snapshot_step, self.snapshot_every_n_steps
+            )
+            self._recovery.start_snapshot(trainer, pl_module, due)
         if new_step and self.action != "warn":
             self._logged.mark(trainer)
         self._inspector.enter_ops()
@@ -478,6 +494,7 @@ class NumGuardCallback(Callback):
             self._on_hit(trainer, pl_module, optimizer, rec, reading, due)
         elif due:
             self._recovery.take(trainer, pl_module, rec)
+        self._recovery.settle()
 
     def _skip_quietly(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, rec: StepRecord, reading: Any

@@ -88,12 +88,15 @@ def shard(
     *,
     pin: bool = False,
     reuse: ShardedState | None = None,
+    copies: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
 ) -> ShardedState:
     """This rank's ``1/world`` of every tensor in ``tree`` (copied, on ``device``), and the tree's shape.
 
     Every rank must pass the same tree (data parallelism keeps the ranks' states identical).
     ``pin`` allocates host slices in pinned memory; ``reuse`` is an older state whose slices may be
-    overwritten when their dtype, length and device match (a copy, not an allocation).
+    overwritten when their dtype, length and device match (a copy, not an allocation). ``copies``:
+    append each ``(destination slice, source piece)`` to these two lists instead of copying (the
+    caller copies them, e.g. asynchronously with :mod:`.async_copy`).
     """
     if not 0 <= rank < world:
         raise ValueError(f"`rank` must be in [0, {world}), got {rank}")
@@ -115,7 +118,11 @@ def shard(
             lo, hi = max(start, pos), min(stop, pos + t.numel())
             if lo < hi:
                 src = t[lo - pos : hi - pos]  # CUDA into pinned host memory: ordered on the stream, no host stall
-                mine[lo - start : hi - start].copy_(src, non_blocking=src.is_cuda and mine.is_pinned())
+                if copies is not None:
+                    copies[0].append(mine[lo - start : hi - start])
+                    copies[1].append(src)
+                else:
+                    mine[lo - start : hi - start].copy_(src, non_blocking=src.is_cuda and mine.is_pinned())
             pos += t.numel()
         local[dtype] = mine
     return ShardedState(skeleton, sizes, local, rank, world)

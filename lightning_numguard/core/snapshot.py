@@ -22,6 +22,14 @@ Sharded (``capture(..., shard_among=(rank, world))``, data parallelism): the par
 optimizer states, identical on every rank, go into a :class:`~.sharding.ShardedState` holding only
 this rank's ``1/world`` of them; buffers, stateful objects and RNG states (which may differ per
 rank) stay whole. :func:`unsharded` rebuilds the whole snapshot from every rank's slices.
+
+Asynchronous (:func:`start_capture`, then :func:`finish_capture`): the first half plans the
+destinations of the parameters and optimizer states (reusing a spare snapshot's storage) and starts
+copying them with :mod:`.async_copy` (a CUDA side stream, or a worker thread on the CPU), overlapped
+with whatever the caller does next; the second half copies the rest (buffers, stateful objects, RNG)
+synchronously and returns a :class:`Snapshot` whose copies may still be in flight: its holder calls
+:meth:`PendingCapture.wait` before anything writes the sources, and every reader of the snapshot
+(:func:`restore`, :func:`unsharded`, :meth:`Snapshot.ready`) blocks until the copies are done.
 """
 
 from __future__ import annotations
@@ -36,10 +44,23 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from .async_copy import Backend, Copies, plan_tree, start
 from .sharding import ShardedState, shard, unshard
-from .tree import clone_tree, nbytes
+from .tree import clone_tree, map_tree, nbytes
 
-__all__ = ["Snapshot", "Stateful", "capture", "clone_tree", "restore", "rng_state", "set_rng_state", "unsharded"]
+__all__ = [
+    "PendingCapture",
+    "Snapshot",
+    "Stateful",
+    "capture",
+    "clone_tree",
+    "finish_capture",
+    "restore",
+    "rng_state",
+    "set_rng_state",
+    "start_capture",
+    "unsharded",
+]
 
 
 class Stateful(Protocol):
@@ -76,6 +97,14 @@ class Snapshot:
     stateful: dict[str, Any] = field(default_factory=dict)
     rng: dict[str, Any] | None = None
     sharded: ShardedState | None = None  # this rank's slice of the parameters and optimizer states
+    copies: Copies | None = field(default=None, repr=False, compare=False)  # still in flight (asynchronous)
+
+    def ready(self) -> Snapshot:
+        """Block until an asynchronous capture's copies are done (no-op otherwise); returns ``self``."""
+        if self.copies is not None:
+            self.copies.synchronize()
+            self.copies = None
+        return self
 
     @property
     def nbytes(self) -> int:
@@ -150,6 +179,7 @@ def tree_device(state: Mapping[str, Any]) -> torch.device:
 
 def unsharded(snapshot: Snapshot, slices: Sequence[dict[torch.dtype, torch.Tensor]]) -> Snapshot:
     """The whole snapshot from every rank's slices of a sharded one, in rank order (no communication)."""
+    snapshot.ready()
     if snapshot.sharded is None:
         return snapshot
     tree = unshard(snapshot.sharded, slices)
@@ -166,7 +196,7 @@ def restore(
     restore_rng: bool = True,
 ) -> None:
     """Put ``snapshot`` back in place; afterwards every tensor equals the snapshot bitwise."""
-    if snapshot.sharded is not None:
+    if snapshot.ready().sharded is not None:
         raise ValueError("a sharded snapshot holds only this rank's slice: rebuild it with `unsharded` first")
     model.load_state_dict(snapshot.model, strict=True)  # copies into the live tensors in place
     if len(optimizers) != len(snapshot.optimizers):
@@ -181,3 +211,124 @@ def restore(
             obj.load_state_dict(clone_tree(snapshot.stateful[name]))
     if restore_rng and snapshot.rng is not None:
         set_rng_state(snapshot.rng)
+
+
+@dataclass
+class PendingCapture:
+    """The first half of an asynchronous capture: parameters and optimizer states being copied.
+
+    Attributes:
+        step: the global step the state belongs to.
+        params: the destination of each parameter (by ``state_dict`` key); empty when sharded.
+        optimizers: the destination trees of the optimizer states; empty when sharded.
+        copies: the copies in flight.
+    """
+
+    step: int
+    device: str | None
+    pin: bool
+    params: dict[str, Any]
+    optimizers: list[Any]
+    planned: list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source) of each optimizer-state tensor
+    sharded: ShardedState | None
+    reuse: Snapshot | None
+    copies: Copies
+
+    def wait(self) -> None:
+        """Order what comes next (the optimizer step writing the sources) after the copies (no host stall)."""
+        self.copies.wait()
+
+
+def start_capture(
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    step: int,
+    where: Literal["host", "device"] = "host",
+    reuse: Snapshot | None = None,
+    shard_among: tuple[int, int] | None = None,
+    backend: Backend = "sync",
+) -> PendingCapture:
+    """Start copying the parameters and optimizer states into ``reuse``'s storage (or new storage).
+
+    ``reuse`` must not be a snapshot anyone still relies on (keep a spare: double buffering). Nothing
+    may write the parameters or optimizer states until :meth:`PendingCapture.wait`; the forward and
+    backward passes do not. Other arguments as in :func:`capture`.
+    """
+    device = "cpu" if where == "host" else None
+    pin = where == "host" and torch.cuda.is_available()
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    sd = model.state_dict()
+    params = {k: v for k, v in sd.items() if k in names}
+    states = [o.state_dict() for o in optimizers]
+    pairs: tuple[list[Any], list[Any]] = ([], [])
+    if shard_among is not None:
+        tree = {"keys": list(sd), "model": params, "optimizers": states}
+        old = reuse.sharded if reuse is not None else None
+        target = device if device else tree_device(sd)
+        sharded = shard(tree, *shard_among, target, pin=pin, reuse=old, copies=pairs)
+        return PendingCapture(step, device, pin, {}, [], [], sharded, reuse, start(*pairs, backend=backend))
+    dst_params = plan_tree(params, device, pin, reuse.model if reuse else None, pairs)
+    n = len(pairs[0])
+    dst_opts = plan_tree(states, device, pin, reuse.optimizers if reuse else None, pairs)
+    planned = list(zip(pairs[0][n:], pairs[1][n:]))
+    return PendingCapture(step, device, pin, dst_params, dst_opts, planned, None, reuse, start(*pairs, backend=backend))
+
+
+def finish_capture(
+    pending: PendingCapture,
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    stateful: Mapping[str, Stateful] | None = None,
+    *,
+    rng: dict[str, Any] | None = None,
+    model_state: Mapping[str, Any] | None = None,
+    stateful_state: Mapping[str, Any] | None = None,
+) -> Snapshot:
+    """The snapshot: ``pending``'s copies plus buffers, stateful objects and RNG, copied now (as :func:`capture`).
+
+    The optimizer states' non-tensor entries (``param_groups``, counters) are read now; a tensor
+    that is not the one planned (the optimizer state changed shape since) is copied now. The
+    returned snapshot's copies may be in flight: call :meth:`PendingCapture.wait` before the sources
+    are written; readers block on them (:meth:`Snapshot.ready`).
+    """
+    device, pin, reuse = pending.device, pending.pin, pending.reuse
+    sd = dict(model.state_dict())
+    if model_state:
+        sd.update(model_state)
+    states = {name: obj.state_dict() for name, obj in (stateful or {}).items()}
+    if stateful_state:
+        states.update({k: v for k, v in stateful_state.items() if k in states})
+    if pending.sharded is not None:
+        names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        rest = clone_tree({k: v for k, v in sd.items() if k not in names}, device, pin, reuse.model if reuse else None)
+        opts: list[Any] = []
+    else:
+        rest = clone_tree(
+            {k: v for k, v in sd.items() if k not in pending.params}, device, pin, reuse.model if reuse else None
+        )
+        rest = {k: pending.params[k] if k in pending.params else rest[k] for k in sd}
+        planned = iter(pending.planned)
+
+        def leaf(x: Any, _: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return copy.deepcopy(x)
+            dst, src = next(planned, (None, None))
+            if dst is not None and src is not None and _same(src, x):
+                return dst
+            return clone_tree(x, device, pin)
+
+        opts = [map_tree(leaf, o.state_dict()) for o in optimizers]
+    return Snapshot(
+        step=pending.step,
+        model=rest,
+        optimizers=opts,
+        stateful=clone_tree(states, device, pin, reuse.stateful if reuse else None),
+        rng=copy.deepcopy(rng) if rng is not None else rng_state(),
+        sharded=pending.sharded,
+        copies=pending.copies,
+    )
+
+
+def _same(planned: torch.Tensor, live: torch.Tensor) -> bool:
+    return (planned.data_ptr(), planned.shape, planned.dtype) == (live.data_ptr(), live.shape, live.dtype)

@@ -62,8 +62,8 @@ def precision_args(precision: str | None) -> dict[str, Any]:
 
 def main() -> None:
     root, site, fault_rank, action = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    if site == "sharded":
-        return sharded_main(root, fault_rank, action)
+    if site in ("sharded", "sharded_async"):
+        return sharded_main(root, fault_rank, action, asynchronous=site == "sharded_async")
     if site == "deferred_sharded":
         return deferred_sharded_main(root, fault_rank, action)
     warnings.simplefilter("ignore")
@@ -111,20 +111,25 @@ def fit(out: Path, site: str, fault_rank: int, action: str, precision: str | Non
     trainer.fit(model, DataLoader(shard, batch_size=8, shuffle=False))
 
 
-def sharded_main(out: Path, fault_rank: int, action: str) -> None:
+def sharded_main(out: Path, fault_rank: int, action: str, asynchronous: bool = False) -> None:
     """SITE ``sharded``: two fits in one launch, ``snapshot_sharding="auto"`` then ``"off"``, the same seed.
 
     Snapshots every 2 steps (the one of step 2 holds BatchNorm buffers that differ per rank); AdamW's
     ``exp_avg_sq`` goes NaN at step 3 on ``fault_rank``; a ModelCheckpoint saving every step catches
     the NaN weights (the checkpoint swap gathers the sharded snapshot), the next step rolls back. Each rank saves OUT_DIR/sharded_{mode}_rank{r}.pt: its final weights, buffers and AdamW
-    state, the snapshot's bytes, the events and the saved checkpoints' state dicts.
+    state, the snapshot's bytes, the events and the saved checkpoints' state dicts. ``asynchronous``: the
+    ``"auto"`` fit takes its snapshots with ``snapshot_async=True`` (the ``"off"`` one stays synchronous).
     """
     from pytorch_lightning.callbacks import ModelCheckpoint
 
     for mode in ("auto", "off"):
         pl.seed_everything(0, verbose=False)
         guard = NumGuardCallback(
-            action=action, dirpath=str(out / f"ng_{mode}"), snapshot_sharding=mode, snapshot_every_n_steps=2
+            action=action,
+            dirpath=str(out / f"ng_{mode}"),
+            snapshot_sharding=mode,
+            snapshot_every_n_steps=2,
+            snapshot_async=asynchronous and mode == "auto",
         )
         saver = ModelCheckpoint(dirpath=out / f"ckpt_{mode}", every_n_train_steps=1, save_top_k=-1)
         trainer = pl.Trainer(
@@ -152,6 +157,7 @@ def sharded_main(out: Path, fault_rank: int, action: str) -> None:
             "sharded_nbytes": snapshot.sharded.nbytes if snapshot.sharded is not None else 0,
             "events": guard.events,
             "counters": guard.counters,
+            "async": guard._recovery.spare is not None,  # a candidate was promoted into the second buffer
             "checkpoints": {f.name: torch.load(f, weights_only=False)["state_dict"] for f in ckpts},
         }
         torch.save(result, out / f"sharded_{mode}_rank{rank}.pt")

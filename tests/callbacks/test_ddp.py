@@ -153,6 +153,26 @@ def test_sharded_snapshots_hold_half_per_rank_and_restore_bitwise_like_full_copi
     print({"off": [o["snapshot_nbytes"] for o in off]})
 
 
+@pytest.mark.ddp
+def test_asynchronous_sharded_snapshots_restore_bitwise_like_synchronous_full_copies(tmp_path):
+    """The sharded run above with snapshot_async=True (each rank's slices copied by a worker thread from batch start
+    on): the checkpoint swap and the rollback still give bitwise the weights, buffers and AdamW state of synchronous
+    full copies."""
+    import torch
+
+    run_ddp(tmp_path, "sharded_async", 1, "rollback")
+    load = lambda mode, r: torch.load(tmp_path / f"sharded_{mode}_rank{r}.pt", weights_only=False)  # noqa: E731
+    for r in (0, 1):
+        a, o = load("auto", r), load("off", r)
+        assert a["counters"]["rollbacks"] == 1 and a["counters"] == o["counters"] and a["events"] == o["events"]
+        assert any(e["where"] == ["checkpoint"] for e in a["events"])  # the swap gathered the asynchronous snapshot
+        assert _bitwise(a["state"], o["state"]) and _bitwise(a["optimizer"], o["optimizer"])
+        assert 0 < a["sharded_nbytes"] <= o["snapshot_nbytes"] / 2
+        assert a["async"] and not o["async"]
+        if r == 0:
+            assert a["checkpoints"] and _bitwise(a["checkpoints"], o["checkpoints"])
+
+
 def ranks_of(root: Path) -> list[dict]:
     return [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -1,0 +1,86 @@
+"""snapshot_async: snapshots copied from batch start on, promoted only once verified (double buffering)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pytorch_lightning.callbacks import Callback
+
+from lightning_numguard import NumGuardCallback, NumGuardConfigError
+from lightning_numguard.core.syncs import SyncCounter
+from lightning_numguard.errors import NumGuardWarning
+from tests.helpers import FaultData, FaultModel, all_finite, loader, trainer
+
+
+def fit(tmp_path, snapshot_async, site, step=3, max_steps=6, **kw):
+    torch.manual_seed(0)
+    model = FaultModel(site=site, step=step)
+    guard = NumGuardCallback(
+        action="rollback", snapshot_every_n_steps=1, dirpath=str(tmp_path / "ng"), snapshot_async=snapshot_async, **kw
+    )
+    t = trainer(tmp_path, [guard], max_steps=max_steps)
+    with pytest.warns(NumGuardWarning):
+        t.fit(model, loader(FaultData(bad_batch=step, site=site)))
+    return guard, model, t
+
+
+@pytest.mark.parametrize("site", ["param", "input"])
+def test_an_asynchronous_run_rolls_back_bitwise_like_a_synchronous_one(tmp_path, site):
+    """``param``: the start-of-step state is bad (the candidate is discarded); ``input``: it is verified (promoted)."""
+    sync_guard, sync_model, sync_t = fit(tmp_path / "sync", False, site)
+    guard, model, t = fit(tmp_path / "async", True, site)
+    assert guard._recovery.async_on and not sync_guard._recovery.async_on
+    assert guard._recovery.spare is not None  # the asynchronous path ran: it keeps a second buffer
+    assert guard.counters["rollbacks"] == sync_guard.counters["rollbacks"] == 1
+    assert [e["details"].get("snapshot_step") for e in guard.events] == [
+        e["details"].get("snapshot_step") for e in sync_guard.events
+    ]
+    for key, value in sync_model.state_dict().items():
+        assert torch.equal(value, model.state_dict()[key]), key
+    for p_ref, p_got in zip(sync_model.parameters(), model.parameters()):
+        for k, v in sync_t.optimizers[0].state[p_ref].items():
+            assert torch.equal(v, t.optimizers[0].state[p_got][k]), k
+    assert torch.equal(sync_model.metric.compute(), model.metric.compute())
+
+
+def test_a_candidate_is_never_promoted_when_the_start_of_step_state_is_bad(tmp_path):
+    """A NaN weight at step 3: step 3's candidate is copied, never promoted; the snapshot of step 2 survives."""
+    guard, model, _ = fit(tmp_path, True, "param", step=3, max_steps=4)
+    recovery = guard._recovery
+    assert recovery.snapshot is not None and recovery.snapshot.step == 2
+    assert recovery.pending is None and recovery.spare is not None
+    assert recovery.spare.model["body.0.weight"].data_ptr() != recovery.snapshot.model["body.0.weight"].data_ptr()
+    assert all_finite(recovery.snapshot.model) and all_finite(recovery.snapshot.optimizers)
+    assert torch.equal(model.body[0].weight, recovery.snapshot.model["body.0.weight"])  # rolled back to it
+    rollback = [e for e in guard.events if e["action"] == "rollback"]
+    assert rollback and rollback[0]["step"] == 3
+
+
+def test_at_most_one_host_sync_per_training_step_with_asynchronous_snapshots(tmp_path):
+    counter = SyncCounter(package="lightning_numguard")
+
+    class Window(Callback):
+        def on_train_batch_start(self, *a):
+            counter.step_started()
+
+        def on_train_batch_end(self, *a):
+            counter.step_ended()
+
+    guard = NumGuardCallback(
+        action="rollback", dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=2, snapshot_async=True
+    )
+    t = trainer(tmp_path, [Window(), guard], max_steps=8)
+    t.callbacks = [c for c in t.callbacks if c is not guard] + [guard]
+    with counter:
+        t.fit(FaultModel(), loader(FaultData()))
+    assert guard._recovery.async_on and guard._recovery.snapshot is not None
+    assert guard._recovery.snapshot.step == 6
+    assert counter.caused == 8, counter.sites
+
+
+def test_snapshot_async_is_validated_and_off_by_default_on_the_cpu(tmp_path):
+    with pytest.raises(NumGuardConfigError, match="snapshot_async"):
+        NumGuardCallback(snapshot_async="yes")  # type: ignore[arg-type]
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=1)
+    trainer(tmp_path, [guard], max_steps=2).fit(FaultModel(), loader(FaultData()))
+    assert not guard._recovery.async_on and guard._recovery.spare is None
