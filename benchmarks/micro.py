@@ -228,7 +228,7 @@ def opguard_cost(
     idle.enabled = False
     guard.hold()  # as the callback does for a fit: entering then only pushes the guard
     idle.hold()
-    watch = OutputWatch(module.net, depth=1)  # the default: blocks (watch_depth=1), attached for the fit
+    watch = OutputWatch(module.net, depth=1)  # the default: blocks (watch_depth=1)
 
     def plain() -> None:
         with autocast:
@@ -244,10 +244,12 @@ def opguard_cost(
             module.loss(batch)
 
     def with_watch() -> None:
-        watch.attach()  # idempotent: attached once, as for a fit
-        watch.reset()
-        with autocast:
-            module.loss(batch)
+        watch.attach()  # only for this candidate: the others run without the hooks
+        try:
+            with autocast:
+                module.loss(batch)
+        finally:
+            watch.detach()
 
     times = interleaved(
         {
@@ -262,11 +264,13 @@ def opguard_cost(
     )
     guard.release()
     idle.release()
-    watch.detach()
-    base = statistics.median(times["forward"])
+    base = times["forward"]
     return {
         "times": {k: _summ(v) for k, v in times.items()},
-        "ratio_to_forward": {k: statistics.median(v) / base for k, v in times.items()},
+        # paired: each candidate against the plain forward of the same round (adjacent in time), median over
+        # rounds; on a shared machine this cancels the slow drift that a ratio of two medians keeps
+        "ratio_to_forward": {k: statistics.median(a / b for a, b in zip(v, base)) for k, v in times.items()},
+        "ratio_of_medians": {k: statistics.median(v) / statistics.median(base) for k, v in times.items()},
         "guarded_calls_per_forward": len(guard.records),
         "raw_ms": times,
     }
@@ -321,7 +325,8 @@ def run_micro(
         out["snapshot"][name]["step_ms_source"] = source
         if name == "lm":
             log(f"[micro] {name}: op guard over the forward")
-            out["opguard"][name] = opguard_cost(module, batch, reps, device, precision, warmup)
+            # 5x the repetitions: a 1% target on a ~13 ms forward needs many paired rounds on a shared machine
+            out["opguard"][name] = opguard_cost(module, batch, 5 * reps, device, precision, warmup)
         opt.zero_grad(set_to_none=True)
         del opt
         spec.module.cpu()

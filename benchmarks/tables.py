@@ -226,7 +226,8 @@ def micro_tables(m: dict[str, Any]) -> str:
     if m["opguard"]:
         out += [
             "",
-            "### (d) op guard and forward hooks over the LM forward + loss (median ms; ratio to plain forward)",
+            "### (d) op guard and forward hooks over the LM forward + loss "
+            "(median ms; median of the per-round ratios to the plain forward of the same round)",
             "",
             "| model | forward | OpGuard active | OpGuard entered but disabled | OutputWatch hooks | guarded calls |",
             "|---|---:|---:|---:|---:|---:|",
@@ -234,7 +235,7 @@ def micro_tables(m: dict[str, Any]) -> str:
         for name, o in m["opguard"].items():
             t, rr = o["times"], o["ratio_to_forward"]
             cells = [
-                f"{t[k]['median_ms']:.2f} ({rr[k]:.2f}×)"
+                f"{t[k]['median_ms']:.2f} ({rr[k]:.3f}×)"
                 for k in ("forward", "forward_opguard", "forward_opguard_disabled", "forward_output_watch")
             ]
             out.append(f"| {name} | " + " | ".join(cells) + f" | {o['guarded_calls_per_forward']} |")
