@@ -116,6 +116,8 @@ class StepInspector:
         # Per optimizer: its param groups' layout (key) and the named parameters in order, resolved once.
         self._opt_params: dict[int, tuple[Any, list[tuple[list[Any], int]], Named, checks.TotalPlan]] = {}
         self._grads_plan: checks.TotalPlan | None = None  # the plan of the gradients grads() last returned
+        self._segment_plans: dict[str, tuple[Named, checks.TotalPlan]] = {}  # per state segment, its list's plan
+        self._opt_state: tuple[list[torch.Tensor], Named] | None = None  # the optimizer state tensors, named
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -144,6 +146,8 @@ class StepInspector:
         self.named_params = list(pl_module.named_parameters())
         self.param_names = {id(p): n for n, p in self.named_params}
         self._opt_params = {}
+        self._segment_plans = {}
+        self._opt_state = None
         persistent = set(pl_module.state_dict())
         self._named_buffers = [(n, b) for n, b in pl_module.named_buffers() if n in persistent]
         self._start_buffers = [b.detach().clone() for _, b in self._named_buffers]
@@ -300,18 +304,28 @@ class StepInspector:
         return Reading(flags.decode(reduced.tolist(), world), segments)  # the one host read of the step
 
     def _norm_total(self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor) -> torch.Tensor:
-        """The ``NORMS`` slot's total: the gradients through the check that may rewrite them, the rest read-only."""
+        """The ``NORMS`` slot's total: the gradients through the check that may rewrite them, the rest read-only.
+
+        Each segment's :class:`~lightning_numguard.core.checks.TotalPlan` is kept while the segment is the same
+        list object (the parameters and buffers are resolved once per fit, the optimizer state while its
+        tensors stay the same): a step does no per-tensor grouping.
+        """
         totals = []
-        if segments.get("grads"):
-            grads = [t for _, t in segments["grads"]]
-            plan = self._grads_plan if self._grads_plan is not None else checks.TotalPlan(grads)
-            totals.append(plan.total(grads, device, rewritable=True))
-        state = [t for name, seg in segments.items() if name != "grads" for _, t in seg]
-        if state:
-            totals.append(checks.norm_total(state, device))
+        for name, named in segments.items():
+            if not named:
+                continue
+            tensors = [t for _, t in named]
+            if name == "grads":
+                plan = self._grads_plan if self._grads_plan is not None else checks.TotalPlan(tensors)
+                totals.append(plan.total(tensors, device, rewritable=True))
+                continue
+            cached = self._segment_plans.get(name)
+            if cached is None or cached[0] is not named:
+                cached = self._segment_plans[name] = (named, checks.TotalPlan(tensors))
+            totals.append(cached[1].total(tensors, device))
         if not totals:
             return zero
-        return totals[0] if len(totals) == 1 else totals[0] + totals[1]
+        return totals[0] if len(totals) == 1 else torch.stack(totals).sum()
 
     # ------------------------------------------------------------------ after a hit
 
@@ -454,13 +468,29 @@ class StepInspector:
         return named + (self.optimizer_state(trainer) if with_optimizer else [])
 
     def optimizer_state(self, trainer: pl.Trainer) -> Named:
-        """Every optimizer's floating state tensors, named ``optimizer[i].state[<param>].<key>``."""
+        """Every optimizer's floating state tensors, named ``optimizer[i].state[<param>].<key>``.
+
+        The named list is kept while every state tensor is the same object (optimizers update their state in
+        place; a first step, ``load_state_dict`` or a restore replaces it, and the list is rebuilt): a step
+        that checks the optimizer state only walks the tensors, with no names built.
+        """
+        live = [
+            value
+            for opt in trainer.optimizers
+            for state in opt.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        cached = self._opt_state
+        if cached is not None and len(cached[0]) == len(live) and all(a is b for a, b in zip(cached[0], live)):
+            return cached[1]
         out: Named = []
         for i, opt in enumerate(trainer.optimizers):
             for param, state in opt.state.items():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and checks.is_checkable(value):
                         out.append((f"optimizer[{i}].state[{self.param_names.get(id(param), '?')}].{key}", value))
+        self._opt_state = (live, out)
         return out
 
     def _calling_module(self) -> str | None:

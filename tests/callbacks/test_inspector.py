@@ -1,0 +1,46 @@
+"""StepInspector's per-fit caches: what a step reuses, and when it must not."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from lightning_numguard.callbacks._inspector import StepInspector
+
+
+def _setup() -> tuple[StepInspector, nn.Module, torch.optim.Optimizer, SimpleNamespace]:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    inspector = StepInspector(["grads", "optimizer_state"], None, ["*"], [])
+    inspector.param_names = {id(p): n for n, p in model.named_parameters()}
+    return inspector, model, opt, SimpleNamespace(optimizers=[opt])
+
+
+def test_the_named_optimizer_state_is_reused_while_its_tensors_are_the_same():
+    inspector, _, opt, trainer = _setup()
+    first = inspector.optimizer_state(trainer)
+    assert [n for n, _ in first][:3] == [
+        "optimizer[0].state[0.weight].step",
+        "optimizer[0].state[0.weight].exp_avg",
+        "optimizer[0].state[0.weight].exp_avg_sq",
+    ]
+    assert inspector.optimizer_state(trainer) is first  # no names rebuilt on a step that changed nothing
+
+
+def test_a_replaced_optimizer_state_is_seen_at_once():
+    # a restore (load_state_dict) or a new step's lazy state replaces the tensors: the check must follow them
+    inspector, _, opt, trainer = _setup()
+    first = inspector.optimizer_state(trainer)
+    state = copy.deepcopy(opt.state_dict())
+    state["state"][0]["exp_avg"].fill_(float("nan"))
+    opt.load_state_dict(state)
+    again = inspector.optimizer_state(trainer)
+    assert again is not first
+    live = opt.state[next(iter(opt.state))]["exp_avg"]
+    assert any(t is live for _, t in again)
+    assert all(any(t is v for _, t in again) for s in opt.state.values() for v in s.values())
