@@ -17,7 +17,7 @@ import logging
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
@@ -113,9 +113,12 @@ class StepInspector:
         self.unchecked_buffers: set[str] = set()
         self.checked_buffers: Named = []
         self._metric_keys: list[str] = []
-        # Per optimizer: its param groups' layout (key) and the named parameters in order, resolved once.
-        self._opt_params: dict[int, tuple[Any, list[tuple[list[Any], int]], Named, checks.TotalPlan]] = {}
+        # Per optimizer: its param groups' layout (key), the names and parameters checked, and their plan.
+        self._opt_params: dict[
+            int, tuple[Any, list[tuple[list[Any], int]], list[str], list[torch.Tensor], checks.TotalPlan]
+        ] = {}
         self._grads_plan: checks.TotalPlan | None = None  # the plan of the gradients grads() last returned
+        self._grads: list[torch.Tensor] = []  # those gradients, when the plan applies
         self._segment_plans: dict[str, tuple[Named, checks.TotalPlan]] = {}  # per state segment, its list's plan
         self._opt_state: tuple[list[torch.Tensor], Named] | None = None  # the optimizer state tensors, named
 
@@ -314,11 +317,14 @@ class StepInspector:
         for name, named in segments.items():
             if not named:
                 continue
-            tensors = [t for _, t in named]
             if name == "grads":
-                plan = self._grads_plan if self._grads_plan is not None else checks.TotalPlan(tensors)
-                totals.append(plan.total(tensors, device, rewritable=True))
+                if self._grads_plan is not None:  # grads() found every gradient: its plan and tensor list
+                    totals.append(self._grads_plan.total(self._grads, device, rewritable=True))
+                else:
+                    grads = [t for _, t in named]
+                    totals.append(checks.TotalPlan(grads).total(grads, device, rewritable=True))
                 continue
+            tensors = [t for _, t in named]
             cached = self._segment_plans.get(name)
             if cached is None or cached[0] is not named:
                 cached = self._segment_plans[name] = (named, checks.TotalPlan(tensors))
@@ -422,10 +428,10 @@ class StepInspector:
     def grads(self, optimizer: Any) -> Named:
         """The named gradients of ``optimizer``'s parameters.
 
-        The floating, non-empty (name, parameter) list is resolved once per optimizer (and again when its param
-        groups change), with the :class:`~lightning_numguard.core.checks.TotalPlan` of their layout; a step only
-        reads each ``.grad`` (a new tensor each step, with its parameter's dtype and shape) and skips missing and
-        sparse ones. When none is skipped, :meth:`read` checks them with that plan.
+        The floating, non-empty parameters and their names are resolved once per optimizer (and again when its
+        param groups change), with the :class:`~lightning_numguard.core.checks.TotalPlan` of their layout; a step
+        only reads each ``.grad`` (a new tensor each step, with its parameter's dtype and shape) and skips missing
+        and sparse ones. When none is skipped, :meth:`read` checks them with that plan.
         """
         groups = optimizer.param_groups
         cached = self._opt_params.get(id(optimizer))
@@ -435,20 +441,20 @@ class StepInspector:
             or len(cached[1]) != len(groups)
             or any(g["params"] is not ps or len(ps) != n for g, (ps, n) in zip(groups, cached[1]))
         ):
-            names = self.param_names
             layout = [(g["params"], len(g["params"])) for g in groups]
-            params = [
-                (names.get(id(p), "?"), p)
-                for g in groups
-                for p in g["params"]
-                if p.is_floating_point() and p.numel() > 0
-            ]
-            cached = (optimizer, layout, params, checks.TotalPlan([p for _, p in params]))
+            checked = [p for g in groups for p in g["params"] if p.is_floating_point() and p.numel() > 0]
+            labels = [self.param_names.get(id(p), "?") for p in checked]
+            cached = (optimizer, layout, labels, checked, checks.TotalPlan(checked))
             self._opt_params[id(optimizer)] = cached
+        labels, checked, plan = cached[2], cached[3], cached[4]
+        grads = [p.grad for p in checked]
         strided = torch.strided
-        named = [(n, g) for n, p in cached[2] if (g := p.grad) is not None and g.layout is strided]
-        self._grads_plan = cached[3] if len(named) == cached[3].size else None
-        return named
+        for g in grads:
+            if g is None or g.layout is not strided:  # a parameter without a gradient, or a sparse one
+                self._grads_plan = None
+                return [(n, g) for n, g in zip(labels, grads) if g is not None and g.layout is strided]
+        self._grads_plan, self._grads = plan, cast("list[torch.Tensor]", grads)  # the usual step: the plan applies
+        return list(zip(labels, self._grads))
 
     def segment(self, segment: str, trainer: pl.Trainer) -> Named:
         """The named tensors of one state segment, for the step's flag or for an exact look after a hit."""
