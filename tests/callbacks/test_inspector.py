@@ -44,3 +44,30 @@ def test_a_replaced_optimizer_state_is_seen_at_once():
     live = opt.state[next(iter(opt.state))]["exp_avg"]
     assert any(t is live for _, t in again)
     assert all(any(t is v for _, t in again) for s in opt.state.values() for v in s.values())
+
+
+def test_gradients_missing_or_sparse_are_left_out_and_the_rest_still_checked():
+    emb = nn.Embedding(10, 3, sparse=True)
+    used, unused = nn.Linear(3, 1), nn.Linear(3, 1)
+    params = [*emb.parameters(), *used.parameters(), *unused.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    used(emb(torch.tensor([1, 2]))).sum().backward()
+    inspector = StepInspector(["grads"], None, ["*"], [])
+    inspector.param_names = {id(emb.weight): "emb.weight", id(used.weight): "used.weight", id(used.bias): "used.bias"}
+    named = inspector.grads(opt)
+    assert [n for n, _ in named] == ["used.weight", "used.bias"]  # the sparse and the missing ones left out
+    assert inspector._grads_plan is None  # the per-fit plan does not apply to this step's tensors
+    used.weight.grad[0, 0] = float("nan")
+    total = inspector._norm_total({"grads": named}, torch.device("cpu"), torch.zeros(()))
+    assert not torch.isfinite(total)
+    # every gradient present: the plan applies, and a NaN is still seen
+    emb.weight.grad = None
+    emb.sparse = False
+    opt.zero_grad(set_to_none=True)
+    used(emb(torch.tensor([1, 2]))).sum().backward()
+    unused(torch.ones(3)).sum().backward()
+    named = inspector.grads(opt)
+    assert len(named) == 5 and inspector._grads_plan is not None
+    assert torch.isfinite(inspector._norm_total({"grads": named}, torch.device("cpu"), torch.zeros(())))
+    unused.bias.grad.fill_(float("inf"))
+    assert not torch.isfinite(inspector._norm_total({"grads": named}, torch.device("cpu"), torch.zeros(())))
