@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         "Per node of 8 ranks, a 7B model: full copies "
         f"{_fmt(seven_b * 8)}, sharded {_fmt(seven_b)} (one copy split across the 8 ranks).",
         "",
-        "Each figure is one snapshot. Two are held at times, each sharded the same way under `\"auto\"`: with",
+        'Each figure is one snapshot. Two are held at times, each sharded the same way under `"auto"`: with',
         "`snapshot_async` on (the default on CUDA), the verified snapshot and the buffer the next one is copied into",
-        "during its step; with `sync_mode=\"deferred\"`, the verified snapshot and at most one candidate waiting",
+        'during its step; with `sync_mode="deferred"`, the verified snapshot and at most one candidate waiting',
         "for its step's flags.",
     ]
     text = "\n".join(lines)

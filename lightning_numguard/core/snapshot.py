@@ -144,12 +144,7 @@ def capture(
     """
     device = "cpu" if where == "host" else None
     pin = where == "host" and torch.cuda.is_available()
-    sd = dict(model.state_dict())
-    if model_state:
-        sd.update(model_state)
-    states = {name: obj.state_dict() for name, obj in (stateful or {}).items()}
-    if stateful_state:
-        states.update({k: v for k, v in stateful_state.items() if k in states})
+    sd, states = _live_states(model, model_state, stateful, stateful_state)
     sharded = None
     if shard_among is not None:
         names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
@@ -170,6 +165,22 @@ def capture(
         rng=copy.deepcopy(rng) if rng is not None else rng_state(),
         sharded=sharded,
     )
+
+
+def _live_states(
+    model: nn.Module,
+    model_state: Mapping[str, Any] | None,
+    stateful: Mapping[str, Stateful] | None,
+    stateful_state: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's ``state_dict`` and each stateful object's, with the given overrides (no copies)."""
+    sd = dict(model.state_dict())
+    if model_state:
+        sd.update(model_state)
+    states = {name: obj.state_dict() for name, obj in (stateful or {}).items()}
+    if stateful_state:
+        states.update({k: v for k, v in stateful_state.items() if k in states})
+    return sd, states
 
 
 def tree_device(state: Mapping[str, Any]) -> torch.device:
@@ -293,12 +304,7 @@ def finish_capture(
     are written; readers block on them (:meth:`Snapshot.ready`).
     """
     device, pin, reuse = pending.device, pending.pin, pending.reuse
-    sd = dict(model.state_dict())
-    if model_state:
-        sd.update(model_state)
-    states = {name: obj.state_dict() for name, obj in (stateful or {}).items()}
-    if stateful_state:
-        states.update({k: v for k, v in stateful_state.items() if k in states})
+    sd, states = _live_states(model, model_state, stateful, stateful_state)
     if pending.sharded is not None:
         names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         rest = clone_tree({k: v for k, v in sd.items() if k not in names}, device, pin, reuse.model if reuse else None)

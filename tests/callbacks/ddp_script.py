@@ -147,21 +147,29 @@ def sharded_main(out: Path, fault_rank: int, action: str, asynchronous: bool = F
         model = FaultModel(site="opt_state", step=3, rank=fault_rank)
         data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
         trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
-        snapshot = guard._recovery.snapshot
-        assert snapshot is not None
-        ckpts = sorted((out / f"ckpt_{mode}").glob("*.ckpt")) if rank == 0 else []
-        result = {
-            "state": model.state_dict(),
-            "optimizer": trainer.optimizers[0].state_dict(),
-            "snapshot_nbytes": snapshot.nbytes,
-            "sharded_nbytes": snapshot.sharded.nbytes if snapshot.sharded is not None else 0,
-            "events": guard.events,
-            "counters": guard.counters,
-            "async": guard._recovery.spare is not None,  # a candidate was promoted into the second buffer
-            "checkpoints": {f.name: torch.load(f, weights_only=False)["state_dict"] for f in ckpts},
-        }
-        torch.save(result, out / f"sharded_{mode}_rank{rank}.pt")
-        (out / f"rank{rank}.json").write_text(json.dumps({"modes_done": mode}))
+        extra = {"async": guard._recovery.spare is not None}  # a candidate was promoted into the second buffer
+        save_sharded_result(out, f"sharded_{mode}", mode, rank, trainer, model, guard, extra)
+
+
+def save_sharded_result(
+    out: Path, name: str, mode: str, rank: int, trainer: Any, model: Any, guard: Any, extra: dict[str, Any]
+) -> None:
+    """What a sharded-snapshot launch compares between its ``"auto"`` and ``"off"`` fits, saved per rank."""
+    snapshot = guard._recovery.snapshot
+    assert snapshot is not None
+    ckpts = sorted((out / f"ckpt_{mode}").glob("*.ckpt")) if rank == 0 else []
+    result = {
+        "state": model.state_dict(),
+        "optimizer": trainer.optimizers[0].state_dict(),
+        "snapshot_nbytes": snapshot.nbytes,
+        "sharded_nbytes": snapshot.sharded.nbytes if snapshot.sharded is not None else 0,
+        "events": guard.events,
+        "counters": guard.counters,
+        "checkpoints": {f.name: torch.load(f, weights_only=False)["state_dict"] for f in ckpts},
+        **extra,
+    }
+    torch.save(result, out / f"{name}_rank{rank}.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps({"modes_done": mode}))
 
 
 class StepWindow(pl.Callback):
@@ -230,23 +238,8 @@ def deferred_sharded_main(out: Path, fault_rank: int, action: str) -> None:
         data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
         with counter:
             trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
-        snapshot = guard._recovery.snapshot
-        assert snapshot is not None
-        ckpts = sorted((out / f"ckpt_{mode}").glob("*.ckpt")) if rank == 0 else []
-        result = {
-            "state": model.state_dict(),
-            "optimizer": trainer.optimizers[0].state_dict(),
-            "snapshot_nbytes": snapshot.nbytes,
-            "sharded_nbytes": snapshot.sharded.nbytes if snapshot.sharded is not None else 0,
-            "ring": window.ring,
-            "storage": window.storage,
-            "events": guard.events,
-            "counters": guard.counters,
-            "reads_per_step": counter.step_caused,
-            "checkpoints": {f.name: torch.load(f, weights_only=False)["state_dict"] for f in ckpts},
-        }
-        torch.save(result, out / f"deferred_{mode}_rank{rank}.pt")
-        (out / f"rank{rank}.json").write_text(json.dumps({"modes_done": mode}))
+        extra = {"ring": window.ring, "storage": window.storage, "reads_per_step": counter.step_caused}
+        save_sharded_result(out, f"deferred_{mode}", mode, rank, trainer, model, guard, extra)
 
 
 if __name__ == "__main__":

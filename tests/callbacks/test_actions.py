@@ -166,8 +166,13 @@ def test_optimizer_state_check_catches_poisoned_moments_before_the_step(tmp_path
     assert all_finite(model.state_dict())
 
 
-def test_at_most_one_host_sync_per_training_step(tmp_path):
-    """Counts the host reads the guard causes (a guard frame on the stack) during the training steps."""
+@pytest.mark.parametrize("snapshot_async", [False, True])
+def test_at_most_one_host_sync_per_training_step(tmp_path, snapshot_async):
+    """Counts the host reads the guard causes (a guard frame on the stack) during the training steps.
+
+    With ``snapshot_async=True`` (on the CPU: a worker thread) the snapshot steps wait for the copies without
+    a host read of the guard's own.
+    """
     counter = SyncCounter(package="lightning_numguard")
 
     class Window(Callback):
@@ -178,7 +183,9 @@ def test_at_most_one_host_sync_per_training_step(tmp_path):
             counter.step_ended()
 
     # the guard first, so its on_train_batch_end runs before the window closes
-    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=2)
+    guard = NumGuardCallback(
+        action="rollback", dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=2, snapshot_async=snapshot_async
+    )
     model = FaultModel()
     t = trainer(tmp_path, [Window(), guard], max_steps=8)
     t.callbacks = [c for c in t.callbacks if c is not guard] + [guard]
@@ -186,6 +193,8 @@ def test_at_most_one_host_sync_per_training_step(tmp_path):
         t.fit(model, loader(FaultData()))
     assert len(counter.step_total) == 8
     assert counter.caused == 8, counter.sites  # exactly one read per step, snapshot steps included
+    assert guard._recovery.async_on is snapshot_async
+    assert guard._recovery.snapshot is not None and guard._recovery.snapshot.step == 6
 
 
 @pytest.mark.parametrize(

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pytorch_lightning.callbacks import Callback
 
 from lightning_numguard import NumGuardCallback, NumGuardConfigError
-from lightning_numguard.core.syncs import SyncCounter
 from lightning_numguard.errors import NumGuardWarning
 from tests.helpers import FaultData, FaultModel, all_finite, loader, trainer
 
@@ -54,28 +52,6 @@ def test_a_candidate_is_never_promoted_when_the_start_of_step_state_is_bad(tmp_p
     assert torch.equal(model.body[0].weight, recovery.snapshot.model["body.0.weight"])  # rolled back to it
     rollback = [e for e in guard.events if e["action"] == "rollback"]
     assert rollback and rollback[0]["step"] == 3
-
-
-def test_at_most_one_host_sync_per_training_step_with_asynchronous_snapshots(tmp_path):
-    counter = SyncCounter(package="lightning_numguard")
-
-    class Window(Callback):
-        def on_train_batch_start(self, *a):
-            counter.step_started()
-
-        def on_train_batch_end(self, *a):
-            counter.step_ended()
-
-    guard = NumGuardCallback(
-        action="rollback", dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=2, snapshot_async=True
-    )
-    t = trainer(tmp_path, [Window(), guard], max_steps=8)
-    t.callbacks = [c for c in t.callbacks if c is not guard] + [guard]
-    with counter:
-        t.fit(FaultModel(), loader(FaultData()))
-    assert guard._recovery.async_on and guard._recovery.snapshot is not None
-    assert guard._recovery.snapshot.step == 6
-    assert counter.caused == 8, counter.sites
 
 
 def test_snapshot_async_is_validated_and_off_by_default_on_the_cpu(tmp_path):
