@@ -240,6 +240,42 @@ def deferred_sharded_main(out: Path, fault_rank: int, action: str) -> None:
             trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
         extra = {"ring": window.ring, "storage": window.storage, "reads_per_step": counter.step_caused}
         save_sharded_result(out, f"deferred_{mode}", mode, rank, trainer, model, guard, extra)
+    for mode in ("auto", "off"):  # the same fault under action="halt": the late halt gathers the snapshot once
+        pl.seed_everything(0, verbose=False)
+        guard = NumGuardCallback(
+            action="halt",
+            dirpath=str(out / f"ng_halt_{mode}"),
+            snapshot_sharding=mode,
+            snapshot_every_n_steps=2,
+            sync_mode="deferred",
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp",
+            max_steps=10,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=[guard],
+        )
+        rank = trainer.global_rank
+        model = FusedModel(site="opt_state", step=3, rank=fault_rank)
+        data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
+        trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
+        last = out / f"ng_halt_{mode}" / "last_finite.ckpt"
+        halted = {
+            "state": model.state_dict(),
+            "optimizer": trainer.optimizers[0].state_dict(),
+            "global_step": trainer.global_step,
+            "events": guard.events,
+            "counters": guard.counters,
+            "sharded": guard._recovery.snapshot is not None and guard._recovery.snapshot.sharded is not None,
+            "last_finite": torch.load(last, weights_only=False)["state_dict"] if rank == 0 else None,
+        }
+        torch.save(halted, out / f"deferred_halt_{mode}_rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -265,6 +265,22 @@ def test_deferred_sync_shards_its_snapshot_ring_and_rolls_back_late_bitwise_like
         assert len(reads) == 10 and {i for i, n in enumerate(reads) if n} == late, (reads, late)
     assert auto[0]["checkpoints"].keys() == off[0]["checkpoints"].keys() and auto[0]["checkpoints"]
     assert _bitwise(auto[0]["checkpoints"], off[0]["checkpoints"])
+    # action="halt": every rank stops at the same step with the verified snapshot gathered back, bitwise as "off"
+    halt = {(m, r): load(f"halt_{m}", r) for m in ("auto", "off") for r in (0, 1)}
+    for r in (0, 1):
+        h, o = halt[("auto", r)], halt[("off", r)]
+        assert h["sharded"] and not o["sharded"]
+        assert h["global_step"] == o["global_step"] == halt[("auto", 0)]["global_step"] < 10
+        assert _bitwise(h["state"], o["state"]) and _bitwise(h["optimizer"], o["optimizer"])
+        assert h["events"] == o["events"] and h["counters"] == o["counters"]
+        assert any(e["action"] == "halt" for e in h["events"])
+        assert all(torch.isfinite(t).all() for t in h["state"].values() if t.is_floating_point())
+    weights = [
+        {k: v for k, v in halt[("auto", r)]["state"].items() if "running" not in k and "batches" not in k}
+        for r in (0, 1)
+    ]
+    assert _bitwise(weights[0], weights[1])  # the ranks agree on the weights (BatchNorm statistics are per rank)
+    assert _bitwise(halt[("auto", 0)]["last_finite"], halt[("auto", 0)]["state"])  # last_finite.ckpt: what was restored
     # the late events are merged across ranks: both ranks record the same ones, each place named
     late_events = [[e for e in auto[r]["events"] if "read_at_step" in e["details"]] for r in (0, 1)]
     assert late_events[0] and late_events[0] == late_events[1]
