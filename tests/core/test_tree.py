@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_numguard.core.tree import floating_leaves, tensor_leaves
+from lightning_numguard.core.tree import clone_tree, floating_leaves, tensor_leaves, tensors
 
 Pair = namedtuple("Pair", ["image", "label"])
 
@@ -49,3 +49,34 @@ def test_self_referencing_structure_terminates():
     paths = [p for p, _ in tensor_leaves(lst)]
     assert paths[0] == "batch[0]"
     assert len(paths) <= 40
+
+
+def test_clone_tree_into_an_earlier_copy_reuses_its_storage_bitwise_for_every_dtype():
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    state = {
+        "w": w,
+        "step": torch.tensor(7.0),
+        "mask": torch.tensor([True, False]),
+        "idx": torch.arange(4),
+        "half": torch.randn(5).half(),
+        "nested": [torch.randn(2), {"lr": 0.1}],
+    }
+    first = clone_tree(state)
+    ptrs = [t.data_ptr() for t in tensors(first)]
+    with torch.no_grad():
+        w.mul_(2)
+        w[0, 0] = float("nan")
+    state["mask"][1] = True
+    state["idx"][0] = -5
+    again = clone_tree(state, into=first)
+    assert [t.data_ptr() for t in tensors(again)] == ptrs  # written in place, no new storage
+    for a, b in zip(tensors(again), tensors(state)):
+        assert a.dtype == b.dtype and torch.equal(
+            a.reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)
+        )
+    assert not again["w"].requires_grad  # a copy, outside autograd
+    assert again["nested"][1] == {"lr": 0.1} and again["nested"][1] is not state["nested"][1]
+    # a shape that changed gets new storage
+    state["nested"][0] = torch.randn(3)
+    third = clone_tree(state, into=again)
+    assert third["nested"][0].shape == (3,) and torch.equal(third["nested"][0], state["nested"][0])
