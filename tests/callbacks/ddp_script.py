@@ -132,23 +132,29 @@ def sharded_main(out: Path, fault_rank: int, action: str, asynchronous: bool = F
             snapshot_async=asynchronous and mode == "auto",
         )
         saver = ModelCheckpoint(dirpath=out / f"ckpt_{mode}", every_n_train_steps=1, save_top_k=-1)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy="ddp",
-            max_steps=5,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            callbacks=[guard, saver],
-        )
+        trainer = ddp_trainer(5, [guard, saver])
         rank = trainer.global_rank
         model = FaultModel(site="opt_state", step=3, rank=fault_rank)
         data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
         trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
         extra = {"async": guard._recovery.spare is not None}  # a candidate was promoted into the second buffer
         save_sharded_result(out, f"sharded_{mode}", mode, rank, trainer, model, guard, extra)
+
+
+def ddp_trainer(max_steps: int, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
+    """A 2-process gloo DDP Trainer on the CPU, quiet, each rank feeding its own data."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+        **kwargs,
+    )
 
 
 def save_sharded_result(
@@ -222,17 +228,7 @@ def deferred_sharded_main(out: Path, fault_rank: int, action: str) -> None:
         saver = ModelCheckpoint(dirpath=out / f"ckpt_{mode}", every_n_train_steps=1, save_top_k=-1)
         counter = SyncCounter(package="lightning_numguard")
         window = StepWindow(counter, guard)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy="ddp",
-            max_steps=10,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            callbacks=[window, guard, saver],
-        )
+        trainer = ddp_trainer(10, [window, guard, saver])
         rank = trainer.global_rank
         model = FusedModel(site="opt_state", step=3, rank=fault_rank)
         data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
@@ -249,18 +245,7 @@ def deferred_sharded_main(out: Path, fault_rank: int, action: str) -> None:
             snapshot_every_n_steps=2,
             sync_mode="deferred",
         )
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy="ddp",
-            max_steps=10,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            callbacks=[guard],
-        )
+        trainer = ddp_trainer(10, [guard], enable_checkpointing=False)
         rank = trainer.global_rank
         model = FusedModel(site="opt_state", step=3, rank=fault_rank)
         data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
