@@ -213,3 +213,17 @@ def guard_warning(culprit: str, step: int | None = None) -> str:
     """
     at = r"\d+" if step is None else str(step)
     return rf"^NumGuard: .*{re.escape(culprit)}.* at step {at} on rank 0"
+
+
+class SyncWindow(pl.Callback):
+    """A ``SyncCounter`` step window around each training batch (list the guard after it, so that the guard's
+    ``on_train_batch_end`` runs inside the window)."""
+
+    def __init__(self, counter: Any) -> None:
+        self.counter = counter
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.counter.step_started()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.counter.step_ended()

@@ -119,7 +119,8 @@ class StepInspector:
         ] = {}
         self._grads_plan: checks.TotalPlan | None = None  # the plan of the gradients grads() last returned
         self._grads: list[torch.Tensor] = []  # those gradients, when the plan applies
-        self._segment_plans: dict[str, tuple[Named, checks.TotalPlan]] = {}  # per state segment, its list's plan
+        # per state segment: its named list, its tensors and their plan, kept while the list is the same object
+        self._segment_plans: dict[str, tuple[Named, list[torch.Tensor], checks.TotalPlan]] = {}
         self._opt_state: tuple[list[torch.Tensor], Named] | None = None  # the optimizer state tensors, named
 
     # ------------------------------------------------------------------ lifecycle
@@ -266,8 +267,25 @@ class StepInspector:
         rec.read_done = True
         rec.seen_at_read = (len(rec.losses), len(self.watch.records) if self.watch is not None else 0)
         rec.step = trainer.global_step
+        slots, segments = self.slot_values(trainer, pl_module, optimizer, snapshot_due)
+        world = trainer.world_size
+        if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
+            return Reading(flags.decode_raw(flags.stack_raw(list(slots.values())).tolist()), segments)
+        reduced = _distributed.reduce_max(trainer, flags.encode_rank(flags.pack(**slots), trainer.global_rank, world))
+        return Reading(flags.decode(reduced.tolist(), world), segments)  # the one host read of the step
+
+    def slot_values(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Named]]:
+        """The step's 0-d slot values on the device, in :data:`~lightning_numguard.core.flags.SLOTS` order, named as
+        :func:`~lightning_numguard.core.flags.pack`'s arguments, and the named tensors of its ``NORMS`` slot; no sync.
+
+        Shared by :meth:`read` and the deferred mode (``callbacks/_zerosync.py``), which packs them without reading.
+        """
+        rec = self.record
+        assert rec is not None
         device = pl_module.device
-        # Everything norm-checked goes into one flag: one _foreach_norm per (device, dtype) group.
+        # Everything state- and gradient-checked goes into one slot (see _norm_total).
         segments: dict[str, Named] = {}
         every_buffer = "buffers" in self.check or "params" in self.check
         wanted = {
@@ -300,11 +318,7 @@ class StepInspector:
             "op": self.opguard.flags(device).amax() if self.opguard is not None and self.opguard.records else zero,
             "quarantine": rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
         }
-        world = trainer.world_size
-        if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
-            return Reading(flags.decode_raw(flags.stack_raw(list(slots.values())).tolist()), segments)
-        reduced = _distributed.reduce_max(trainer, flags.encode_rank(flags.pack(**slots), trainer.global_rank, world))
-        return Reading(flags.decode(reduced.tolist(), world), segments)  # the one host read of the step
+        return slots, segments
 
     def _norm_total(self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor) -> torch.Tensor:
         """The ``NORMS`` slot's total: the gradients through the check that may rewrite them, the rest read-only.
@@ -324,11 +338,11 @@ class StepInspector:
                     grads = [t for _, t in named]
                     totals.append(checks.TotalPlan(grads).total(grads, device, rewritable=True))
                 continue
-            tensors = [t for _, t in named]
             cached = self._segment_plans.get(name)
             if cached is None or cached[0] is not named:
-                cached = self._segment_plans[name] = (named, checks.TotalPlan(tensors))
-            totals.append(cached[1].total(tensors, device))
+                tensors = [t for _, t in named]
+                cached = self._segment_plans[name] = (named, tensors, checks.TotalPlan(tensors))
+            totals.append(cached[2].total(cached[1], device))
         if not totals:
             return zero
         return totals[0] if len(totals) == 1 else torch.stack(totals).sum()

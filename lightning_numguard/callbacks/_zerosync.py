@@ -281,39 +281,9 @@ def pack(
     inspector: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool
 ) -> torch.Tensor:
     """The step's reduced flag vector, on the device (``StepInspector.read`` without its host read)."""
-    rec = inspector.record
-    check = inspector.check
-    device = pl_module.device
-    every_buffer = "buffers" in check or "params" in check
-    tensors: list[torch.Tensor] = []
-    if "params" in check or snapshot_due:
-        tensors += [t for _, t in inspector.segment("params", trainer)]
-    if every_buffer or snapshot_due:
-        tensors += [t for _, t in inspector.segment("start_buffers", trainer)]
-    if "optimizer_state" in check or snapshot_due:
-        tensors += [t for _, t in inspector.segment("opt_state", trainer)]
-    if "grads" in check and optimizer is not None:
-        tensors += [t for _, t in inspector.grads(optimizer)]
-    if every_buffer:
-        tensors += [t for _, t in inspector.checked_buffers]
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    input_max = zero
-    if rec.inputs:
-        input_max = rec.inputs[0][1] if len(rec.inputs) == 1 else torch.stack([v for _, v in rec.inputs]).amax()
-    watch = inspector.watch if inspector.watch is not None and inspector.watch.enabled else None
-    guard = inspector.opguard
-    losses = [x.to(device, torch.float32) for x in rec.losses]
-    packed = flags.pack(
-        input_max=input_max,
-        norm_total=checks.norm_total(tensors, device),
-        output_total=watch.total(device) if watch is not None else zero,
-        loss_total=torch.stack(losses).sum() if losses else zero,
-        suspicious=(input_max >= inspector.max_abs_input).float() if inspector.max_abs_input is not None else zero,
-        op=guard.flags(device).amax() if guard is not None and guard.records else zero,
-        quarantine=rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
-    )
+    slots, _ = inspector.slot_values(trainer, pl_module, optimizer, snapshot_due)
     world = trainer.world_size
-    return _distributed.reduce_max(trainer, flags.encode_rank(packed, trainer.global_rank, world))
+    return _distributed.reduce_max(trainer, flags.encode_rank(flags.pack(**slots), trainer.global_rank, world))
 
 
 _PLACEHOLDERS = {where for _, where in _SLOT_KIND.values()}

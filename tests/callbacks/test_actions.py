@@ -12,7 +12,17 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint, OnExceptionCh
 from lightning_numguard import NonFiniteError, NumGuardCallback, NumGuardConfigError, NumGuardError
 from lightning_numguard.core.syncs import SyncCounter
 from lightning_numguard.errors import NumGuardWarning
-from tests.helpers import EVERY_CHECK, SITE_CULPRIT, FaultData, FaultModel, all_finite, guard_warning, loader, trainer
+from tests.helpers import (
+    EVERY_CHECK,
+    SITE_CULPRIT,
+    FaultData,
+    FaultModel,
+    SyncWindow,
+    all_finite,
+    guard_warning,
+    loader,
+    trainer,
+)
 
 EXPECTED_FIRST = {
     "input": ("nonfinite_input", "batch['x']"),
@@ -175,19 +185,12 @@ def test_at_most_one_host_sync_per_training_step(tmp_path, snapshot_async):
     """
     counter = SyncCounter(package="lightning_numguard")
 
-    class Window(Callback):
-        def on_train_batch_start(self, *a):
-            counter.step_started()
-
-        def on_train_batch_end(self, *a):
-            counter.step_ended()
-
     # the guard first, so its on_train_batch_end runs before the window closes
     guard = NumGuardCallback(
         action="rollback", dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=2, snapshot_async=snapshot_async
     )
     model = FaultModel()
-    t = trainer(tmp_path, [Window(), guard], max_steps=8)
+    t = trainer(tmp_path, [SyncWindow(counter), guard], max_steps=8)
     t.callbacks = [c for c in t.callbacks if c is not guard] + [guard]
     with counter:
         t.fit(model, loader(FaultData()))

@@ -14,7 +14,7 @@ from lightning_numguard import NumGuardCallback
 from lightning_numguard.core.syncs import SyncCounter
 from lightning_numguard.errors import NumGuardWarning
 from lightning_numguard.reporting.summary import rich_table, summarize, summary_text
-from tests.helpers import FaultData, FaultModel, loader, trainer
+from tests.helpers import FaultData, FaultModel, SyncWindow, loader, trainer
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The number of training batches .* logging interval", "ignore::lightning_numguard.errors.NumGuardWarning"
@@ -70,15 +70,8 @@ def test_the_bar_entries_cost_no_extra_host_read(tmp_path: Path) -> None:
     """Still one host read per step caused by the guard, steps after an incident included."""
     counter = SyncCounter(package="lightning_numguard")
 
-    class Window(Callback):
-        def on_train_batch_start(self, *a: Any) -> None:
-            counter.step_started()
-
-        def on_train_batch_end(self, *a: Any) -> None:
-            counter.step_ended()
-
     guard = NumGuardCallback(action="skip", dirpath=str(tmp_path / "ng"), replay=False)
-    t = trainer(tmp_path, [Window(), guard, TQDMProgressBar()], max_steps=8, enable_progress_bar=True)
+    t = trainer(tmp_path, [SyncWindow(counter), guard, TQDMProgressBar()], max_steps=8, enable_progress_bar=True)
     t.callbacks = [c for c in t.callbacks if c is not guard] + [guard]  # the guard's batch end inside the window
     with counter:
         t.fit(FaultModel(site="loss", step=2), loader(FaultData()))

@@ -6,12 +6,11 @@ from typing import Any
 
 import pytest
 import torch
-from pytorch_lightning import Callback
 
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.core.syncs import SyncCounter
 from lightning_numguard.errors import NumGuardConfigError
-from tests.helpers import FaultData, FaultModel, all_finite, loader, trainer
+from tests.helpers import FaultData, FaultModel, SyncWindow, all_finite, loader, trainer
 
 
 class FusedModel(FaultModel):
@@ -44,17 +43,10 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_deferred_mode_reads_nothing_on_the_host_during_the_steps(tmp_path):
     counter = SyncCounter(package="lightning_numguard")
 
-    class Window(Callback):
-        def on_train_batch_start(self, *a: Any) -> None:
-            counter.step_started()
-
-        def on_train_batch_end(self, *a: Any) -> None:
-            counter.step_ended()
-
     guard = NumGuardCallback(
         action="rollback", dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=2, sync_mode="deferred"
     )
-    t = trainer(tmp_path, [Window(), guard], max_steps=8)
+    t = trainer(tmp_path, [SyncWindow(counter), guard], max_steps=8)
     t.callbacks = [c for c in t.callbacks if c is not guard] + [guard]
     with counter:
         t.fit(FusedModel(), loader(FaultData()))
