@@ -12,6 +12,10 @@ Variants:
   spike_detection               Lightning's ``SpikeDetection`` callback (loss spikes, ``mode="min"``)
   naive_isfinite                ``bool(torch.isfinite(p.grad).all())`` per parameter tensor,
                                 in ``on_before_optimizer_step``
+  floor_default                 ``benchmarks.floor.FloorGuard()``: only the reads the defaults make (inputs, block
+                                outputs, loss, gradients), one host read, no machinery: the floor under the defaults
+  floor_all                     ``FloorGuard(every=True)``: parameters and optimizer state too (the floor under
+                                ``numguard_all``)
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 from pytorch_lightning.callbacks import Callback, SpikeDetection
 
+from benchmarks.floor import FloorGuard
 from lightning_numguard.callbacks import NumGuardCallback
 
 __all__ = ["ALL_CHECKS", "DEFAULT_CHECKS", "VARIANTS", "NaiveIsFinite", "incidents", "make_variant"]
@@ -38,6 +43,8 @@ VARIANTS = (
     "detect_anomaly",
     "spike_detection",
     "naive_isfinite",
+    "floor_default",
+    "floor_all",
 )
 ALL_CHECKS = ["inputs", "outputs", "ops", "loss", "grads", "buffers", "params", "optimizer_state"]
 DEFAULT_CHECKS = list(inspect.signature(NumGuardCallback).parameters["check"].default)
@@ -80,6 +87,10 @@ def make_variant(name: str, tmp: Path) -> tuple[dict[str, Any], list[Callback]]:
         return {}, [SpikeDetection(mode="min", exclude_batches_path=str(tmp / "spike"))]
     if name == "naive_isfinite":
         return {}, [NaiveIsFinite()]
+    if name == "floor_default":
+        return {}, [FloorGuard()]
+    if name == "floor_all":
+        return {}, [FloorGuard(every=True)]
     raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
 
 
@@ -89,6 +100,6 @@ def incidents(callbacks: list[Callback]) -> int:
     for cb in callbacks:
         if isinstance(cb, NumGuardCallback):
             n += sum(1 for e in cb.events if e["kind"] != "optimizer_coverage")
-        if isinstance(cb, NaiveIsFinite):
+        if isinstance(cb, (NaiveIsFinite, FloorGuard)):
             n += cb.bad_steps
     return n

@@ -45,7 +45,7 @@ def diagnose(
     rec = inspector.record
     assert rec is not None
     seen, rank, world = reading.flags, trainer.global_rank, trainer.world_size
-    state_bad = inspector.state_bad(trainer, reading)
+    state_bad, state_rank = inspector.state_bad(trainer, reading)
     grad_bad = _distributed.any_rank(trainer, inspector.confirmed(trainer, reading, "grads"))
     buffer_bad = _distributed.any_rank(trainer, inspector.confirmed(trainer, reading, "live_buffers"))
     has_scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
@@ -61,7 +61,7 @@ def diagnose(
         found.extend(inspector.input_findings(rank))
     for site, names in _by_site(inspector, state_bad):
         details = {"when": "before the optimizer step"}
-        found.append(Finding("nonfinite_param", names, details, seen.rank(flags.NORMS), site=site))
+        found.append(Finding("nonfinite_param", names, details, state_rank, site=site))
     output = inspector.output_finding(rank) if seen.seen(flags.OUTPUT) else None
     if output is not None:
         found.append(output)

@@ -375,10 +375,11 @@ class StepInspector:
             return []
         return [n for (n, _), bad in zip(named, checks.confirm_nonfinite([t for _, t in named])) if bad]
 
-    def state_bad(self, trainer: pl.Trainer, reading: Reading) -> list[str]:
-        """Parameters, buffers at the step start and optimizer state that are non-finite on any rank."""
+    def state_bad(self, trainer: pl.Trainer, reading: Reading) -> tuple[list[str], int]:
+        """Parameters, buffers at the step start and optimizer state that are non-finite on any rank, and the lowest
+        rank where they were (``-1`` when none)."""
         names = [n for s in ("params", "start_buffers", "opt_state") for n in self.confirmed(trainer, reading, s)]
-        return _distributed.any_rank(trainer, names)
+        return _distributed.first_rank(trainer, names)
 
     def input_findings(self, rank: int) -> list[Finding]:
         """Non-finite and suspiciously large batch values, per micro-batch (syncs)."""

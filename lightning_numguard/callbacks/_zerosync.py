@@ -224,10 +224,11 @@ class DeferredSync:
         self.snapshots.discard_from(step)
         if guard.action == "warn":
             state_bad: list[str] = []
+            state_rank = -1
         else:  # exact, after a hit only
             named = guard._inspector.state(trainer, with_optimizer=True)
             bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
-            state_bad = _distributed.any_rank(trainer, bad)
+            state_bad, state_rank = _distributed.first_rank(trainer, bad)
         action = policy.decide(
             guard.action,
             state_bad=bool(state_bad),
@@ -236,7 +237,7 @@ class DeferredSync:
             rollbacks_used=guard._recovery.rollbacks_this_fit,
             max_rollbacks=guard.max_rollbacks,
         )
-        findings = describe(seen, rec, state_bad, trainer.global_rank, guard.max_abs_input)
+        findings = describe(seen, rec, (state_bad, state_rank), trainer.global_rank, guard.max_abs_input)
         placed = located(guard, kept_records, trainer.global_rank) if seen.any_local() else {}
         findings = [placed.get(f.kind, [f])[0] if f.where[0] in _PLACEHOLDERS else f for f in findings]
         findings = merge([findings, placed.get("op_domain", [])])  # in causal order, without duplicates
@@ -326,9 +327,18 @@ def located(guard: NumGuardCallback, kept: tuple[Any, list[Any]], rank: int) -> 
 
 
 def describe(
-    seen: flags.StepFlags, rec: StepRecord | None, state_bad: list[str], rank: int, max_abs: float | None
+    seen: flags.StepFlags,
+    rec: StepRecord | None,
+    state_bad: tuple[list[str], int],
+    rank: int,
+    max_abs: float | None,
 ) -> list[Finding]:
-    """Findings from the flags of a past step, its kept batch and losses, and the state now (syncs)."""
+    """Findings from the flags of a past step, its kept batch and losses, and the state now (syncs).
+
+    ``state_bad``: the non-finite state on any rank and the lowest rank where it was. The loss finding, with this
+    rank's loss values, is made on the lowest rank that saw the loss slot only; the cross-rank merge gives it to
+    every rank.
+    """
     out: list[Finding] = []
     if rec is not None and (seen.seen(flags.INPUT) or seen.seen(flags.SUSPICIOUS)):
         for leaves, _ in rec.inputs:
@@ -339,13 +349,13 @@ def describe(
                 out.append(Finding("nonfinite_input", bad, {}, rank))
             elif huge:
                 out.append(Finding("suspicious_input", huge, {"threshold": max_abs}, rank))
-    if state_bad:
-        out.append(Finding("nonfinite_param", state_bad, {}, rank))
+    if state_bad[0]:
+        out.append(Finding("nonfinite_param", state_bad[0], {}, state_bad[1]))
     for slot in (flags.OUTPUT, flags.OP):
         if seen.seen(slot):
             kind, where = _SLOT_KIND[slot]
             out.append(Finding(kind, [where], {}, seen.rank(slot)))
-    if seen.seen(flags.LOSS):
+    if seen.rank(flags.LOSS) == rank:
         values = [float(x.float().mean()) for x in rec.losses] if rec is not None else []
         out.append(Finding("nonfinite_loss", ["loss"], {"values": values}, seen.rank(flags.LOSS)))
     if not out and seen.seen(flags.NORMS):

@@ -210,6 +210,10 @@ def deferred_sharded_main(out: Path, fault_rank: int, action: str) -> None:
     saves OUT_DIR/deferred_{mode}_rank{r}.pt: its final weights, buffers and AdamW state, the bytes of the
     verified snapshot, what the ring held after each step (and where each snapshot's slices live), the events, the
     counters, the saved checkpoints' state dicts and the guard's host reads per step (``SyncCounter``).
+
+    Then the same fault under ``action="halt"`` (OUT_DIR/deferred_halt_{mode}_rank{r}.pt), and a NaN weight on
+    ``fault_rank`` at the last step, which only the end-of-fit read of the pending flags sees: it rolls every rank
+    back there (OUT_DIR/deferred_end_{mode}_rank{r}.pt).
     """
     from pytorch_lightning.callbacks import ModelCheckpoint
 
@@ -261,6 +265,29 @@ def deferred_sharded_main(out: Path, fault_rank: int, action: str) -> None:
             "last_finite": torch.load(last, weights_only=False)["state_dict"] if rank == 0 else None,
         }
         torch.save(halted, out / f"deferred_halt_{mode}_rank{rank}.pt")
+    for mode in ("auto", "off"):  # a NaN weight at the last step: only the end-of-fit read sees it, and repairs it
+        pl.seed_everything(0, verbose=False)
+        guard = NumGuardCallback(
+            action="rollback",
+            dirpath=str(out / f"ng_end_{mode}"),
+            snapshot_sharding=mode,
+            snapshot_every_n_steps=2,
+            sync_mode="deferred",
+        )
+        trainer = ddp_trainer(10, [guard], enable_checkpointing=False)
+        rank = trainer.global_rank
+        model = FusedModel(site="param", step=9, rank=fault_rank)
+        data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
+        trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
+        ended = {
+            "state": model.state_dict(),
+            "optimizer": trainer.optimizers[0].state_dict(),
+            "global_step": trainer.global_step,
+            "events": guard.events,
+            "counters": guard.counters,
+            "fired": model.fired,
+        }
+        torch.save(ended, out / f"deferred_end_{mode}_rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,19 @@ def test_input_fault_on_rank_1_rolls_back_every_rank_together(tmp_path):
 
 
 @pytest.mark.ddp
+def test_a_weight_one_rank_made_nan_is_named_with_that_rank(tmp_path):
+    """DDP all-reduces the gradients, so every rank's gradient flag is set; the weight was NaN on rank 1 alone."""
+    ranks = run_ddp(tmp_path, "param", 1, "rollback")
+    for r in ranks:
+        assert r["finite"] and r["same_as_rank0"]
+        assert r["counters"]["rollbacks"] == 1
+    assert ranks[0]["events"] == ranks[1]["events"]
+    first = ranks[0]["events"][0]
+    assert first["kind"] == "nonfinite_param" and first["where"] == ["body.0.weight"], first
+    assert first["rank"] == 1 and first["step"] == 2
+
+
+@pytest.mark.ddp
 def test_loss_fault_on_rank_0_halts_every_rank(tmp_path):
     ranks = run_ddp(tmp_path, "loss", 0, "halt")
     for r in ranks:
@@ -275,6 +288,21 @@ def test_deferred_sync_shards_its_snapshot_ring_and_rolls_back_late_bitwise_like
         assert h["events"] == o["events"] and h["counters"] == o["counters"]
         assert any(e["action"] == "halt" for e in h["events"])
         assert all(torch.isfinite(t).all() for t in h["state"].values() if t.is_floating_point())
+    # a NaN weight on rank 1 at the last step (9): step 9 is skipped on the device, and the pending flags, read once
+    # at the end of the fit, roll every rank back to the verified snapshot (gathered when sharded), bitwise as "off"
+    end = {(m, r): load(f"end_{m}", r) for m in ("auto", "off") for r in (0, 1)}
+    assert end[("auto", 1)]["fired"] == 1 and end[("auto", 0)]["fired"] == 0
+    for r in (0, 1):
+        e, o = end[("auto", r)], end[("off", r)]
+        assert e["global_step"] == 10 and e["counters"]["rollbacks"] == 1 and e["counters"] == o["counters"]
+        assert e["events"] == o["events"] == end[("auto", 0)]["events"]
+        late = [x for x in e["events"] if x["details"].get("read_at_step") == 10]
+        assert late and all(x["step"] == 9 and x["action"] == "rollback" for x in late)
+        assert any(x["kind"] == "nonfinite_param" and x["rank"] == 1 for x in late), late
+        assert _bitwise(e["state"], o["state"]) and _bitwise(e["optimizer"], o["optimizer"])
+        assert all(torch.isfinite(t).all() for t in e["state"].values() if t.is_floating_point())
+    weights = [{k: v for k, v in end[("auto", r)]["state"].items() if ".running_" not in k} for r in (0, 1)]
+    assert _bitwise(*weights)  # the ranks' weights agree again (BatchNorm statistics are each rank's own under DDP)
     weights = [
         {k: v for k, v in halt[("auto", r)]["state"].items() if "running" not in k and "batches" not in k}
         for r in (0, 1)

@@ -1,0 +1,107 @@
+"""The floor: the least any callback can do to check what the guard checks, with none of its machinery.
+
+:class:`FloorGuard` reads every value the guard's defaults read (the batch's floating inputs, the output of each
+block the guard's watch selects, the loss, every gradient, the floating buffers) once, in the cheapest form known
+on the device, and reads one vector back per step. It names nothing, keeps no record, takes no snapshot and cannot
+roll back: after a non-finite value it only drops the step's gradients. With ``every=True`` it also reads the
+parameters and the optimizer state every step, as ``check`` with every entry does.
+
+Timed in the same interleaved rounds as the guard, its ratio to the baseline is what the bytes and the hooks cost
+on this machine; the guard's ratio minus the floor's is what the guard's machinery (attribution, records, the op
+guard, the policy) adds. The floor leaves out the op guard's domain checks (timed on their own by
+``benchmarks.opguard_cost``). A floor at or above a target means that a callback reading these values every step,
+in these forms, cannot meet it (see ``docs/performance.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from pytorch_lightning.callbacks import Callback
+
+from lightning_numguard.core.checks import CPU_SUM_MIN_NUMEL
+from lightning_numguard.core.tree import floating_leaves
+from lightning_numguard.core.watch import select_modules
+
+__all__ = ["FloorGuard"]
+
+
+class _RowHook:
+    """Forward hook: the output's (min, max) into a preallocated row (the guard's watch does the same)."""
+
+    __slots__ = ("row",)
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self.row = (row[0], row[1])
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.is_floating_point() and torch.is_grad_enabled():
+            torch.aminmax(output.detach(), out=self.row)
+
+
+def _total(tensors: list[torch.Tensor], rewritable: bool) -> list[torch.Tensor]:
+    """0-d values, non-finite when a tensor is: one ``sum`` per large CPU tensor, one fused call for the rest."""
+    large = [t for t in tensors if t.device.type == "cpu" and t.numel() >= CPU_SUM_MIN_NUMEL]
+    small = [t for t in tensors if not (t.device.type == "cpu" and t.numel() >= CPU_SUM_MIN_NUMEL)]
+    parts = [t.sum() for t in large]
+    if small:
+        if rewritable:  # gradients: the GradScaler's fused check with a scale of 1 (writes the same bits back)
+            found = torch.zeros((), device=small[0].device)
+            one = torch.ones((), device=small[0].device)
+            torch._amp_foreach_non_finite_check_and_unscale_(small, found, one)
+            parts.append(found.neg().log1p())  # 0, or -inf when a value was not finite
+        else:
+            parts.extend(torch._foreach_norm(small, 2))
+    return parts
+
+
+class FloorGuard(Callback):
+    """A callback that only reads what the guard reads, once, with one host read per step (benchmark floor)."""
+
+    def __init__(self, every: bool = False) -> None:
+        self.every = every
+        self.bad_steps = 0
+        self._rows: torch.Tensor | None = None
+        self._handles: list[Any] = []
+        self._inputs: list[torch.Tensor] = []
+        self._loss: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor] = []
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        blocks = select_modules(pl_module, depth=1)  # the blocks the guard's default watch hooks
+        self._rows = torch.zeros(len(blocks), 2, device=pl_module.device)
+        self._buffers = [b for b in pl_module.buffers() if b.is_floating_point() and b.numel()]
+        for (_, module), row in zip(blocks, self._rows.unbind(0)):
+            self._handles.append(module.register_forward_hook(_RowHook(row)))
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._inputs = [v for _, t in floating_leaves(batch) for v in torch.aminmax(t)]
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        self._loss = loss.detach()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        parts = _total(grads, rewritable=True) + self._inputs
+        if self._loss is not None:
+            parts.append(self._loss.float())
+        if self._buffers:
+            parts += _total(self._buffers, rewritable=False)
+        if self.every:
+            parts += _total([p.detach() for p in params], rewritable=False)
+            state = [v for p in params for v in optimizer.state.get(p, {}).values()]
+            parts += _total([v for v in state if torch.is_tensor(v) and v.is_floating_point() and v.dim()], False)
+        values = torch.stack([p.float() for p in parts])
+        if self._rows is not None:
+            values = torch.cat([values, self._rows.view(-1)])
+        if not all(map(math.isfinite, values.tolist())):  # the one host read of the step
+            self.bad_steps += 1
+            optimizer.zero_grad(set_to_none=True)
