@@ -41,20 +41,30 @@ class _RowHook:
             torch.aminmax(output.detach(), out=self.row)
 
 
-def _total(tensors: list[torch.Tensor], rewritable: bool) -> list[torch.Tensor]:
-    """0-d values, non-finite when a tensor is: one ``sum`` per large CPU tensor, one fused call for the rest."""
-    large = [t for t in tensors if t.device.type == "cpu" and t.numel() >= CPU_SUM_MIN_NUMEL]
-    small = [t for t in tensors if not (t.device.type == "cpu" and t.numel() >= CPU_SUM_MIN_NUMEL)]
-    parts = [t.sum() for t in large]
-    if small:
-        if rewritable:  # gradients: the GradScaler's fused check with a scale of 1 (writes the same bits back)
-            found = torch.zeros((), device=small[0].device)
-            one = torch.ones((), device=small[0].device)
-            torch._amp_foreach_non_finite_check_and_unscale_(small, found, one)
-            parts.append(found.neg().log1p())  # 0, or -inf when a value was not finite
-        else:
-            parts.extend(torch._foreach_norm(small, 2))
-    return parts
+class _Plan:
+    """The split of one tensor list into large CPU tensors (one ``sum`` each) and the rest (one fused call), made once.
+
+    A step's gradients are new tensors with their parameters' shapes, so the split of the parameters holds for them.
+    """
+
+    def __init__(self, like: list[torch.Tensor]) -> None:
+        self.large = [i for i, t in enumerate(like) if t.device.type == "cpu" and t.numel() >= CPU_SUM_MIN_NUMEL]
+        big = set(self.large)
+        self.small = [i for i in range(len(like)) if i not in big]
+        self.device = like[0].device if like else torch.device("cpu")
+
+    def parts(self, tensors: list[torch.Tensor], rewritable: bool) -> list[torch.Tensor]:
+        """0-d values, non-finite when a tensor is (no sync)."""
+        parts = [tensors[i].sum() for i in self.large]
+        small = [tensors[i] for i in self.small]
+        if small:
+            if rewritable:  # gradients: the GradScaler's fused check with a scale of 1 (writes the same bits back)
+                found = torch.zeros((), device=self.device)
+                torch._amp_foreach_non_finite_check_and_unscale_(small, found, torch.ones((), device=self.device))
+                parts.append(found.neg().log1p())  # 0, or -inf when a value was not finite
+            else:
+                parts.extend(torch._foreach_norm(small, 2))
+        return parts
 
 
 class FloorGuard(Callback):
@@ -68,11 +78,15 @@ class FloorGuard(Callback):
         self._inputs: list[torch.Tensor] = []
         self._loss: torch.Tensor | None = None
         self._buffers: list[torch.Tensor] = []
+        self._buffer_plan = _Plan([])
+        self._plans: dict[int, tuple[list[torch.Tensor], _Plan, _Plan]] = {}
+        self._state: tuple[int, list[torch.Tensor], _Plan] | None = None  # the optimizer state's tensors (every=True)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         blocks = select_modules(pl_module, depth=1)  # the blocks the guard's default watch hooks
         self._rows = torch.zeros(len(blocks), 2, device=pl_module.device)
         self._buffers = [b for b in pl_module.buffers() if b.is_floating_point() and b.numel()]
+        self._buffer_plan = _Plan(self._buffers)
         for (_, module), row in zip(blocks, self._rows.unbind(0)):
             self._handles.append(module.register_forward_hook(_RowHook(row)))
 
@@ -88,18 +102,31 @@ class FloorGuard(Callback):
         self._loss = loss.detach()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
-        parts = _total(grads, rewritable=True) + self._inputs
+        cached = self._plans.get(id(optimizer))
+        if cached is None:  # once per optimizer: its trainable parameters and their split
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+            cached = self._plans[id(optimizer)] = (params, _Plan(params), _Plan([p.detach() for p in params]))
+        params, grad_plan, param_plan = cached
+        grads = [p.grad for p in params]
+        if any(g is None for g in grads):  # a parameter without a gradient this step: no plan
+            present = [g for g in grads if g is not None]
+            parts = _Plan(present).parts(present, rewritable=True) if present else []
+        else:
+            parts = grad_plan.parts(grads, rewritable=True)
+        parts += self._inputs
         if self._loss is not None:
-            parts.append(self._loss.float())
+            parts.append(self._loss)
         if self._buffers:
-            parts += _total(self._buffers, rewritable=False)
+            parts += self._buffer_plan.parts(self._buffers, rewritable=False)
         if self.every:
-            parts += _total([p.detach() for p in params], rewritable=False)
-            state = [v for p in params for v in optimizer.state.get(p, {}).values()]
-            parts += _total([v for v in state if torch.is_tensor(v) and v.is_floating_point() and v.dim()], False)
-        values = torch.stack([p.float() for p in parts])
+            parts += param_plan.parts([p.detach() for p in params], rewritable=False)
+            if self._state is None or self._state[0] != len(optimizer.state):  # the state exists after a first step
+                state = [v for p in params for v in optimizer.state.get(p, {}).values()]
+                state = [v for v in state if torch.is_tensor(v) and v.is_floating_point() and v.dim()]
+                self._state = (len(optimizer.state), state, _Plan(state))
+            if self._state[1]:
+                parts += self._state[2].parts(self._state[1], rewritable=False)
+        values = torch.stack([v if v.dtype == torch.float32 else v.float() for v in parts])
         if self._rows is not None:
             values = torch.cat([values, self._rows.view(-1)])
         if not all(map(math.isfinite, values.tolist())):  # the one host read of the step

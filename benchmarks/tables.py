@@ -34,6 +34,8 @@ GRAD_CHECK_TARGET = 0.25  # x the AdamW step
 OPGUARD_TARGET = 1.01  # the LM forward (+ loss) inside the op guard vs without it (micro d)
 SNAPSHOT_TARGET_PCT = 1.0  # % of a step, amortised at the default interval
 SNAPSHOT_TARGET_INTERVAL = 50  # NumGuardCallback's default snapshot_every_n_steps
+#: The variant of ``benchmarks.floor`` under each judged guard variant: the same reads and nothing else.
+FLOORS = {"numguard_default": "floor_default", "numguard_all": "floor_all"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,9 @@ def verdicts(result: dict[str, Any]) -> list[Verdict]:
             d = entry["variants"].get(variant)
             if d is not None:
                 note = f"thread CPU time, not judged: {d['cpu_ratio_median']:.3f}×"
+                floor = entry["variants"].get(FLOORS[variant])
+                if floor is not None:  # what only reading the same values costs, in the same rounds
+                    note += f"; floor ({FLOORS[variant]}): {floor['ratio_median']:.3f}×"
                 title = f"{name} / {variant} step time vs baseline"
                 out.append(Verdict(title, d["ratio_median"], target, "×", clock, note))
     for name, entry in result["models"].items():
