@@ -160,7 +160,9 @@ def run_fit(
         if args.device == "cuda":
             torch.cuda.synchronize()
         fit_s = time.perf_counter() - t0
-    return {"fit_s": fit_s, "incidents": incidents(cbs), "error": error, "steps_run": trainer.global_step}
+    hook_ms = [ms for cb in cbs for ms in getattr(cb, "step_hook_ms", [])]  # a floor's own hook time per step
+    out = {"fit_s": fit_s, "incidents": incidents(cbs), "error": error, "steps_run": trainer.global_step}
+    return out | ({"hook_ms": hook_ms} if hook_ms else {})
 
 
 def time_model(
@@ -189,6 +191,9 @@ def time_model(
             cpu = clock.cpu_step_ms()[args.warmup :]
             info["cpu_step_ms"] = cpu
             info["median_cpu_step_ms"] = statistics.median(cpu) if cpu else float("nan")
+            if "hook_ms" in info:
+                info["hook_ms"] = info["hook_ms"][args.warmup :]
+                info["median_hook_ms"] = statistics.median(info["hook_ms"]) if info["hook_ms"] else float("nan")
             rounds[v].append(info)
             log(
                 f"  {spec.name} round {r + 1}/{args.rounds} {v:<29} {info['median_step_ms']:8.2f} ms/step"
@@ -215,6 +220,13 @@ def time_model(
             "incidents": sum(x["incidents"] for x in rounds[v]),
             "errors": [x["error"] for x in rounds[v] if x["error"]],
         }
+        if all("median_hook_ms" in x for x in rounds[v]) and rounds[v]:
+            # a floor's own hooks, in % of the baseline step's thread CPU time of the same round: a lower bound of
+            # what its reads cost, free of the wall-clock noise of a shared machine
+            pct = [100 * x["median_hook_ms"] / b["median_cpu_step_ms"] for x, b in zip(rounds[v], rounds[variants[0]])]
+            out[v]["hook_pct_of_baseline_cpu"] = statistics.median(pct)
+            out[v]["hook_pct_iqr"] = _iqr(pct)
+            out[v]["median_hook_ms"] = statistics.median(x["median_hook_ms"] for x in rounds[v])
     return out
 
 

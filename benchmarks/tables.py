@@ -95,6 +95,8 @@ def verdicts(result: dict[str, Any]) -> list[Verdict]:
                 floor = entry["variants"].get(FLOORS[variant])
                 if floor is not None:  # what only reading the same values costs, in the same rounds
                     note += f"; floor ({FLOORS[variant]}): {floor['ratio_median']:.3f}×"
+                    if "hook_pct_of_baseline_cpu" in floor:
+                        note += f", its own hooks {floor['hook_pct_of_baseline_cpu']:.1f} % of a step's CPU time"
                 title = f"{name} / {variant} step time vs baseline"
                 out.append(Verdict(title, d["ratio_median"], target, "×", clock, note))
     for name, entry in result["models"].items():
@@ -175,6 +177,13 @@ def model_table(name: str, desc: str, res: dict[str, Any], syncs: dict[str, Any]
             err = (r["errors"] or [s.get("error")])[0]
             notes.append(f"(!) {v}: {r['incidents']} incident(s) recorded" + (f"; error: {err}" if err else ""))
         lines.append(row)
+        if "hook_pct_of_baseline_cpu" in r:
+            lo, hi = r["hook_pct_iqr"]
+            notes.append(
+                f"{v}: its own hooks take {r['median_hook_ms']:.3f} ms of thread CPU time per step, "
+                f"{r['hook_pct_of_baseline_cpu']:.2f} % (IQR {lo:.2f}–{hi:.2f}) of the baseline step's: "
+                "the floor's reads, without their indirect costs"
+            )
     if notes:
         lines += ["", *notes]
     return "\n".join(lines)

@@ -48,7 +48,8 @@ def test_the_floor_hooks_the_blocks_the_guards_watch_selects(tmp_path: Any) -> N
         assert len(floor._handles) == len(select_modules(model, depth=1)) > 0
         model.body[1].armed = True  # the poisoned block's output is NaN
         model(torch.randn(4, 8))
-        assert floor._rows is not None and not bool(torch.isfinite(floor._rows).all())
+        assert 0 < len(floor._outputs) <= len(floor._handles)  # the metric module is hooked but has no forward here
+        assert not bool(torch.isfinite(torch.stack(floor._outputs)).all())
     finally:
         floor.teardown(None, model, "fit")
     assert not model.body[1]._forward_hooks

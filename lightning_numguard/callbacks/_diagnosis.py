@@ -45,7 +45,7 @@ def diagnose(
     rec = inspector.record
     assert rec is not None
     seen, rank, world = reading.flags, trainer.global_rank, trainer.world_size
-    state_bad, state_rank = inspector.state_bad(trainer, reading)
+    state_bad, state_rank = inspector.state_bad_where(trainer, reading)
     grad_bad = _distributed.any_rank(trainer, inspector.confirmed(trainer, reading, "grads"))
     buffer_bad = _distributed.any_rank(trainer, inspector.confirmed(trainer, reading, "live_buffers"))
     has_scaler = getattr(trainer.precision_plugin, "scaler", None) is not None

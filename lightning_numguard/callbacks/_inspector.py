@@ -375,9 +375,12 @@ class StepInspector:
             return []
         return [n for (n, _), bad in zip(named, checks.confirm_nonfinite([t for _, t in named])) if bad]
 
-    def state_bad(self, trainer: pl.Trainer, reading: Reading) -> tuple[list[str], int]:
-        """Parameters, buffers at the step start and optimizer state that are non-finite on any rank, and the lowest
-        rank where they were (``-1`` when none)."""
+    def state_bad(self, trainer: pl.Trainer, reading: Reading) -> list[str]:
+        """Parameters, buffers at the step start and optimizer state that are non-finite on any rank."""
+        return self.state_bad_where(trainer, reading)[0]
+
+    def state_bad_where(self, trainer: pl.Trainer, reading: Reading) -> tuple[list[str], int]:
+        """:meth:`state_bad`, and the lowest rank where that state was non-finite (``-1`` when none)."""
         names = [n for s in ("params", "start_buffers", "opt_state") for n in self.confirmed(trainer, reading, s)]
         return _distributed.first_rank(trainer, names)
 
