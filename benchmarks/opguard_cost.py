@@ -1,8 +1,9 @@
 """What the op guard costs each benchmark model's forward + loss.
 
 ``python -m benchmarks.opguard_cost``: the per-call cost of an op the guard does not guard (a tiny
-``torch.add``) and of one it does (``F.cross_entropy``), with and without ``OpGuard`` entered
-(best of 5 runs), then each model's forward + loss timed with and without the guard, interleaved
+``torch.add``) and of one it does (``F.cross_entropy``, run first as ``NumGuardCallback`` guards CPU calls, and
+checked first as on an accelerator), with and without ``OpGuard`` entered (best of 5 runs), then each model's
+forward + loss timed with and without the guard, interleaved
 (median of ``--rounds`` pairs). As in the callback, the guard is held for the whole run
 (``OpGuard.hold``) and entered once per forward. The guard only wraps the guarded functions
 (``core.opguard.patch``): every other op runs untouched. "plain" runs with the functions still
@@ -32,9 +33,9 @@ def _per_call_us(call: Callable[[], object], n: int = 20000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def _pair(call: Callable[[], object], n: int) -> tuple[float, float]:
+def _pair(call: Callable[[], object], n: int, check_cpu_calls: bool) -> tuple[float, float]:
     plain = min(_per_call_us(call, n) for _ in range(5))
-    with OpGuard():
+    with OpGuard(check_cpu_calls=check_cpu_calls):
         guarded = min(_per_call_us(call, n) for _ in range(5))
     return plain, guarded
 
@@ -48,14 +49,20 @@ def main(argv: list[str] | None = None) -> None:
     a, b = torch.randn(4), torch.randn(4)
     logits, target = torch.randn(8, 10), torch.randint(0, 10, (8,))
     extra: dict[str, float] = {}
-    for label, call, n in (
-        ("torch.add (not guarded)", lambda: torch.add(a, b), 20000),
-        ("F.cross_entropy (guarded)", lambda: F.cross_entropy(logits, target), 5000),
+    for label, call, n, check_first in (
+        ("torch.add (not guarded)", lambda: torch.add(a, b), 20000, False),
+        ("F.cross_entropy (guarded)", lambda: F.cross_entropy(logits, target), 5000, False),
+        (
+            "F.cross_entropy (guarded, checked first as on an accelerator)",
+            lambda: F.cross_entropy(logits, target),
+            5000,
+            True,
+        ),
     ):
-        plain, guarded = _pair(call, n)
+        plain, guarded = _pair(call, n, check_first)
         extra[label] = guarded - plain
         print(f"{label}: {plain:.2f} us plain, {guarded:.2f} us under OpGuard: {guarded - plain:+.2f} us per call")
-    held = OpGuard()
+    held = OpGuard(check_cpu_calls=False)
     held.hold()
     t0 = time.perf_counter()
     for _ in range(20000):
@@ -74,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         spec = bench_models.build(name, 1)
         batch = spec.batches[0]
         module = spec.module
-        held = OpGuard()
+        held = OpGuard(check_cpu_calls=False)  # as the callback guards: a clean CPU call runs unchecked
         held.hold()  # as the callback does for the whole fit
         with torch.no_grad():
             for _ in range(3):

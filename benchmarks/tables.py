@@ -126,16 +126,16 @@ def verdicts(result: dict[str, Any]) -> list[Verdict]:
                 )
             )
         for name, d in m.get("opguard", {}).items():
-            out.append(
-                Verdict(
-                    f"{name}: forward with the op guard vs without it",
-                    float(d["ratio_to_forward"]["forward_opguard"]),
-                    OPGUARD_TARGET,
-                    "×",
-                    "perf_counter (micro)",
-                    f"{d['guarded_calls_per_forward']} guarded call(s) per forward",
-                )
-            )
+            paired = float(d["ratio_to_forward"]["forward_opguard"])
+            calls = f"{d['guarded_calls_per_forward']} guarded call(s) per forward"
+            if "in_situ_ratio" in d:  # judged on the guard's own time; the paired whole-forward ratios for reference
+                cpu = d["cpu_ratio_to_forward"]["forward_opguard"]
+                value, clock = float(d["in_situ_ratio"]), "thread CPU time of the guard's own work, in situ (micro)"
+                note = f"{calls}; two whole forwards paired, not judged: wall {paired:.3f}×, thread CPU {cpu:.3f}×"
+            else:
+                value, clock, note = paired, "perf_counter (micro)", calls
+            what = f"{name}: forward with the op guard vs without it"
+            out.append(Verdict(what, value, OPGUARD_TARGET, "×", clock, note))
         for name, s in m["snapshot"].items():
             out.append(
                 Verdict(
@@ -243,8 +243,9 @@ def micro_tables(m: dict[str, Any]) -> str:
             "### (d) op guard and forward hooks over the LM forward + loss "
             "(median ms; median of the per-round ratios to the plain forward of the same round)",
             "",
-            "| model | forward | OpGuard active | OpGuard entered but disabled | OutputWatch hooks | guarded calls |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| model | forward | OpGuard active | OpGuard entered but disabled | OutputWatch hooks | guarded calls "
+            "| OpGuard active, thread CPU time | the guard's own work in situ (ms, × the forward) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, o in m["opguard"].items():
             t, rr = o["times"], o["ratio_to_forward"]
@@ -252,7 +253,12 @@ def micro_tables(m: dict[str, Any]) -> str:
                 f"{t[k]['median_ms']:.2f} ({rr[k]:.3f}×)"
                 for k in ("forward", "forward_opguard", "forward_opguard_disabled", "forward_output_watch")
             ]
-            out.append(f"| {name} | " + " | ".join(cells) + f" | {o['guarded_calls_per_forward']} |")
+            cpu = o.get("cpu_ratio_to_forward", {}).get("forward_opguard")
+            cpu_cell = f"{cpu:.3f}×" if cpu is not None else "–"
+            situ = f"{o['in_situ_ms_per_forward']:.3f} ({o['in_situ_ratio']:.4f}×)" if "in_situ_ratio" in o else "–"
+            out.append(
+                f"| {name} | " + " | ".join(cells) + f" | {o['guarded_calls_per_forward']} | {cpu_cell} | {situ} |"
+            )
     return "\n".join(out)
 
 

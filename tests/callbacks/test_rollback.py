@@ -81,11 +81,12 @@ def _fit_with(tmp_path, site, guard, saver):
 
 
 def test_lr_backoff_and_skip_window(tmp_path):
-    lrs = []
+    lrs, snapshot_steps = [], []
 
     class Record(FaultModel):
         def on_train_batch_end(self, outputs, batch, batch_idx):
             lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+            snapshot_steps.append(guard._recovery.snapshot.step)
 
     guard = NumGuardCallback(
         action="rollback", lr_backoff=0.5, skip_batches_after_rollback=2, dirpath=str(tmp_path / "ng")
@@ -99,6 +100,8 @@ def test_lr_backoff_and_skip_window(tmp_path):
     assert lrs[:5] == pytest.approx(expected)
     assert lrs[5] == pytest.approx(1e-2 * 0.95**3 * 0.5)
     assert guard.events[0]["details"]["lr_after_backoff"] == pytest.approx([1e-2 * 0.95**2 * 0.5])
+    # each batch of the window is skipped from a verified-finite state, which becomes the snapshot
+    assert snapshot_steps[2:5] == [2, 3, 4], snapshot_steps
 
 
 def test_max_rollbacks_escalates_to_halt(tmp_path):

@@ -13,6 +13,17 @@ from .rules import GUARDED_OPS, ArgRule, fill_mask, violations
 
 __all__ = ["OpGuard", "OpRecord", "describe"]
 
+#: Functions that write into an argument: their kernel may write part of it before it raises.
+_IN_PLACE = frozenset(func for func in signatures.FORMS if getattr(func, "__name__", "").endswith("_"))
+
+
+def _on_cpu(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether the call's first tensor argument lives on the CPU (an op's tensors share its device)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.is_cpu
+    return False
+
 
 @dataclass
 class OpRecord:
@@ -113,8 +124,17 @@ class OpGuard:
     innermost enabled guard that guards the op records it.
 
     Sanitising uses :func:`torch.where`, so gradients keep flowing to the valid elements
-    (a replaced element gets a zero gradient). It runs on every guarded call, hit or not,
-    because deciding would need a sync. When every class target of a mean-reduced loss
+    (a replaced element gets a zero gradient). On an accelerator it runs on every guarded call,
+    hit or not, because deciding would need a sync.
+
+    On the CPU the guarded kernels check every one of these rules themselves and raise a Python
+    error, before any output exists (a CUDA kernel's device-side assert, by contrast, is fatal).
+    With ``check_cpu_calls=False`` a CPU call therefore runs as it is first, with no check and no
+    record: a clean call costs the wrapper only (``NumGuardCallback`` guards this way). When it
+    raises, the call is checked, recorded and sanitised as on an accelerator and run again; an
+    error that no rule explains is raised as it was. In-place forms (``Tensor.scatter_``/
+    ``scatter_add_``) can write part of their output before the kernel raises, so they are
+    always checked first. When every class target of a mean-reduced loss
     is replaced by ``ignore_index`` the loss is NaN (0/0); that is expected, since the
     caller skips the step once it reads the flag.
 
@@ -123,6 +143,8 @@ class OpGuard:
             string is taken as one name.
         sanitize: Replace bad values on the device so the op runs; with ``False`` the flag is
             still recorded but the op then asserts (CUDA) or raises (CPU) as it would unguarded.
+        check_cpu_calls: Check CPU calls before they run, as on an accelerator (one record per
+            checked tensor of every call); with ``False``, only after their kernel raised.
 
     Raises:
         ValueError: ``ops`` names an op that is not in :data:`GUARDED_OPS`.
@@ -131,7 +153,8 @@ class OpGuard:
         module_resolver: Returns the qualified name of the module running now (or ``None``);
             called at each guarded call only (not at other ops), and its answer copied into
             each :class:`OpRecord`. ``None`` (the default) records ``module=None``.
-        records: One :class:`OpRecord` per checked tensor since the last :meth:`reset`, in call order.
+        records: One :class:`OpRecord` per checked tensor since the last :meth:`reset`, in call order
+            (on the CPU with ``check_cpu_calls=False``: of the calls whose kernel raised only).
         enabled: With ``False`` every call passes through untouched; toggle it instead of
             entering and exiting the mode.
 
@@ -150,7 +173,7 @@ class OpGuard:
 
     describe = staticmethod(describe)
 
-    def __init__(self, ops: Iterable[str] | None = None, sanitize: bool = True) -> None:
+    def __init__(self, ops: Iterable[str] | None = None, sanitize: bool = True, check_cpu_calls: bool = True) -> None:
         super().__init__()
         if ops is None:
             selected = set(GUARDED_OPS)
@@ -160,6 +183,7 @@ class OpGuard:
             if unknown:
                 raise ValueError(f"OpGuard(ops=...) got unknown op name(s) {unknown}; allowed: {sorted(GUARDED_OPS)}")
         self.sanitize = sanitize
+        self.check_cpu_calls = check_cpu_calls
         self.module_resolver: Callable[[], str | None] | None = None
         self.records: list[OpRecord] = []
         self.enabled = True
@@ -203,10 +227,29 @@ class OpGuard:
         form = self._forms.get(func)
         if form is None:
             return func(*args, **kwargs)
+        if not self.check_cpu_calls and func not in _IN_PLACE and _on_cpu(args, kwargs):
+            try:  # the CPU kernel checks its own inputs and raises before any output exists
+                return self._run(func, args, kwargs)
+            except (IndexError, RuntimeError, ValueError):
+                first = len(self.records)
+                call = self._checked(form, args, kwargs)
+                if not any(bool(r.flag) for r in self.records[first:]):  # not ours: raise as it was
+                    del self.records[first:]
+                    raise
+            return self._run(func, call.args, call.kwargs)
+        call = self._checked(form, args, kwargs)
+        return self._run(func, call.args, call.kwargs)
+
+    def _run(self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """The guarded function itself (a seam: ``benchmarks.micro`` times the guard's own work without it)."""
+        return func(*args, **kwargs)
+
+    def _checked(self, form: signatures._Form, args: Sequence[Any], kwargs: Mapping[str, Any]) -> signatures._Call:
+        """The call's arguments after every rule of ``form``: each checked and recorded, and maybe sanitised."""
         call = signatures._Call(form, args, kwargs)
         for rule in form.check(form.op, call):
             self._apply(form.op, call, rule)
-        return func(*call.args, **call.kwargs)
+        return call
 
     def reset(self) -> None:
         """Forget the records (a new list: a list taken from :attr:`records` earlier stays intact)."""
