@@ -21,6 +21,8 @@ SHOWN = {
     "numguard_default": "NumGuard defaults",
     "numguard_all": "NumGuard, every check",
     "numguard_deferred": 'NumGuard, `sync_mode="deferred"` (zero-sync)',
+    "floor_default": "floor: only the reads the defaults make (`benchmarks/floor.py`)",
+    "floor_all": "floor: only the reads every check makes",
     "spike_detection": "Lightning SpikeDetection",
     "naive_isfinite": "naive per-tensor isfinite",
     "detect_anomaly": "detect_anomaly",

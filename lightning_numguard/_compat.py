@@ -190,8 +190,9 @@ def foreach_nonfinite_(tensors: Sequence[torch.Tensor], found: torch.Tensor) -> 
     ``torch._amp_foreach_non_finite_check_and_unscale_`` with a scale of exactly 1: the fused check the
     GradScaler runs on the gradients of every AMP step. It writes each element back multiplied by 1.0 (the
     same bits: finite values, signed zeros and subnormals are unchanged, and no version counter moves), so
-    it is meant for gradients only. There is no public fused form. Returns ``False`` when the op is missing
-    or refuses the tensors (the caller then uses another reduction).
+    it suits tensors that no other thread reads or writes meanwhile: gradients, and parameters, buffers and
+    optimizer state while no snapshot copies them. There is no public fused form. Returns ``False`` when the
+    op is missing or refuses the tensors (the caller then uses another reduction).
     """
     op = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
     if op is None:  # pragma: no cover - every supported torch has it

@@ -122,6 +122,9 @@ class StepInspector:
         # per state segment: its named list, its tensors and their plan, kept while the list is the same object
         self._segment_plans: dict[str, tuple[Named, list[torch.Tensor], checks.TotalPlan]] = {}
         self._opt_state: tuple[list[torch.Tensor], Named] | None = None  # the optimizer state tensors, named
+        # Whether parameters, buffers and optimizer state may go through the CPU's fused check, which writes the
+        # same bits back: not while a snapshot copies them on another thread (set at train start)
+        self.state_rewritable = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -321,7 +324,8 @@ class StepInspector:
         return slots, segments
 
     def _norm_total(self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor) -> torch.Tensor:
-        """The ``NORMS`` slot's total: the gradients through the check that may rewrite them, the rest read-only.
+        """The ``NORMS`` slot's total: the gradients through the check that may rewrite them (on the CPU: the fused
+        check, which writes the same bits back), the state likewise when :attr:`state_rewritable`, else read-only.
 
         Each segment's :class:`~lightning_numguard.core.checks.TotalPlan` is kept while the segment is the same
         list object (the parameters and buffers are resolved once per fit, the optimizer state while its
@@ -342,7 +346,7 @@ class StepInspector:
             if cached is None or cached[0] is not named:
                 tensors = [t for _, t in named]
                 cached = self._segment_plans[name] = (named, tensors, checks.TotalPlan(tensors))
-            totals.append(cached[2].total(cached[1], device))
+            totals.append(cached[2].total(cached[1], device, rewritable=self.state_rewritable))
         if not totals:
             return zero
         return totals[0] if len(totals) == 1 else torch.stack(totals).sum()

@@ -359,6 +359,8 @@ class NumGuardCallback(Callback):
         # After Lightning restored optimizers, schedulers and the scaler from a checkpoint (it does so after
         # on_fit_start): a snapshot taken earlier would roll a resumed run back to fresh optimizers.
         bad = self._recovery.at_train_start(trainer, pl_module, self._inspector, self.action != "warn")
+        # the fused check writes the same bits back: only while no snapshot is copied on another thread
+        self._inspector.state_rewritable = not self._recovery.async_on
         if bad:
             self._halt_at_fit_start(trainer, bad)
         if self._deferred is not None:

@@ -111,8 +111,9 @@ def norm_total(tensors: Sequence[torch.Tensor], device: torch.device, *, rewrita
     * on the CPU, where ``_foreach_norm`` is a loop of norm kernels, each tensor of at least
       :data:`CPU_SUM_MIN_NUMEL` elements is summed (in float32, float64 for float64; a sum overflows
       only past ~3e38 in all, far later than a norm's squares at ~1e19), and the smaller ones take one
-      fused call: with ``rewritable`` (gradients, which nothing else holds) the GradScaler's own
-      non-finite check, which writes every element back unchanged; otherwise ``_foreach_norm``.
+      fused call: with ``rewritable`` (tensors no other thread reads or writes meanwhile: gradients, and
+      state while no snapshot copies it) the GradScaler's own non-finite check, which writes every element
+      back unchanged; otherwise ``_foreach_norm``.
 
     Measured on the project's 2-core CPU, one thread (``benchmarks/results``): the 1.6M gradients of
     the MLP (8 tensors) 0.21 ms with ``_foreach_norm`` and 0.09 ms this way; the 1.6M gradients of the

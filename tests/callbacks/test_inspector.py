@@ -71,3 +71,42 @@ def test_gradients_missing_or_sparse_are_left_out_and_the_rest_still_checked():
     assert torch.isfinite(inspector._norm_total({"grads": named}, torch.device("cpu"), torch.zeros(())))
     unused.bias.grad.fill_(float("inf"))
     assert not torch.isfinite(inspector._norm_total({"grads": named}, torch.device("cpu"), torch.zeros(())))
+
+
+def test_state_goes_through_the_rewriting_check_only_while_no_snapshot_copies_it(tmp_path):
+    """On the CPU the fused check writes the same bits back: every check reads (and rewrites) the state unchanged,
+    finds a NaN weight, and is not used while an asynchronous snapshot may be copying the state on a thread."""
+    import pytorch_lightning as pl
+
+    from lightning_numguard import NumGuardCallback
+    from tests.helpers import FaultData, FaultModel, loader, trainer
+
+    every = ["inputs", "loss", "grads", "buffers", "params", "optimizer_state"]
+    seen = {}
+    for asynchronous in (False, True):
+        guard = NumGuardCallback(dirpath=str(tmp_path / str(asynchronous)), check=every, snapshot_async=asynchronous)
+
+        class Probe(pl.Callback):
+            def __init__(self, key: bool, guard: NumGuardCallback) -> None:
+                self.key, self.guard = key, guard
+
+            def on_train_batch_end(self, trainer, pl_module, *args):
+                seen[self.key] = self.guard._inspector.state_rewritable
+
+        torch.manual_seed(0)
+        trainer(tmp_path / str(asynchronous), [guard, Probe(asynchronous, guard)], max_steps=3).fit(
+            FaultModel(), loader(FaultData())
+        )
+    assert seen == {False: True, True: False}
+
+    inspector = StepInspector(every, None, [], [])
+    inspector.state_rewritable = True
+    weight = nn.Parameter(torch.tensor([[1.0, -0.0, 1e-40]]))
+    bits = weight.detach().clone().view(torch.int32)
+    named = [("w", weight)]
+    zero = torch.zeros(())
+    assert torch.isfinite(inspector._norm_total({"params": named}, torch.device("cpu"), zero))
+    assert torch.equal(weight.detach().view(torch.int32), bits) and weight._version == 0
+    with torch.no_grad():
+        weight[0, 1] = float("nan")
+    assert not torch.isfinite(inspector._norm_total({"params": named}, torch.device("cpu"), zero))
