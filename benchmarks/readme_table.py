@@ -32,7 +32,7 @@ SHOWN = {
 def table(result: dict[str, Any]) -> str:
     """Step-time ratios to a plain Trainer (median of interleaved rounds), host reads per step."""
     models = list(result["models"])
-    head = "| variant | " + " | ".join(models) + " | host reads / step (guard) |"
+    head = "| variant | " + " | ".join(models) + " | host reads / step (its own) |"
     lines = [head, "|---|" + "---:|" * len(models) + "---:|"]
     for key, label in SHOWN.items():
         cells, reads = [], set()
@@ -41,10 +41,13 @@ def table(result: dict[str, Any]) -> str:
             r = entry["variants"].get(key)
             cells.append(f"{r['ratio_median']:.3f}×" if r else "–")
             s = entry.get("host_reads", {}).get(key, {})
-            if s.get("per_step_guard") is not None:
-                reads.add(f"{s['per_step_guard']:g}")
+            # the guard's own reads (SyncCounter's attribution); another variant's are all the reads of its fit
+            # beyond the plain Trainer's, which makes none
+            own = s.get("per_step_guard") if key.startswith("numguard") else s.get("per_step_total")
+            if own is not None:
+                reads.add(f"{own:g}")
         if any(c != "–" for c in cells):
-            lines.append(f"| {label} | " + " | ".join(cells) + f" | {', '.join(sorted(reads)) or '–'} |")
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {', '.join(sorted(reads, key=float)) or '–'} |")
     env, cfg = result["environment"], result["config"]
     lines += [
         "",

@@ -292,3 +292,8 @@ def deferred_sharded_main(out: Path, fault_rank: int, action: str) -> None:
 
 if __name__ == "__main__":
     main()
+    # Without this, gloo's worker threads can outlive the interpreter's finalisation and abort the process after a
+    # successful run ("terminate called without an active exception", exit -6; pytorch/pytorch#190489): the
+    # intermittent failure of these launches. Every rank runs this script (Lightning relaunches it for rank 1).
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
