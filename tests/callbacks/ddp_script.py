@@ -218,76 +218,83 @@ def deferred_sharded_main(out: Path, fault_rank: int, action: str) -> None:
     from pytorch_lightning.callbacks import ModelCheckpoint
 
     from lightning_numguard.core.syncs import SyncCounter
-    from tests.callbacks.test_zerosync import FusedModel
 
     for mode in ("auto", "off"):
-        pl.seed_everything(0, verbose=False)
-        guard = NumGuardCallback(
-            action=action,
-            dirpath=str(out / f"ng_{mode}"),
-            snapshot_sharding=mode,
-            snapshot_every_n_steps=2,
-            sync_mode="deferred",
-        )
-        saver = ModelCheckpoint(dirpath=out / f"ckpt_{mode}", every_n_train_steps=1, save_top_k=-1)
         counter = SyncCounter(package="lightning_numguard")
-        window = StepWindow(counter, guard)
-        trainer = ddp_trainer(10, [window, guard, saver])
-        rank = trainer.global_rank
-        model = FusedModel(site="opt_state", step=3, rank=fault_rank)
-        data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
-        with counter:
-            trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
-        extra = {"ring": window.ring, "storage": window.storage, "reads_per_step": counter.step_caused}
-        save_sharded_result(out, f"deferred_{mode}", mode, rank, trainer, model, guard, extra)
-    for mode in ("auto", "off"):  # the same fault under action="halt": the late halt gathers the snapshot once
-        pl.seed_everything(0, verbose=False)
-        guard = NumGuardCallback(
-            action="halt",
-            dirpath=str(out / f"ng_halt_{mode}"),
-            snapshot_sharding=mode,
-            snapshot_every_n_steps=2,
-            sync_mode="deferred",
+        saver = ModelCheckpoint(dirpath=out / f"ckpt_{mode}", every_n_train_steps=1, save_top_k=-1)
+        windows: list[StepWindow] = []
+
+        def callbacks(
+            guard: NumGuardCallback, counter: Any = counter, saver: Any = saver, windows: list[StepWindow] = windows
+        ) -> list[Any]:
+            windows.append(StepWindow(counter, guard))
+            return [windows[-1], guard, saver]
+
+        guard, trainer, model, data = _deferred_run(
+            out / f"ng_{mode}", mode, action, fault_rank, "opt_state", 3, callbacks
         )
-        trainer = ddp_trainer(10, [guard], enable_checkpointing=False)
+        with counter:
+            trainer.fit(model, data)
+        window = windows[-1]
+        extra = {"ring": window.ring, "storage": window.storage, "reads_per_step": counter.step_caused}
+        save_sharded_result(out, f"deferred_{mode}", mode, trainer.global_rank, trainer, model, guard, extra)
+    for mode in ("auto", "off"):  # the same fault under action="halt": the late halt gathers the snapshot once
+        guard, trainer, model, data = _deferred_run(out / f"ng_halt_{mode}", mode, "halt", fault_rank, "opt_state", 3)
+        trainer.fit(model, data)
         rank = trainer.global_rank
-        model = FusedModel(site="opt_state", step=3, rank=fault_rank)
-        data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
-        trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
         last = out / f"ng_halt_{mode}" / "last_finite.ckpt"
         halted = {
-            "state": model.state_dict(),
-            "optimizer": trainer.optimizers[0].state_dict(),
-            "global_step": trainer.global_step,
-            "events": guard.events,
-            "counters": guard.counters,
+            **_ending(trainer, model, guard),
             "sharded": guard._recovery.snapshot is not None and guard._recovery.snapshot.sharded is not None,
             "last_finite": torch.load(last, weights_only=False)["state_dict"] if rank == 0 else None,
         }
         torch.save(halted, out / f"deferred_halt_{mode}_rank{rank}.pt")
     for mode in ("auto", "off"):  # a NaN weight at the last step: only the end-of-fit read sees it, and repairs it
-        pl.seed_everything(0, verbose=False)
-        guard = NumGuardCallback(
-            action="rollback",
-            dirpath=str(out / f"ng_end_{mode}"),
-            snapshot_sharding=mode,
-            snapshot_every_n_steps=2,
-            sync_mode="deferred",
-        )
+        guard, trainer, model, data = _deferred_run(out / f"ng_end_{mode}", mode, "rollback", fault_rank, "param", 9)
+        trainer.fit(model, data)
+        ended = {**_ending(trainer, model, guard), "fired": model.fired}
+        torch.save(ended, out / f"deferred_end_{mode}_rank{trainer.global_rank}.pt")
+
+
+def _deferred_run(
+    dirpath: Path,
+    mode: str,
+    action: str,
+    fault_rank: int,
+    site: str,
+    step: int,
+    callbacks: Any = None,
+) -> tuple[NumGuardCallback, pl.Trainer, Any, DataLoader]:
+    """A 10-step ``sync_mode="deferred"`` DDP run, not yet fitted: a fused-AdamW ``FaultModel`` with a fault at
+    ``site``/``step`` on ``fault_rank``, snapshots every 2 steps, ``snapshot_sharding=mode``; each rank its own data.
+
+    ``callbacks(guard)`` gives the trainer's callbacks (default: the guard alone, no checkpointing).
+    """
+    from tests.callbacks.test_zerosync import FusedModel
+
+    pl.seed_everything(0, verbose=False)
+    guard = NumGuardCallback(
+        action=action, dirpath=str(dirpath), snapshot_sharding=mode, snapshot_every_n_steps=2, sync_mode="deferred"
+    )
+    if callbacks is None:
         trainer = ddp_trainer(10, [guard], enable_checkpointing=False)
-        rank = trainer.global_rank
-        model = FusedModel(site="param", step=9, rank=fault_rank)
-        data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
-        trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
-        ended = {
-            "state": model.state_dict(),
-            "optimizer": trainer.optimizers[0].state_dict(),
-            "global_step": trainer.global_step,
-            "events": guard.events,
-            "counters": guard.counters,
-            "fired": model.fired,
-        }
-        torch.save(ended, out / f"deferred_end_{mode}_rank{rank}.pt")
+    else:
+        trainer = ddp_trainer(10, callbacks(guard))
+    rank = trainer.global_rank
+    model = FusedModel(site=site, step=step, rank=fault_rank)
+    data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
+    return guard, trainer, model, DataLoader(data, batch_size=8, shuffle=False)
+
+
+def _ending(trainer: pl.Trainer, model: Any, guard: NumGuardCallback) -> dict[str, Any]:
+    """What a deferred run's launch compares: final weights and AdamW state, step, events and counters."""
+    return {
+        "state": model.state_dict(),
+        "optimizer": trainer.optimizers[0].state_dict(),
+        "global_step": trainer.global_step,
+        "events": guard.events,
+        "counters": guard.counters,
+    }
 
 
 if __name__ == "__main__":

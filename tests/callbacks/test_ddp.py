@@ -82,7 +82,7 @@ def test_loss_fault_on_rank_0_halts_every_rank(tmp_path):
 
 
 @pytest.mark.ddp
-def test_op_domain_on_rank_1_never_reaches_the_kernel_and_ranks_stay_in_step(tmp_path):
+def test_op_domain_on_rank_1_is_defused_and_ranks_stay_in_step(tmp_path):
     ranks = run_ddp(tmp_path, "op", 1, "skip")
     for r in ranks:
         assert r["finite"] and r["same_as_rank0"]
