@@ -72,8 +72,11 @@ class _Plan:
         small = [tensors[i] for i in self.small]
         if small:
             found = torch.zeros((), device=self.device)
-            torch._amp_foreach_non_finite_check_and_unscale_(small, found, torch.ones((), device=self.device))
-            parts.append(found.neg().log1p())  # 0, or -inf when a value was not finite
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(small, found, torch.ones((), device=self.device))
+                parts.append(found.neg().log1p())  # 0, or -inf when a value was not finite
+            except (RuntimeError, TypeError):  # a dtype or device this build's kernel lacks
+                parts.append(torch.stack(torch._foreach_norm(small, 2)).float().sum())
         return parts
 
 
