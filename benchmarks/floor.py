@@ -2,10 +2,10 @@
 
 :class:`FloorGuard` reads every value the guard's defaults read (the batch's floating inputs, the output of each
 block the guard's watch selects, the loss, every gradient, the floating buffers) once, in the cheapest form known
-on the device (a float32 ``sum`` of each large tensor, one fused call for the small ones), and reads one vector back
-per step. It names nothing, keeps no record, takes no snapshot and cannot roll back: after a non-finite value it
-only drops the step's gradients. With ``every=True`` it also reads the parameters and the optimizer state every
-step, as ``check`` with every entry does.
+on the device (``core.checks.TotalPlan``: a float32 ``sum`` of each large CPU tensor, one fused call for the small
+ones, the parameters and optimizer state included), and reads one vector back per step. It names nothing, keeps no
+record, takes no snapshot and cannot roll back: after a non-finite value it only drops the step's gradients. With
+``every=True`` it also reads the parameters and the optimizer state every step, as ``check`` with every entry does.
 
 Timed in the same interleaved rounds as the guard, its ratio to the baseline is what the bytes and the hooks cost
 on this machine; the guard's ratio minus the floor's is what the guard's machinery (attribution, records, the op
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from pytorch_lightning.callbacks import Callback
 
-from lightning_numguard.core.checks import CPU_SUM_MIN_NUMEL
+from lightning_numguard.core.checks import TotalPlan, norm_total
 from lightning_numguard.core.tree import floating_leaves
 from lightning_numguard.core.watch import select_modules
 
@@ -49,37 +49,6 @@ class _SumHook:
         self.guard._spent += time.thread_time() - t0
 
 
-class _Plan:
-    """The split of one tensor list into large CPU tensors (one ``sum`` each) and the rest (one fused call), made once.
-
-    A step's gradients are new tensors with their parameters' shapes, so the split of the parameters holds for them.
-    """
-
-    def __init__(self, like: list[torch.Tensor]) -> None:
-        self.large = [i for i, t in enumerate(like) if t.device.type == "cpu" and t.numel() >= CPU_SUM_MIN_NUMEL]
-        big = set(self.large)
-        self.small = [i for i in range(len(like)) if i not in big]
-        self.device = like[0].device if like else torch.device("cpu")
-
-    def parts(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """0-d values, non-finite when a tensor is (no sync).
-
-        The small tensors go through the GradScaler's fused check with a scale of 1, the cheapest read of many
-        small tensors on a CPU (about a third of ``_foreach_norm``'s time); it writes the same bits back. The guard
-        uses it on gradients only and keeps parameters, buffers and optimizer state read-only; a floor may not.
-        """
-        parts = [tensors[i].sum(dtype=torch.float32) for i in self.large]
-        small = [tensors[i] for i in self.small]
-        if small:
-            found = torch.zeros((), device=self.device)
-            try:
-                torch._amp_foreach_non_finite_check_and_unscale_(small, found, torch.ones((), device=self.device))
-                parts.append(found.neg().log1p())  # 0, or -inf when a value was not finite
-            except (RuntimeError, TypeError):  # a dtype or device this build's kernel lacks
-                parts.append(torch.stack(torch._foreach_norm(small, 2)).float().sum())
-        return parts
-
-
 class FloorGuard(Callback):
     """A callback that only reads what the guard reads, once, with one host read per step (benchmark floor).
 
@@ -96,16 +65,18 @@ class FloorGuard(Callback):
         self._inputs: list[torch.Tensor] = []
         self._loss: torch.Tensor | None = None
         self._buffers: list[torch.Tensor] = []
-        self._buffer_plan = _Plan([])
-        self._plans: dict[int, tuple[list[torch.Tensor], _Plan, _Plan]] = {}
-        self._state: tuple[int, list[torch.Tensor], _Plan] | None = None  # the optimizer state's tensors (every=True)
+        self._buffer_plan = TotalPlan([])
+        self._plans: dict[int, tuple[list[torch.Tensor], TotalPlan]] = {}
+        self._state: tuple[int, list[torch.Tensor], TotalPlan] | None = None  # the optimizer state (every=True)
+        self._device = torch.device("cpu")
         self.step_hook_ms: list[float] = []
         self._spent = 0.0  # this step's hook time so far (s)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         blocks = select_modules(pl_module, depth=1)  # the blocks the guard's default watch hooks
         self._buffers = [b for b in pl_module.buffers() if b.is_floating_point() and b.numel()]
-        self._buffer_plan = _Plan(self._buffers)
+        self._buffer_plan = TotalPlan(self._buffers)
+        self._device = pl_module.device
         for _, module in blocks:
             self._handles.append(module.register_forward_hook(_SumHook(self)))
 
@@ -131,31 +102,35 @@ class FloorGuard(Callback):
         self.step_hook_ms.append(self._spent * 1e3)
 
     def _check(self, optimizer: Any) -> None:
+        # Every read goes through the guard's own cheapest form (checks.TotalPlan: a float32 sum per large CPU
+        # tensor, the GradScaler's fused check for the small ones), rewriting the same bits back even in the state,
+        # which the guard does only while no snapshot copies it on another thread.
+        device = self._device
         cached = self._plans.get(id(optimizer))
-        if cached is None:  # once per optimizer: its trainable parameters and their split
+        if cached is None:  # once per optimizer: its trainable parameters and their grouping
             params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-            cached = self._plans[id(optimizer)] = (params, _Plan(params), _Plan([p.detach() for p in params]))
-        params, grad_plan, param_plan = cached
+            cached = self._plans[id(optimizer)] = (params, TotalPlan(params))
+        params, plan = cached
         grads = [p.grad for p in params]
         if any(g is None for g in grads):  # a parameter without a gradient this step: no plan
             present = [g for g in grads if g is not None]
-            parts = _Plan(present).parts(present) if present else []
+            parts = [norm_total(present, device, rewritable=True)] if present else []
         else:
-            parts = grad_plan.parts(grads)
+            parts = [plan.total(grads, device, rewritable=True)]
         parts += self._inputs + self._outputs
         self._outputs = []
         if self._loss is not None:
             parts.append(self._loss)
         if self._buffers:
-            parts += self._buffer_plan.parts(self._buffers)
+            parts.append(self._buffer_plan.total(self._buffers, device, rewritable=True))
         if self.every:
-            parts += param_plan.parts([p.detach() for p in params])
+            parts.append(plan.total(params, device, rewritable=True))
             if self._state is None or self._state[0] != len(optimizer.state):  # the state exists after a first step
                 state = [v for p in params for v in optimizer.state.get(p, {}).values()]
                 state = [v for v in state if torch.is_tensor(v) and v.is_floating_point() and v.dim()]
-                self._state = (len(optimizer.state), state, _Plan(state))
+                self._state = (len(optimizer.state), state, TotalPlan(state))
             if self._state[1]:
-                parts += self._state[2].parts(self._state[1])
+                parts.append(self._state[2].total(self._state[1], device, rewritable=True))
         values = torch.stack([v if v.dtype == torch.float32 else v.float() for v in parts])
         if not all(map(math.isfinite, values.tolist())):  # the one host read of the step
             self.bad_steps += 1

@@ -237,7 +237,7 @@ class DeferredSync:
             rollbacks_used=guard._recovery.rollbacks_this_fit,
             max_rollbacks=guard.max_rollbacks,
         )
-        findings = describe(seen, rec, (state_bad, state_rank), trainer.global_rank, guard.max_abs_input)
+        findings = describe(seen, rec, state_bad, state_rank, trainer.global_rank, guard.max_abs_input)
         placed = located(guard, kept_records, trainer.global_rank) if seen.any_local() else {}
         findings = [placed.get(f.kind, [f])[0] if f.where[0] in _PLACEHOLDERS else f for f in findings]
         findings = merge([findings, placed.get("op_domain", [])])  # in causal order, without duplicates
@@ -329,15 +329,16 @@ def located(guard: NumGuardCallback, kept: tuple[Any, list[Any]], rank: int) -> 
 def describe(
     seen: flags.StepFlags,
     rec: StepRecord | None,
-    state_bad: tuple[list[str], int],
+    state_bad: list[str],
+    state_rank: int,
     rank: int,
     max_abs: float | None,
 ) -> list[Finding]:
     """Findings from the flags of a past step, its kept batch and losses, and the state now (syncs).
 
-    ``state_bad``: the non-finite state on any rank and the lowest rank where it was. The loss finding, with this
-    rank's loss values, is made on the lowest rank that saw the loss slot only; the cross-rank merge gives it to
-    every rank.
+    ``state_bad``: the non-finite state on any rank; ``state_rank``: the lowest rank where it was. The loss
+    finding, with this rank's loss values, is made on the lowest rank that saw the loss slot only; the cross-rank
+    merge gives it to every rank.
     """
     out: list[Finding] = []
     if rec is not None and (seen.seen(flags.INPUT) or seen.seen(flags.SUSPICIOUS)):
@@ -349,8 +350,8 @@ def describe(
                 out.append(Finding("nonfinite_input", bad, {}, rank))
             elif huge:
                 out.append(Finding("suspicious_input", huge, {"threshold": max_abs}, rank))
-    if state_bad[0]:
-        out.append(Finding("nonfinite_param", state_bad[0], {}, state_bad[1]))
+    if state_bad:
+        out.append(Finding("nonfinite_param", state_bad, {}, state_rank))
     for slot in (flags.OUTPUT, flags.OP):
         if seen.seen(slot):
             kind, where = _SLOT_KIND[slot]

@@ -81,19 +81,13 @@ def fit(out: Path, site: str, fault_rank: int, action: str, precision: str | Non
     pl.seed_everything(0, verbose=False)
     guard = NumGuardCallback(action=action, dirpath=str(out / "ng"))
     model: pl.LightningModule = FaultModel(site=None if site in MODES else site, step=2, rank=fault_rank)
-    trainer = pl.Trainer(
+    trainer = ddp_trainer(
+        {"manual": 10, "accumulate": 3}.get(site, 5),
+        [guard, Report(out, guard)],
         accumulate_grad_batches=2 if site == "accumulate" else 1,
-        accelerator="cpu",
-        devices=2,
         # the GAN's two backward passes per step leave the generator unused by the second
         strategy="ddp_find_unused_parameters_true" if site == "manual" else "ddp",
-        max_steps={"manual": 10, "accumulate": 3}.get(site, 5),
-        logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[guard, Report(out, guard)],
         **precision_args(precision),
     )
     rank = trainer.global_rank
@@ -142,11 +136,12 @@ def sharded_main(out: Path, fault_rank: int, action: str, asynchronous: bool = F
 
 
 def ddp_trainer(max_steps: int, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
-    """A 2-process gloo DDP Trainer on the CPU, quiet, each rank feeding its own data."""
+    """A 2-process gloo DDP Trainer on the CPU, quiet, each rank feeding its own data (``strategy="ddp"`` unless
+    ``kwargs`` names another)."""
+    kwargs.setdefault("strategy", "ddp")
     return pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
         max_steps=max_steps,
         logger=False,
         enable_progress_bar=False,
