@@ -25,6 +25,7 @@ __all__ = [
     "path_or_none",
     "patterns",
     "positive_or_none",
+    "spike_settings",
 ]
 
 Check = Literal["inputs", "outputs", "ops", "loss", "grads", "buffers", "params", "optimizer_state"]
@@ -88,3 +89,35 @@ def path_or_none(name: str, value: Any) -> str | None:
     if not isinstance(value, (str, os.PathLike)):
         raise NumGuardConfigError(f"`{name}` must be a path or None, got {value!r}")
     return os.fspath(value)
+
+
+def spike_settings(
+    action: str, spike_action: Any, sigma: Any, window: Any, warmup: Any, rollback_after: Any, headroom: Any
+) -> tuple[float, int, float | None]:
+    """Check the spike and overflow arguments; returns ``(sigma, warmup, headroom)`` (``warmup`` resolved)."""
+    if spike_action is not None:
+        choice("spike_action", spike_action, ("warn", "skip", "rollback"))
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not 0 < sigma < math.inf:
+        raise NumGuardConfigError(f"`spike_sigma` must be a positive number, got {sigma!r}")
+    integer("spike_window", window, 0)
+    if spike_action is not None and window == 0:
+        raise NumGuardConfigError(
+            f"`spike_action={spike_action!r}` needs spike statistics: `spike_window` must be an integer >= 1, got 0"
+        )
+    if warmup is None:
+        warmup = max(window // 2, 1)
+    elif isinstance(warmup, bool) or not isinstance(warmup, int) or not 1 <= warmup <= max(window, 1):
+        raise NumGuardConfigError(
+            f"`spike_warmup` must be None or an integer in [1, spike_window={window}], got {warmup!r}"
+        )
+    integer("spike_rollback_after", rollback_after, 0)
+    if headroom is not None and (
+        isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 1 <= headroom < math.inf
+    ):
+        raise NumGuardConfigError(f"`overflow_headroom` must be a number >= 1 or None (off), got {headroom!r}")
+    if action == "warn" and spike_action in ("skip", "rollback"):
+        raise NumGuardConfigError(
+            f"`spike_action={spike_action!r}` acts on finite spikes while `action='warn'` lets NaN steps through: "
+            "use action='skip' or 'rollback' with it, or spike_action='warn'"
+        )
+    return float(sigma), warmup, None if headroom is None else float(headroom)

@@ -24,7 +24,7 @@ import torch
 
 from lightning_numguard import _compat
 from lightning_numguard.callbacks import _distributed, _micro
-from lightning_numguard.core import checks, flags
+from lightning_numguard.core import checks, flags, spike
 from lightning_numguard.core.findings import AFTER_FORWARD, Finding
 from lightning_numguard.core.opguard import OpGuard
 from lightning_numguard.core.snapshot import rng_state
@@ -64,6 +64,7 @@ class StepRecord:
     micro: list[_micro.MicroBatch] = field(default_factory=list)
     bad_micro_batch: int = 0
     seen_at_read: tuple[int, int] = (0, 0)  # losses and output records already read by an earlier optimizer
+    spike_read: bool = False  # the spike statistics' values went into a read of this step
 
 
 @dataclass
@@ -72,6 +73,8 @@ class Reading:
 
     flags: flags.StepFlags
     segments: dict[str, Named]
+    #: the host-read spike extras after the flag slots (``core.spike.EXTRAS``), when the step carried them
+    extras: list[float] = field(default_factory=list)
 
 
 class StepInspector:
@@ -125,6 +128,11 @@ class StepInspector:
         # Whether parameters, buffers and optimizer state may go through the CPU's fused check, which writes the
         # same bits back: not while a snapshot copies them on another thread (set at train start)
         self.state_rewritable = False
+        # Spike statistics and overflow headroom (callbacks/_spike.SpikeGuard), set by the callback: their
+        # values ride after the flag slots in the one read; the global gradient norm is the grads' check
+        self.spike: Any = None
+        self.extras: torch.Tensor | None = None  # this read's extras (before the reduce), taken by read/pack
+        self._grad_norm: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -272,10 +280,23 @@ class StepInspector:
         rec.step = trainer.global_step
         slots, segments = self.slot_values(trainer, pl_module, optimizer, snapshot_due)
         world = trainer.world_size
+        extras, self.extras = self.extras, None
+        n = len(flags.SLOTS)
         if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
-            return Reading(flags.decode_raw(flags.stack_raw(list(slots.values())).tolist()), segments)
-        reduced = _distributed.reduce_max(trainer, flags.encode_rank(flags.pack(**slots), trainer.global_rank, world))
-        return Reading(flags.decode(reduced.tolist(), world), segments)  # the one host read of the step
+            vector = flags.stack_raw(list(slots.values()))
+            if extras is not None:  # the spike statistics ride in the same read
+                vector = torch.cat([vector, extras.to(vector.device)])
+                self.spike.reduced = vector[n:]
+            values = vector.tolist()
+            return Reading(flags.decode_raw(values[:n]), segments, values[n:])
+        packed = flags.encode_rank(flags.pack(**slots), trainer.global_rank, world)
+        if extras is not None:  # raw values (not rank-encoded) in the same all-reduce
+            packed = torch.cat([packed, extras.to(packed.device)])
+        reduced = _distributed.reduce_max(trainer, packed)
+        if extras is not None:
+            self.spike.reduced = reduced[n:]
+        values = reduced.tolist()  # the one host read of the step
+        return Reading(flags.decode(values[:n], world), segments, values[n:])
 
     def slot_values(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool
@@ -312,6 +333,7 @@ class StepInspector:
         loss_total = zero
         if losses:
             loss_total = losses[0] if len(losses) == 1 and losses[0].dim() == 0 else torch.stack(losses).sum()
+        self._grad_norm = None
         slots = {
             "input_max": input_max,
             "norm_total": self._norm_total(segments, device, zero),
@@ -321,6 +343,10 @@ class StepInspector:
             "op": self.opguard.flags(device).amax() if self.opguard is not None and self.opguard.records else zero,
             "quarantine": rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
         }
+        self.extras = None
+        if self.spike is not None and self.spike.enabled and not rec.spike_read:
+            rec.spike_read = True  # the step's first read only (a further optimizer reads its gradients alone)
+            self.extras = self.spike.extras(loss_total if losses else None, self._grad_norm, watch, device)
         return slots, segments
 
     def _norm_total(self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor) -> torch.Tensor:
@@ -336,7 +362,13 @@ class StepInspector:
             if not named:
                 continue
             if name == "grads":
-                if self._grads_plan is not None:  # grads() found every gradient: its plan and tensor list
+                if self.spike is not None and self.spike.window is not None:  # the global L2 norm is the check
+                    plan = self._grads_plan if self._grads_plan is not None else checks.TotalPlan([t for _, t in named])
+                    grads = self._grads if self._grads_plan is not None else [t for _, t in named]
+                    groups = [[grads[i] for i in large + small] for _, _, large, small in plan.groups]
+                    self._grad_norm = spike.global_norm(groups, device)
+                    totals.append(self._grad_norm)
+                elif self._grads_plan is not None:  # grads() found every gradient: its plan and tensor list
                     totals.append(self._grads_plan.total(self._grads, device, rewritable=True))
                 else:
                     grads = [t for _, t in named]

@@ -17,7 +17,7 @@ __all__ = ["COUNTERS", "Ledger"]
 log = logging.getLogger("lightning_numguard")
 
 #: The running counters, logged as ``numguard/<name>`` scalars.
-COUNTERS: tuple[str, ...] = ("incidents", "skipped_steps", "rollbacks", "amp_overflow_steps")
+COUNTERS: tuple[str, ...] = ("incidents", "skipped_steps", "rollbacks", "amp_overflow_steps", "spikes")
 
 
 class Ledger:

@@ -46,6 +46,7 @@ from lightning_numguard.core.pending import (
 )
 from lightning_numguard.core.quarantine import position_key
 from lightning_numguard.core.snapshot import Snapshot, capture
+from lightning_numguard.core.stateful import apply_lr_backoff
 from lightning_numguard.errors import NumGuardConfigError
 
 if TYPE_CHECKING:
@@ -121,8 +122,11 @@ class DeferredSync:
             guard.action, trainer.global_step, guard._recovery.last_snapshot_step, guard.snapshot_every_n_steps
         )
         packed = pack(inspector, trainer, pl_module, optimizer, due)
+        n = len(flags.SLOTS)
         if guard.action != "warn":
-            bad = packed.amax() > 0
+            bad = packed[:n].amax() > 0
+            if guard._spike.acting and packed.numel() > n:  # a spike is skipped on the device too
+                bad = bad | guard._spike.device_flag(packed[n:])
             if rec.forced_skip is not None:
                 bad = torch.ones((), dtype=torch.bool, device=packed.device)
                 guard.counters["skipped_steps"] += 1
@@ -205,10 +209,17 @@ class DeferredSync:
         for kept in (self.records, self.schedules, self.kept):
             for old in [s for s in kept if s < step]:
                 del kept[old]
-        seen = flags.decode(values, trainer.world_size)
+        n = len(flags.SLOTS)
+        seen = flags.decode(values[:n], trainer.world_size)
+        spikes: list[Finding] = []
+        if len(values) > n:  # the spike statistics of that step; its overflow risks are recorded now
+            spikes, risks = guard._spike.findings(values[n:], step, guard._inspector.watch)
+            guard._ledger.record(trainer, [guard._ledger.event(trainer, f, step, "none") for f in risks])
         quiet = seen.seen(flags.QUARANTINE)  # a quarantined batch, skipped on the device without an incident
         if quiet and rec is not None and rec.forced_skip is None:
             guard.counters["skipped_steps"] += 1
+        if spikes and not seen.any and (rec is None or rec.forced_skip is None):
+            return self._late_spike(guard, trainer, pl_module, step, rec, spikes, schedule, optimizer)
         if not seen.any or quiet or (rec is not None and rec.forced_skip is not None):
             if seen.seen(flags.NORMS):  # gradients or state non-finite: its snapshot is not verified
                 self.snapshots.discard_from(step)
@@ -253,12 +264,8 @@ class DeferredSync:
         if action == "rollback":
             guard.counters["rollbacks"] += 1
             guard._recovery.rollbacks_this_fit += 1
-        if action != "warn" and schedule is not None:  # the schedule as the bad step found it
-            for config, state in zip(trainer.lr_scheduler_configs, schedule[0]):
-                config.scheduler.load_state_dict(state)
-            for opt, lrs in zip(trainer.optimizers, schedule[1]):
-                for group, lr in zip(opt.param_groups, lrs):
-                    group["lr"] = lr
+        if action != "warn":
+            _put_back_schedule(trainer, schedule)
         restored = bool(state_bad and action == "rollback") or action == "halt"
         if restored:  # every rank is here together (the flags and state_bad were merged across ranks)
             assert self.snapshots.last is not None
@@ -278,13 +285,93 @@ class DeferredSync:
         return restored
 
 
+    def _late_spike(
+        self,
+        guard: NumGuardCallback,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        step: int,
+        rec: StepRecord | None,
+        spikes: list[Finding],
+        schedule: Any,
+        optimizer: Any,
+    ) -> bool:
+        """A finite spike of step ``step``, read late (the device skipped it when ``spike_action`` acts): record it,
+        and roll back when its action says so. Returns whether the live state was restored."""
+        self.snapshots.discard_from(step)  # the state that spiked is not one to come back to
+        recovery = guard._recovery
+        wanted = guard._spike.decide(step)
+        action = policy.decide(
+            wanted,
+            state_bad=False,
+            has_incident=True,
+            have_snapshot=self.snapshots.last is not None,
+            rollbacks_used=recovery.rollbacks_this_fit,
+            max_rollbacks=guard.max_rollbacks,
+        )
+        guard.counters["spikes"] += 1
+        epoch, batch_idx = (rec.epoch, rec.batch_idx) if rec is not None else (None, -1)
+        events = []
+        for f in spikes:
+            f.details.update({"deferred": True, "read_at_step": trainer.global_step})
+            if wanted != guard.spike_action:
+                f.details["escalated"] = f"{guard.spike_rollback_after} spikes within {guard.spike_window} steps"
+            events.append(guard._ledger.event(trainer, f, step, action, epoch, batch_idx))
+        restored = action in ("rollback", "halt")
+        if action != "warn":
+            guard.counters["skipped_steps"] += 1  # the device skipped it
+            _put_back_schedule(trainer, schedule)
+        if action == "rollback":
+            guard.counters["rollbacks"] += 1
+            recovery.rollbacks_this_fit += 1
+            assert self.snapshots.last is not None
+            recovery.snapshot = self.snapshots.last[1]
+            recovery.restore(trainer, pl_module)  # collective when sharded: every rank read the same flags
+            recovery.skip_remaining = recovery.skip_batches_after_rollback
+            if recovery.lr_backoff != 1.0:
+                schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
+                lrs = apply_lr_backoff(trainer.optimizers, schedulers, recovery.lr_backoff)
+                for e in events:
+                    e["details"]["lr_after_backoff"] = lrs
+            if optimizer is not None:  # the step in flight started from the state the rollback replaced
+                arm_device_skip(optimizer, torch.ones((), device=pl_module.device))
+                current = guard._inspector.record
+                if current is not None and current.forced_skip is None:
+                    current.forced_skip = "it started from the state a late rollback replaced"
+                    guard.counters["skipped_steps"] += 1
+        guard._ledger.record(trainer, events)
+        if action == "halt":
+            guard._recovery.halt(trainer, pl_module)
+        log.info("numguard (deferred) step %s spiked, read at step %s: %s", step, trainer.global_step, action)
+        return restored
+
+
+def _put_back_schedule(trainer: pl.Trainer, schedule: Any) -> None:
+    """The LR schedule as a bad step found it (kept per step in ``DeferredSync.schedules``)."""
+    if schedule is None:
+        return
+    for config, state in zip(trainer.lr_scheduler_configs, schedule[0]):
+        config.scheduler.load_state_dict(state)
+    for opt, lrs in zip(trainer.optimizers, schedule[1]):
+        for group, lr in zip(opt.param_groups, lrs):
+            group["lr"] = lr
+
+
 def pack(
     inspector: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool
 ) -> torch.Tensor:
-    """The step's reduced flag vector, on the device (``StepInspector.read`` without its host read)."""
+    """The step's reduced flag vector, on the device (``StepInspector.read`` without its host read), followed by
+    the spike statistics' raw values when the step carries them (not rank-encoded; the same all-reduce)."""
     slots, _ = inspector.slot_values(trainer, pl_module, optimizer, snapshot_due)
+    extras, inspector.extras = inspector.extras, None
     world = trainer.world_size
-    return _distributed.reduce_max(trainer, flags.encode_rank(flags.pack(**slots), trainer.global_rank, world))
+    packed = flags.encode_rank(flags.pack(**slots), trainer.global_rank, world)
+    if extras is not None:
+        packed = torch.cat([packed, extras.to(packed.device)])
+    reduced = _distributed.reduce_max(trainer, packed)
+    if extras is not None:
+        inspector.spike.reduced = reduced[len(flags.SLOTS) :]
+    return reduced
 
 
 _PLACEHOLDERS = {where for _, where in _SLOT_KIND.values()}

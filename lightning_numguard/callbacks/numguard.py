@@ -36,6 +36,7 @@ from lightning_numguard.callbacks._ledger import Ledger
 from lightning_numguard.callbacks._metrics import LoggedValues
 from lightning_numguard.callbacks._progress import FitProgress
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
+from lightning_numguard.callbacks._spike import STATEFUL_KEY, SpikeGuard
 from lightning_numguard.callbacks._sharded import SHARDING
 from lightning_numguard.callbacks._strategies import check_strategy
 from lightning_numguard.callbacks._zerosync import SYNC_MODES, DeferredSync
@@ -136,6 +137,23 @@ class NumGuardCallback(Callback):
             snapshot's host memory). ``None`` (default): on when the LightningModule is on CUDA and
             ``snapshot_device="host"``, off on the CPU (a worker thread competes with compute on small
             machines); ``True`` forces it; ``sync_mode="deferred"`` keeps its own synchronous snapshots.
+        spike_action: what to do when the loss or the global gradient norm is finite but far above its recent
+            range (see ``docs/reference.md``, "Spikes"). ``None`` (default): the statistics are kept and logged,
+            no event is recorded. ``"warn"``: record ``loss_spike`` / ``grad_norm_spike`` events. ``"skip"``:
+            the step is skipped atomically like a non-finite one (in ``sync_mode="deferred"``: on the device,
+            through ``found_inf``); the ``spike_rollback_after``-th spike within ``spike_window`` steps rolls
+            back instead. ``"rollback"``: every spike rolls back to the last snapshot (with
+            ``skip_batches_after_rollback`` and ``lr_backoff``). Needs ``action`` other than ``"warn"`` to act.
+        spike_sigma: a value spikes when its logarithm is more than this many robust standard deviations
+            (upper-half MAD) above the median of the window.
+        spike_window: steps in the rolling window of the loss and the global gradient norm, kept on the device
+            (0: no spike statistics, and the gradients are checked without computing their norm).
+        spike_warmup: valid values the window needs before it judges; ``None``: ``spike_window // 2``.
+        spike_rollback_after: under ``spike_action="skip"``, this many spikes within ``spike_window`` steps make
+            the last one a rollback (0: never).
+        overflow_headroom: a watched block whose output peak comes within this factor of its dtype's largest
+            finite value (float16 65504; bfloat16 and float32 3.4e38) is reported once as ``overflow_risk``;
+            ``None`` turns it off. A collapsing fp16 loss scale is reported as ``overflow_risk`` too.
 
     Raises:
         NumGuardConfigError: at construction, for any invalid argument.
@@ -153,6 +171,13 @@ class NumGuardCallback(Callback):
                                     GradScaler also every ``log_every_n_steps``, with your metrics)
     ``numguard/loss_scale``         the GradScaler's loss scale (scalar, every ``log_every_n_steps``)
     ``numguard/events``             one markdown paragraph per incident (text)
+    ``numguard/spikes``             loss and gradient-norm spikes so far (scalar, every
+                                    ``log_every_n_steps``)
+    ``numguard/grad_norm``          the global L2 norm of the gradients (scalar, every
+                                    ``log_every_n_steps``; with spike statistics on)
+    ``numguard/loss_zscore``        the loss's robust z-score against the window (scalar,
+                                    every ``log_every_n_steps``, after the warm-up)
+    ``numguard/grad_norm_zscore``   the gradient norm's z-score, likewise
     ==============================  =====================================================
 
     Across ranks: input, output, op and loss flags are local and carry the rank into the one
@@ -190,6 +215,12 @@ class NumGuardCallback(Callback):
         sync_mode: Literal["every_step", "deferred"] = "every_step",
         snapshot_sharding: Literal["auto", "off"] = "auto",
         snapshot_async: bool | None = None,
+        spike_action: Literal["warn", "skip", "rollback"] | None = None,
+        spike_sigma: float = 6.0,
+        spike_window: int = 128,
+        spike_warmup: int | None = None,
+        spike_rollback_after: int = 3,
+        overflow_headroom: float | None = 8.0,
     ) -> None:
         super().__init__()
         _config.choice("sync_mode", sync_mode, SYNC_MODES)
@@ -241,6 +272,12 @@ class NumGuardCallback(Callback):
         self.quarantine = quarantine
         self.replay = replay
         self.emit_warnings = emit_warnings
+        self.spike_sigma, self.spike_warmup, self.overflow_headroom = _config.spike_settings(
+            action, spike_action, spike_sigma, spike_window, spike_warmup, spike_rollback_after, overflow_headroom
+        )
+        self.spike_action = spike_action
+        self.spike_window = spike_window
+        self.spike_rollback_after = spike_rollback_after
         self._fresh_run()
 
     def _fresh_run(self, dirpath: Path | None = None) -> None:
@@ -263,6 +300,15 @@ class NumGuardCallback(Callback):
         self._logged = LoggedValues()
         self._amp = AmpCounters()
         self._deferred = DeferredSync() if self.sync_mode == "deferred" else None
+        self._spike = SpikeGuard(
+            self.spike_action,
+            self.spike_sigma,
+            self.spike_window,
+            self.spike_warmup,
+            self.spike_rollback_after,
+            self.overflow_headroom,
+        )
+        self._inspector.spike = self._spike
 
     def _new_inspector(self) -> StepInspector:
         return StepInspector(self.check, self.max_abs_input, self.watch_modules, self.ignore_modules, self.watch_depth)
@@ -303,6 +349,7 @@ class NumGuardCallback(Callback):
             "counters": dict(self.counters),
             "incidents_by_kind": dict(self._ledger.incidents_by_kind),
             **self._recovery.quarantine.state_dict(),
+            "spike": self._spike.state_dict(),
         }
 
     @override
@@ -324,6 +371,13 @@ class NumGuardCallback(Callback):
                     "checkpoint's weights are unaffected: resume without this callback's state by removing "
                     "checkpoint['callbacks'] entries for NumGuardCallback, or from another checkpoint."
                 ) from None
+        try:
+            self._spike.load_state_dict(dict(state_dict.get("spike") or {}))
+        except (AttributeError, TypeError, ValueError, KeyError) as err:
+            raise NumGuardError(
+                f"NumGuard: the callback state in this checkpoint is malformed at 'spike' ({err}); the checkpoint's "
+                "weights are unaffected: resume without this callback's state, or from another checkpoint."
+            ) from None
         self.counters.update(parsed["counters"])
         self._ledger.incidents_by_kind = parsed["incidents_by_kind"]
         self._recovery.quarantine.load_state_dict(parsed)
@@ -351,6 +405,8 @@ class NumGuardCallback(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._recovery.stateful = stateful_objects(trainer, pl_module)
+        if self._spike.window is not None:  # snapshots hold the spike window: a rollback puts it back
+            self._recovery.stateful[STATEFUL_KEY] = self._spike.window
         self._inspector.resolve(pl_module, self._recovery.stateful)
         self._coverage.at_fit_start(trainer, pl_module, self._ledger)
 
@@ -421,9 +477,11 @@ class NumGuardCallback(Callback):
                 return  # the window's records are read at its optimizer step
             self._read(trainer, pl_module, None)
         self._inspector.end()
+        self._spike.push()  # before the action: a rollback puts back the window of its snapshot
         self._finish(trainer, pl_module, rec)
         self._progress.after_step(trainer, pl_module, rec, self._recovery.snapshot, self.counters)
         self._amp.log(trainer, pl_module, self.counters["amp_overflow_steps"])
+        self._spike.log(trainer, self.counters)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -489,12 +547,15 @@ class NumGuardCallback(Callback):
             self.action, trainer.global_step, self._recovery.last_snapshot_step, self.snapshot_every_n_steps
         )
         reading = self._inspector.read(trainer, pl_module, optimizer, due)
+        spikes = self._spike_findings(trainer, rec, reading.extras)
         if reading.flags.seen(slots.QUARANTINE) and rec.forced_skip is None:
             rec.forced_skip = "it holds samples quarantined after they failed before"
         if rec.forced_skip is not None:
             self._skip_quietly(trainer, pl_module, optimizer, rec, reading)
         elif reading.flags.any:
             self._on_hit(trainer, pl_module, optimizer, rec, reading, due)
+        elif spikes:
+            self._on_spike(trainer, optimizer, rec, spikes)
         elif due:
             self._recovery.take(trainer, pl_module, rec)
         self._recovery.settle()
@@ -525,8 +586,9 @@ class NumGuardCallback(Callback):
         if found.amp_overflow:
             self.counters["amp_overflow_steps"] += 1
             collapsed = self._amp.after_overflow(trainer)
-            if collapsed is not None and self._reporter is not None:
-                self._reporter.say_once(trainer, "loss_scale_collapse", collapsed)
+            risk = self._spike.loss_scale_finding(collapsed) if collapsed is not None else None
+            if risk is not None:  # reported like a block near its dtype's limit (one event, one warning)
+                self._ledger.record(trainer, [self._ledger.event(trainer, risk, rec.step, "none")])
         if not found.findings:
             if due:
                 self._recovery.take(trainer, pl_module, rec)
@@ -543,6 +605,39 @@ class NumGuardCallback(Callback):
             self._ledger.event(trainer, f, rec.step, rec.action, rec.epoch, rec.batch_idx) for f in found.findings
         ]
         self._recovery.quarantine.count_failure(position_key(rec.batch, rec.batch_idx))
+
+    def _spike_findings(self, trainer: pl.Trainer, rec: StepRecord, extras: list[float]) -> list[Finding]:
+        """The step's spikes (acted on by the caller) from the read's extras; its overflow risks recorded now."""
+        if not extras:
+            return []
+        spikes, risks = self._spike.findings(extras, rec.step, self._inspector.watch)
+        if risks:
+            self._ledger.record(trainer, [self._ledger.event(trainer, f, rec.step, "none") for f in risks])
+        return spikes
+
+    def _on_spike(self, trainer: pl.Trainer, optimizer: Any, rec: StepRecord, spikes: list[Finding]) -> None:
+        """A finite spike: skipped atomically like a non-finite step, rolled back, or only recorded."""
+        wanted = self._spike.decide(rec.step)
+        self.counters["spikes"] += 1
+        rec.action = policy.decide(
+            wanted,
+            state_bad=False,
+            has_incident=True,
+            have_snapshot=self._recovery.snapshot is not None,
+            rollbacks_used=self._recovery.rollbacks_this_fit,
+            max_rollbacks=self.max_rollbacks,
+        )
+        rec.bad = rec.action != "warn"
+        if rec.bad:
+            if optimizer is not None:  # the same no-op step as for a non-finite one
+                optimizer.zero_grad(set_to_none=True)
+            self.counters["skipped_steps"] += 1
+        for f in spikes:
+            if wanted != self.spike_action:
+                f.details["escalated"] = f"{self.spike_rollback_after} spikes within {self.spike_window} steps"
+        rec.events = [
+            self._ledger.event(trainer, f, rec.step, rec.action, rec.epoch, rec.batch_idx) for f in spikes
+        ]
 
     def _decide(self, state_bad: bool, has_incident: bool) -> str:
         return policy.decide(
@@ -566,7 +661,10 @@ class NumGuardCallback(Callback):
         elif rec.action == "halt":
             self._recovery.halt(trainer, pl_module)
         self._ledger.record(trainer, rec.events)
-        self._ledger.log_action(trainer, rec, self.action, self._recovery)
+        spiked = bool(rec.events) and rec.events[0]["kind"] in ("loss_spike", "grad_norm_spike")
+        # a spike's action is spike_action's, escalated by repeated spikes (said in the event) or to a halt
+        configured = (rec.action if rec.action != "halt" else "rollback") if spiked else self.action
+        self._ledger.log_action(trainer, rec, configured, self._recovery)
         if rec.action == "halt" and trainer.should_stop and not _compat.lightning_will_stop(trainer):
             ckpt = self._recovery.ckpt_path
             where = f"is in {ckpt}" if ckpt is not None else "was restored in memory (no file is written in this run)"

@@ -13,6 +13,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 __all__ = [
     "ACTIONS",
+    "ADVISORY_KINDS",
     "KINDS",
     "REQUIRED_FIELDS",
     "Action",
@@ -30,10 +31,15 @@ KINDS: tuple[str, ...] = (
     "suspicious_input",
     "nonfinite_param",
     "nonfinite_output",
+    "overflow_risk",
     "op_domain",
     "nonfinite_loss",
+    "loss_spike",
     "nonfinite_grad",
+    "grad_norm_spike",
 )
+#: Kinds that warn ahead of trouble and are not counted as incidents (no step was bad).
+ADVISORY_KINDS: tuple[str, ...] = ("optimizer_coverage", "overflow_risk")
 #: What the guard may be told to do on an incident (``NumGuardCallback(action=...)``).
 Action = Literal["warn", "skip", "rollback", "halt"]
 #: Every value of an event's ``action``: an :data:`Action`, or ``"none"`` for a finding only reported.
@@ -144,7 +150,8 @@ class JsonlWriter:
 
 
 def counts_as_incident(event: Mapping[str, Any]) -> bool:
-    """Whether ``event`` is counted as an incident: a root cause, not a consequence nor a coverage warning.
+    """Whether ``event`` is counted as an incident: a root cause, not a consequence nor an advisory kind
+    (a coverage warning, an overflow risk).
 
     The one rule behind the ``numguard/incidents`` counter, the demo's summary and
     ``numguard explain``; an event without ``root_cause`` (older files) is a root cause.
@@ -153,7 +160,7 @@ def counts_as_incident(event: Mapping[str, Any]) -> bool:
         >>> counts_as_incident({"kind": "nonfinite_loss", "root_cause": False})
         False
     """
-    return event.get("kind") != "optimizer_coverage" and bool(event.get("root_cause", True))
+    return event.get("kind") not in ADVISORY_KINDS and bool(event.get("root_cause", True))
 
 
 def validate_event(obj: Any) -> str | None:

@@ -299,6 +299,11 @@ class OutputWatch:
             out.extend(where if isinstance(where[0], torch.Tensor) else self._buffers[where].views[slot])
         return out
 
+    def ranges(self) -> list[tuple[tuple[torch.device, torch.dtype], torch.Tensor]]:
+        """This step's ``[blocks, 2]`` (min, max) buffer per (device, dtype) of output, zeros where a block did
+        not record (no sync; read by the overflow headroom of ``core/spike.py``)."""
+        return [(key, s.values) for key, s in self._buffers.items()]
+
     def keep(self) -> tuple[list[tuple[int, Any]], dict[tuple[torch.device, torch.dtype], torch.Tensor]]:
         """This step's records and a device copy of its buffers, for :meth:`first_bad` a step later (no sync)."""
         return list(self.records), {key: s.values.clone() for key, s in self._buffers.items()}

@@ -60,6 +60,13 @@ KIND_HINTS: Mapping[str, str] = MappingProxyType(
         "nll_loss, logsumexp) or add an eps where it divides or takes a log",
         "nonfinite_grad": "look for a sqrt/pow/norm at 0 or a division by a small number, whose gradient is "
         "infinite; add an eps, or lower the learning rate",
+        "loss_spike": "a bad batch or an update that went too far: look at this batch, and if spikes repeat lower "
+        "the learning rate, lengthen its warm-up or clip gradients (Trainer(gradient_clip_val=1.0))",
+        "grad_norm_spike": "clip gradients (Trainer(gradient_clip_val=1.0)), lower the learning rate, or look "
+        "at this batch for outliers",
+        "overflow_risk": "run this block in float32 (wrap it in torch.autocast(device_type, enabled=False) and "
+        "cast its input with .float()), scale its inputs or weights down (a normalisation, a smaller init), or "
+        "train in bf16-mixed, whose range is float32's",
     }
 )
 """One sentence of advice per incident kind (every kind of :data:`~lightning_numguard.core.events.KINDS`)."""

@@ -112,6 +112,27 @@ def incident_message(
         text = f"non-finite values in {what + ' ' if what else ''}{names} {when + ' ' if when else ''}{at}"
     elif kind == "optimizer_coverage":
         text = f"{details.get('problem', 'optimizer coverage problem')}: {names}"
+    elif kind in ("loss_spike", "grad_norm_spike"):
+        what = "the loss" if kind == "loss_spike" else "the global gradient norm"
+        value, z = details.get("value"), details.get("zscore")
+        text = f"{what} spiked to {value:.4g}" if isinstance(value, (int, float)) else f"{what} spiked"
+        if isinstance(z, (int, float)):
+            text += f", {z:.1f} robust sigma above the median of its last {details.get('window', '?')} steps"
+            text += f" (threshold {details.get('sigma', '?')})"
+        text += f" {at}"
+        if details.get("escalated"):
+            text += f"; rolled back: {details['escalated']}"
+    elif kind == "overflow_risk" and details.get("loss_scale_collapse"):
+        return str(details["loss_scale_collapse"])
+    elif kind == "overflow_risk":
+        peak, limit, dtype = details.get("peak"), details.get("limit"), details.get("dtype", "?")
+        if isinstance(peak, (int, float)) and isinstance(limit, (int, float)) and peak > 0:
+            text = (
+                f"module {names} output reached |x| = {peak:.4g}, within {limit / peak:.3g}x of {dtype}'s largest "
+                f"finite value {limit:.6g}, {at}"
+            )
+        else:
+            text = f"module {names} output is near {dtype}'s largest finite value {at}"
     else:
         text = f"{kind} in {names} {at}"
     return f"{text}; {hint}" if hint else text

@@ -1,0 +1,228 @@
+"""Spike statistics and overflow headroom in the step's one read: ``NumGuardCallback(spike_action=...)``.
+
+:class:`SpikeGuard` holds one fit's :class:`~lightning_numguard.core.spike.SpikeWindow` (the device ring of
+the loss and the global gradient norm) and what the host knows of it (the steps that spiked, the blocks
+already reported near their dtype's limit). Each optimizer step:
+
+1. :meth:`~SpikeGuard.extras` (in ``StepInspector.slot_values``, no sync): this rank's loss, the global
+   gradient norm, their z-scores against the window, and the largest overflow-headroom ratio of a block not
+   reported yet, as six float32 values that ride after the flag slots in the step's one packed vector (the
+   same ``MAX`` all-reduce: the loss becomes the largest of the ranks', its z-score that loss's; the
+   gradient norm, the same on every rank after DDP's all-reduce, stays as it is);
+2. after the read (``sync_mode="every_step"``): :meth:`~SpikeGuard.findings` turns the host-read values
+   into ``loss_spike`` / ``grad_norm_spike`` and ``overflow_risk`` findings; in ``sync_mode="deferred"``
+   :meth:`~SpikeGuard.device_flag` joins the device-side skip through ``found_inf`` and the findings come
+   with the late read;
+3. at batch end, :meth:`~SpikeGuard.push` adds the reduced values to the window (device, no sync) and
+   :meth:`~SpikeGuard.log` writes ``numguard/grad_norm``, ``numguard/loss_zscore``,
+   ``numguard/grad_norm_zscore`` and ``numguard/spikes`` every ``log_every_n_steps`` (host numbers already
+   read: no sync).
+
+The window is in the callback's checkpoint state (resume) and, as a stateful object of the snapshots, is put
+back by a rollback.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_numguard.core import spike
+from lightning_numguard.core.findings import Finding
+from lightning_numguard.core.spike import NOT_JUDGED, SpikeWindow
+
+__all__ = ["SPIKE_ACTIONS", "SpikeGuard"]
+
+log = logging.getLogger(__name__)
+
+#: ``NumGuardCallback(spike_action=...)`` values besides ``None``.
+SPIKE_ACTIONS: tuple[str, ...] = ("warn", "skip", "rollback")
+#: The stateful name of the window in snapshots.
+STATEFUL_KEY = "numguard:spike_window"
+
+
+class SpikeGuard:
+    """Spike statistics and overflow headroom of one fit.
+
+    Args:
+        action: ``None`` (statistics and loggers only), ``"warn"``, ``"skip"`` or ``"rollback"``.
+        sigma: z-score above which a value is a spike.
+        window: steps in the rolling window (0: no spike statistics).
+        warmup: valid values the window needs before it judges.
+        rollback_after: under ``"skip"``, the number of spikes within ``window`` steps that makes a spike
+            roll back instead (0: never).
+        headroom: a watched block whose output peak reaches ``dtype max / headroom`` is reported once
+            (``None``: off).
+    """
+
+    def __init__(
+        self,
+        action: str | None,
+        sigma: float,
+        window: int,
+        warmup: int,
+        rollback_after: int,
+        headroom: float | None,
+    ) -> None:
+        self.action = action
+        self.sigma = sigma
+        self.window = SpikeWindow(window, warmup) if window > 0 else None
+        self.rollback_after = rollback_after
+        self.headroom = headroom
+        self.spike_steps: list[int] = []  # steps that spiked (host), for the escalation to a rollback
+        self.reported: set[str] = set()  # blocks (and "loss_scale") already reported near overflow
+        self._masks: dict[Any, torch.Tensor] = {}  # per watch buffer: blocks reported, on the device
+        self._layout: list[tuple[Any, int]] = []  # this step's watch buffers, in the order laid end to end
+        self.reduced: torch.Tensor | None = None  # this step's reduced extras, on the device (for push)
+        self.last: tuple[int, list[float]] | None = None  # the latest host-read extras and their step
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a step carries the extras at all."""
+        return self.window is not None or self.headroom is not None
+
+    @property
+    def acting(self) -> bool:
+        """Whether a spike skips the step (``"skip"`` or ``"rollback"``)."""
+        return self.window is not None and self.action in ("skip", "rollback")
+
+    # ------------------------------------------------------------------ on the device
+
+    def extras(
+        self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None, watch: Any, device: torch.device
+    ) -> torch.Tensor:
+        """The :data:`~lightning_numguard.core.spike.EXTRAS` of this rank, before the reduce; no sync."""
+        nan = torch.full((), math.nan, device=device)
+        raw = torch.stack([nan if loss is None else loss.float(), nan if grad_norm is None else grad_norm.float()])
+        raw = torch.where(torch.isfinite(raw), raw, torch.full_like(raw, -1.0))  # survives a MAX all-reduce
+        if self.window is not None:
+            z = self.window.to(device).scores(raw)
+        else:
+            z = torch.full((2,), NOT_JUDGED, device=device)
+        ratio, index = self._headroom(watch, device)
+        return torch.cat([raw, z, ratio.reshape(1), index.reshape(1)])
+
+    def _headroom(self, watch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        zero = torch.zeros((), device=device)
+        if self.headroom is None or watch is None or not watch.records:
+            self._layout = []
+            return zero, zero - 1
+        ranges = [(key, rows) for key, rows in watch.ranges() if key[1] in spike.DTYPE_MAX]
+        self._layout = [(key, rows.shape[0]) for key, rows in ranges]
+        masks = []
+        for key, rows in ranges:
+            mask = self._masks.get(key)
+            if mask is None:
+                mask = self._masks[key] = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+            masks.append(mask)
+        ratio, index = spike.headroom([(key[1], rows) for key, rows in ranges], masks, self.headroom)
+        return ratio.to(device), index.to(device)
+
+    def device_flag(self, reduced: torch.Tensor) -> torch.Tensor:
+        """0-d bool on the device: this step spiked and a spike skips (``sync_mode="deferred"``); no sync."""
+        return spike.device_spike(reduced, self.sigma)
+
+    def push(self) -> None:
+        """Batch end: this step's reduced loss and gradient norm join the window; no sync."""
+        if self.reduced is not None and self.window is not None:
+            self.window.push(self.reduced[:2])
+        self.reduced = None
+
+    # ------------------------------------------------------------------ on the host
+
+    def findings(self, values: list[float], step: int, watch: Any) -> tuple[list[Finding], list[Finding]]:
+        """``(spikes, overflow risks)`` of host-read extras (``values``) of ``step``."""
+        self.last = (step, values)
+        spikes: list[Finding] = []
+        if self.window is not None and self.action is not None:
+            for name, value, z in spike.judge(values, self.sigma):
+                details = {
+                    "value": value,
+                    "zscore": round(z, 2),
+                    "sigma": self.sigma,
+                    "window": self.window.window,
+                    "rule": "log-space median + sigma x upper-half MAD",
+                }
+                spikes.append(Finding(f"{name}_spike", [name], details))
+        return spikes, self._overflow(values, watch)
+
+    def _overflow(self, values: list[float], watch: Any) -> list[Finding]:
+        ratio, index = values[4], int(values[5])
+        if self.headroom is None or index < 0 or watch is None or not self._layout:
+            return []
+        for key, n in self._layout:
+            if index < n:
+                break
+            index -= n
+        else:
+            return []
+        self._masks[key][index] = True  # on the device, from a host index: no sync
+        name = watch.names[index]
+        if name in self.reported:
+            return []
+        self.reported.add(name)
+        limit = spike.DTYPE_MAX[key[1]]
+        dtype = str(key[1]).replace("torch.", "")
+        details = {
+            "peak": ratio * limit,
+            "dtype": dtype,
+            "limit": limit,
+            "headroom": (1.0 / ratio) if ratio > 0 else math.inf,
+            "factor": self.headroom,
+        }
+        return [Finding("overflow_risk", [name], details)]
+
+    def loss_scale_finding(self, message: str) -> Finding | None:
+        """A collapsing fp16 loss scale as an ``overflow_risk`` finding, once per fit."""
+        if "loss_scale" in self.reported:
+            return None
+        self.reported.add("loss_scale")
+        return Finding("overflow_risk", ["loss_scale"], {"loss_scale_collapse": message})
+
+    def decide(self, step: int) -> str:
+        """The action for a spike at ``step`` (escalated), and remember the step."""
+        assert self.window is not None and self.action is not None
+        action = spike.escalate(self.action, self.spike_steps, step, self.window.window, self.rollback_after)
+        self.spike_steps = [s for s in self.spike_steps if s > step - self.window.window] + [step]
+        return action
+
+    def log(self, trainer: pl.Trainer, counters: dict[str, int]) -> None:
+        """``numguard/grad_norm``, the z-scores and ``numguard/spikes`` every ``log_every_n_steps`` (rank 0)."""
+        if self.last is None or not trainer.loggers or not trainer.is_global_zero:
+            return
+        step, values = self.last
+        every = max(int(trainer.log_every_n_steps or 1), 1)
+        if step % every:
+            return
+        self.last = None
+        metrics: dict[str, float] = {"numguard/spikes": float(counters.get("spikes", 0))}
+        if values[1] >= 0:
+            metrics["numguard/grad_norm"] = float(values[1])
+        for i, tag in ((2, "numguard/loss_zscore"), (3, "numguard/grad_norm_zscore")):
+            if values[i] > NOT_JUDGED:
+                metrics[tag] = float(values[i])
+        for lg in trainer.loggers:
+            try:
+                lg.log_metrics(metrics, step=step)
+            except Exception as err:  # a broken logger must not kill training
+                log.warning("numguard could not write to logger %s: %s", type(lg).__name__, err)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain types for the checkpoint. **Syncs** (checkpoints only)."""
+        state: dict[str, Any] = {"spike_steps": list(self.spike_steps)}
+        if self.window is not None:
+            state["window"] = self.window.to_plain()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a checkpoint without it leaves the fresh window."""
+        self.spike_steps = [int(s) for s in state.get("spike_steps", [])]
+        if self.window is not None and state.get("window"):
+            self.window.load_state_dict(state["window"])
+

@@ -1,0 +1,249 @@
+"""Spike statistics on the device: a rolling window of the loss and the global gradient norm, and overflow headroom.
+
+A NaN is usually the end of a story that started earlier with a finite spike. This module keeps, as
+device tensors updated with no host read, the last ``window`` steps of the loss and of the global gradient
+norm, and scores each new value against them:
+
+* **log space, robust, one-sided.** Values are kept as ``log(x)``; the *center* is their median over the
+  window and the *scale* is the median of the deviations *above* the median divided by 0.6745 (a normal's
+  upper-half MAD), floored at :data:`SCALE_FLOOR`. A value spikes when ``log(x) > center + sigma * scale``,
+  i.e. when ``x`` is more than ``exp(sigma * scale)`` times the window's median. Only upward moves count.
+* **Why.** Per-batch losses of small batches are heavy-tailed: a mean of 4 squared errors is a scaled
+  chi-square with 4 degrees of freedom, whose linear z-scores reach 6 to 9 within a few hundred clean steps
+  (measured), so a mean ± sigma·std rule (OLMo-core's ``SkipStepOptimizer``) or a median ± MAD rule in
+  linear space skips the data's own tail. Logarithms make that tail light: the threshold then scales with
+  the batch noise on its own (at sigma 6: about 70x the median for 4 samples per batch, 19x for 8, 4.4x
+  for 32, 2.1x for 128), and a 100x outlier batch is still caught at once.
+* **NaN-safe.** A non-finite value, or one that is zero or negative (its logarithm is not finite), enters
+  the window as "missing" (``NaN``, ignored by ``nanmedian``) and is never a spike: a NaN step never poisons
+  the history, and non-finite values stay the business of the NaN guard. No ``0 * x`` masking anywhere.
+* **Warm-up.** Fewer than ``warmup`` valid values in the window: nothing is judged.
+
+:class:`SpikeWindow` is the device state; :func:`spike_z` is the same rule on host numbers, for tables.
+Overflow headroom (:func:`headroom`) compares the largest finite |x| of each watched block's output, per
+output dtype, with the dtype's largest finite value.
+
+torch and the standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lightning_numguard._compat import foreach_norm_f32
+
+__all__ = [
+    "DTYPE_MAX",
+    "EXTRAS",
+    "NOT_JUDGED",
+    "SCALE_FLOOR",
+    "SERIES",
+    "SpikeWindow",
+    "device_spike",
+    "escalate",
+    "global_norm",
+    "headroom",
+    "judge",
+    "spike_z",
+]
+
+#: The smallest scale (in log units): at sigma 6 a spike is at least ``exp(0.3)`` = 1.35x the median, even
+#: when the window is (nearly) constant.
+SCALE_FLOOR = 0.05
+#: A normal distribution's median absolute deviation, in standard deviations.
+_MAD_NORMAL = 0.6744897501960817
+#: The z-score of a value that is not judged (warm-up, or not finite or positive). Finite, so that it
+#: survives a ``MAX`` all-reduce.
+NOT_JUDGED = -1.0e30
+#: The raw values that follow the flag slots in the step's one packed vector, in order. ``loss`` is this
+#: rank's loss (``MAX`` over ranks after the reduce), ``grad_norm`` the global L2 norm of the gradients (the
+#: same on every rank), ``*_z`` their scores against the window (``MAX``: the score of the largest loss),
+#: ``overflow_ratio`` the largest peak/limit ratio of a block not reported yet, ``overflow_block`` its index
+#: (``-1`` when below the headroom).
+EXTRAS: tuple[str, ...] = ("loss", "grad_norm", "loss_z", "grad_norm_z", "overflow_ratio", "overflow_block")
+#: The largest finite value of each floating dtype whose output ranges are watched for headroom.
+DTYPE_MAX: dict[torch.dtype, float] = {
+    torch.float16: float(torch.finfo(torch.float16).max),
+    torch.bfloat16: float(torch.finfo(torch.bfloat16).max),
+    torch.float32: float(torch.finfo(torch.float32).max),
+}
+#: What a series is called in events and loggers.
+SERIES: tuple[str, str] = ("loss", "grad_norm")
+
+
+def _logs(values: torch.Tensor) -> torch.Tensor:
+    """``log(x)`` where ``x`` is finite and positive, else ``NaN`` (missing); no sync."""
+    ok = torch.isfinite(values) & (values > 0)
+    return torch.where(ok, values.clamp_min(torch.finfo(values.dtype).tiny).log(), torch.full_like(values, math.nan))
+
+
+def _scores(window: torch.Tensor, logs: torch.Tensor, warmup: int) -> torch.Tensor:
+    """Each row's new value (``logs``, already in log space) scored against the row of ``window``; no sync."""
+    center = window.nanmedian(dim=-1).values
+    above = window - center.unsqueeze(-1)
+    above = torch.where(above > 0, above, torch.full_like(above, math.nan))
+    scale = torch.fmax(above.nanmedian(dim=-1).values / _MAD_NORMAL, torch.full_like(center, SCALE_FLOOR))
+    judged = ((~torch.isnan(window)).sum(dim=-1) >= warmup) & ~torch.isnan(logs)
+    return torch.where(judged, (logs - center) / scale, torch.full_like(center, NOT_JUDGED))
+
+
+class SpikeWindow:
+    """The rolling window of the loss and the global gradient norm, on the device.
+
+    ``values`` is a ``[2, window]`` float32 tensor of logarithms (row 0: loss, row 1: gradient norm) with
+    ``NaN`` for missing entries; each step writes its column at ``pos`` (a host integer: no index is read
+    back) and moves on, so the window always spans the last ``window`` steps.
+
+    Args:
+        window: steps kept.
+        warmup: valid values a row needs before its new values are judged.
+
+    Example:
+        >>> w = SpikeWindow(window=8, warmup=4)
+        >>> for x in [1.0, 1.1, 0.9, 1.0, 1.05]:
+        ...     w.push(torch.tensor([x, x]))
+        >>> z = w.scores(torch.tensor([100.0, 1.0]))
+        >>> bool(z[0] > 6), bool(z[1] > 6)
+        (True, False)
+    """
+
+    def __init__(self, window: int = 128, warmup: int = 64) -> None:
+        if window < 1 or not 1 <= warmup <= window:
+            raise ValueError(f"need window >= 1 and 1 <= warmup <= window, got window={window}, warmup={warmup}")
+        self.window = window
+        self.warmup = warmup
+        self.values = torch.full((2, window), math.nan)
+        self.pos = 0
+
+    def to(self, device: torch.device) -> SpikeWindow:
+        """Keep the window on ``device`` (once per fit; a no-op when it is there)."""
+        if self.values.device != device:
+            self.values = self.values.to(device)
+        return self
+
+    def scores(self, values: torch.Tensor) -> torch.Tensor:
+        """The z-scores of this step's raw ``[loss, grad_norm]`` against the window before it; no sync.
+
+        :data:`NOT_JUDGED` for a row in warm-up and for a value that is not finite and positive.
+        """
+        return _scores(self.values, _logs(values.to(self.values.device, torch.float32)), self.warmup)
+
+    def push(self, values: torch.Tensor) -> None:
+        """Add this step's raw ``[loss, grad_norm]`` (non-finite or non-positive ones as missing); no sync."""
+        self.values[:, self.pos].copy_(_logs(values.to(self.values.device, torch.float32)))
+        self.pos = (self.pos + 1) % self.window
+
+    def valid(self) -> list[int]:
+        """Valid values per row. **Syncs** (reports and tests only)."""
+        return [int(n) for n in (~torch.isnan(self.values)).sum(dim=-1).tolist()]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The window as tensors (for snapshots: cloned, restored in place)."""
+        return {"values": self.values, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (or its plain-list form); a window of another length is re-laid out."""
+        values = torch.as_tensor(state["values"], dtype=torch.float32)
+        if values.dim() != 2 or values.shape[0] != 2:
+            raise ValueError(f"a spike window has shape [2, window], got {list(values.shape)}")
+        pos = int(state.get("pos", 0)) % values.shape[1]
+        if values.shape[1] != self.window:  # oldest first, then keep the newest `window` of them
+            ordered = torch.cat([values[:, pos:], values[:, :pos]], dim=1)[:, -self.window :]
+            values = torch.full((2, self.window), math.nan)
+            values[:, : ordered.shape[1]] = ordered.cpu()
+            pos = ordered.shape[1] % self.window
+        self.values = values.to(self.values.device, copy=True)
+        self.pos = pos
+
+    def to_plain(self) -> dict[str, Any]:
+        """The window as plain Python numbers (for the callback's checkpoint state). **Syncs.**"""
+        return {"values": self.values.cpu().tolist(), "pos": self.pos, "window": self.window}
+
+
+def spike_z(value: float, history: Sequence[float], warmup: int) -> float | None:
+    """The rule of :class:`SpikeWindow` on host numbers: ``value``'s z-score against ``history``, or ``None``
+    when it is not judged (fewer than ``warmup`` finite positive values, or ``value`` not finite and positive).
+    """
+    window = _logs(torch.tensor([list(history) or [math.nan]], dtype=torch.float32))
+    z = float(_scores(window, _logs(torch.tensor([float(value)])), warmup)[0])
+    return None if z <= NOT_JUDGED else z
+
+
+def judge(extras: Sequence[float], sigma: float) -> list[tuple[str, float, float]]:
+    """``(series, value, z)`` of each series of a host-read extras vector whose score exceeds ``sigma``."""
+    out = []
+    for i, name in enumerate(SERIES):
+        value, z = float(extras[i]), float(extras[2 + i])
+        if math.isfinite(z) and z > sigma and math.isfinite(value):
+            out.append((name, value, z))
+    return out
+
+
+def device_spike(extras: torch.Tensor, sigma: float) -> torch.Tensor:
+    """0-d bool on the device: whether a reduced extras vector holds a spike (the deferred mode's skip)."""
+    return (extras[2:4] > sigma).any()
+
+
+def escalate(configured: str, spike_steps: Sequence[int], step: int, window: int, rollback_after: int) -> str:
+    """What to do about a spike at ``step``: the configured ``"warn"`` / ``"skip"`` / ``"rollback"``, except that
+    ``"skip"`` becomes ``"rollback"`` when this is the ``rollback_after``-th spike within the last ``window``
+    steps (``spike_steps``: the earlier ones; ``rollback_after`` 0: never).
+
+    Example:
+        >>> escalate("skip", [90, 95], step=100, window=128, rollback_after=3)
+        'rollback'
+    """
+    if configured != "skip" or rollback_after <= 0:
+        return configured
+    recent = sum(1 for s in spike_steps if step - window < s < step) + 1
+    return "rollback" if recent >= rollback_after else "skip"
+
+
+def headroom(
+    buffers: Sequence[tuple[torch.dtype, torch.Tensor]], reported: Sequence[torch.Tensor], factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest ``peak / dtype max`` of a watched block not reported yet, and its index; no sync.
+
+    Args:
+        buffers: per output dtype, the watch's ``[blocks, 2]`` (min, max) rows of this step (zeros where a
+            block did not run).
+        reported: per buffer, a bool ``[blocks]`` mask of the blocks already reported.
+        factor: the headroom: a block is at risk when its peak is at least ``dtype max / factor``.
+
+    Returns:
+        0-d float32 ratio (0 when nothing is watched) and 0-d float32 index into the buffers laid end to end
+        (``-1`` when the ratio is below ``1 / factor``). Non-finite rows are the NaN guard's, not counted.
+    """
+    ratios = []
+    for (dtype, rows), done in zip(buffers, reported):
+        peak = rows.abs().amax(dim=-1).float()
+        ratio = peak / DTYPE_MAX.get(dtype, math.inf)
+        ratios.append(torch.where(torch.isfinite(peak) & ~done, ratio, torch.zeros_like(ratio)))
+    if not ratios:
+        zero = torch.zeros(())
+        return zero, zero - 1
+    every = ratios[0] if len(ratios) == 1 else torch.cat(ratios)
+    best, index = every.max(dim=0)
+    at_risk = best >= 1.0 / factor
+    return best, torch.where(at_risk, index.float(), torch.full_like(best, -1.0))
+
+
+def global_norm(groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """0-d float32 on ``device``: the L2 norm of every tensor in ``groups`` (each group of one device and dtype:
+    one fused ``_foreach_norm``); no sync.
+
+    Non-finite when a tensor is, or when a norm overflowed float32 (elements above ~1e19): then the NaN guard
+    confirms which, exactly, after the read, as for any candidate of the ``NORMS`` slot.
+    """
+    squares = []
+    for tensors in groups:
+        if tensors:
+            total = torch.stack(foreach_norm_f32(list(tensors))).square().sum()
+            squares.append(total if total.device == device else total.to(device, non_blocking=True))
+    if not squares:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return (squares[0] if len(squares) == 1 else torch.stack(squares).sum()).sqrt()
