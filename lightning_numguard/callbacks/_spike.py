@@ -98,7 +98,7 @@ class SpikeGuard:
         """The :data:`~lightning_numguard.core.spike.EXTRAS` of this rank, before the reduce; no sync."""
         nan = torch.full((), math.nan, device=device)
         raw = torch.stack([nan if loss is None else loss.float(), nan if grad_norm is None else grad_norm.float()])
-        raw = torch.where(torch.isfinite(raw), raw, torch.full_like(raw, -1.0))  # survives a MAX all-reduce
+        raw = torch.where(torch.isfinite(raw), raw, torch.full_like(raw, NOT_JUDGED))  # missing, after a MAX too
         if self.window is not None:
             z = self.window.to(device).scores(raw)
         else:
@@ -145,7 +145,7 @@ class SpikeGuard:
                     "zscore": round(z, 2),
                     "sigma": self.sigma,
                     "window": self.window.window,
-                    "rule": "log-space median + sigma x upper-half MAD",
+                    "rule": "cube root > median + sigma x upper-half MAD",
                 }
                 spikes.append(Finding(f"{name}_spike", [name], details))
         return spikes, self._overflow(values, watch)
@@ -200,7 +200,7 @@ class SpikeGuard:
             return
         self.last = None
         metrics: dict[str, float] = {"numguard/spikes": float(counters.get("spikes", 0))}
-        if values[1] >= 0:
+        if values[1] > NOT_JUDGED:
             metrics["numguard/grad_norm"] = float(values[1])
         for i, tag in ((2, "numguard/loss_zscore"), (3, "numguard/grad_norm_zscore")):
             if values[i] > NOT_JUDGED:

@@ -4,19 +4,21 @@ A NaN is usually the end of a story that started earlier with a finite spike. Th
 device tensors updated with no host read, the last ``window`` steps of the loss and of the global gradient
 norm, and scores each new value against them:
 
-* **log space, robust, one-sided.** Values are kept as ``log(x)``; the *center* is their median over the
-  window and the *scale* is the median of the deviations *above* the median divided by 0.6745 (a normal's
-  upper-half MAD), floored at :data:`SCALE_FLOOR`. A value spikes when ``log(x) > center + sigma * scale``,
-  i.e. when ``x`` is more than ``exp(sigma * scale)`` times the window's median. Only upward moves count.
+* **cube roots, robust, one-sided.** Values are kept as ``cbrt(x)`` (sign kept: a negative loss is fine);
+  the *center* is their median over the window and the *scale* is the median of the deviations *above* the
+  median divided by 0.6745 (a normal's upper-half MAD), at least 2 % of ``|center|`` (and 1e-3). A value
+  spikes when ``cbrt(x) > center + sigma * scale``. Only upward moves count.
 * **Why.** Per-batch losses of small batches are heavy-tailed: a mean of 4 squared errors is a scaled
   chi-square with 4 degrees of freedom, whose linear z-scores reach 6 to 9 within a few hundred clean steps
   (measured), so a mean ± sigma·std rule (OLMo-core's ``SkipStepOptimizer``) or a median ± MAD rule in
-  linear space skips the data's own tail. Logarithms make that tail light: the threshold then scales with
-  the batch noise on its own (at sigma 6: about 70x the median for 4 samples per batch, 19x for 8, 4.4x
-  for 32, 2.1x for 128), and a 100x outlier batch is still caught at once.
-* **NaN-safe.** A non-finite value, or one that is zero or negative (its logarithm is not finite), enters
-  the window as "missing" (``NaN``, ignored by ``nanmedian``) and is never a spike: a NaN step never poisons
-  the history, and non-finite values stay the business of the NaN guard. No ``0 * x`` masking anywhere.
+  linear space skips the data's own tail. The cube root makes a chi-square nearly normal (Wilson and
+  Hilferty, 1931): the clean run's largest score drops to about 3.5, and the threshold scales with the batch
+  noise on its own (at sigma 6, for a chi-square loss: about 110x the median for 1 sample per batch, 16x
+  for 4, 8x for 8, 3.4x for 32, 2x for 128), so a 100x outlier batch of 4 is still caught at once (about
+  14 sigma). Logarithms would over-correct (67x for 4 samples, so a 100x batch sits at the threshold).
+* **NaN-safe.** A non-finite value enters the window as "missing" (``NaN``, ignored by ``nanmedian``) and is
+  never a spike: a NaN step never poisons the history, and non-finite values stay the business of the NaN
+  guard. No ``0 * x`` masking anywhere.
 * **Warm-up.** Fewer than ``warmup`` valid values in the window: nothing is judged.
 
 :class:`SpikeWindow` is the device state; :func:`spike_z` is the same rule on host numbers, for tables.
@@ -51,13 +53,15 @@ __all__ = [
     "spike_z",
 ]
 
-#: The smallest scale (in log units): at sigma 6 a spike is at least ``exp(0.3)`` = 1.35x the median, even
-#: when the window is (nearly) constant.
-SCALE_FLOOR = 0.05
+#: The smallest scale, relative to ``|center|`` (in cube-root units): at sigma 6 a positive spike is at least
+#: ``1.12 ** 3`` = 1.4x the median, even when the window is (nearly) constant.
+SCALE_FLOOR = 0.02
+#: The smallest scale in absolute cube-root units (a window of zeros).
+_SCALE_MIN = 1e-3
 #: A normal distribution's median absolute deviation, in standard deviations.
 _MAD_NORMAL = 0.6744897501960817
-#: The z-score of a value that is not judged (warm-up, or not finite or positive). Finite, so that it
-#: survives a ``MAX`` all-reduce.
+#: The z-score of a value that is not judged (warm-up, or not finite), and the raw value that stands for a
+#: missing one. Finite, so that it survives a ``MAX`` all-reduce.
 NOT_JUDGED = -1.0e30
 #: The raw values that follow the flag slots in the step's one packed vector, in order. ``loss`` is this
 #: rank's loss (``MAX`` over ranks after the reduce), ``grad_norm`` the global L2 norm of the gradients (the
@@ -75,26 +79,28 @@ DTYPE_MAX: dict[torch.dtype, float] = {
 SERIES: tuple[str, str] = ("loss", "grad_norm")
 
 
-def _logs(values: torch.Tensor) -> torch.Tensor:
-    """``log(x)`` where ``x`` is finite and positive, else ``NaN`` (missing); no sync."""
-    ok = torch.isfinite(values) & (values > 0)
-    return torch.where(ok, values.clamp_min(torch.finfo(values.dtype).tiny).log(), torch.full_like(values, math.nan))
+def _roots(values: torch.Tensor) -> torch.Tensor:
+    """``cbrt(x)`` (sign kept) where ``x`` is finite and not the missing mark, else ``NaN`` (missing); no sync."""
+    ok = torch.isfinite(values) & (values > NOT_JUDGED)
+    root = values.sign() * values.abs().pow(1.0 / 3.0)
+    return torch.where(ok, root, torch.full_like(values, math.nan))
 
 
-def _scores(window: torch.Tensor, logs: torch.Tensor, warmup: int) -> torch.Tensor:
-    """Each row's new value (``logs``, already in log space) scored against the row of ``window``; no sync."""
+def _scores(window: torch.Tensor, roots: torch.Tensor, warmup: int) -> torch.Tensor:
+    """Each row's new value (``roots``, already cube roots) scored against the row of ``window``; no sync."""
     center = window.nanmedian(dim=-1).values
     above = window - center.unsqueeze(-1)
     above = torch.where(above > 0, above, torch.full_like(above, math.nan))
-    scale = torch.fmax(above.nanmedian(dim=-1).values / _MAD_NORMAL, torch.full_like(center, SCALE_FLOOR))
-    judged = ((~torch.isnan(window)).sum(dim=-1) >= warmup) & ~torch.isnan(logs)
-    return torch.where(judged, (logs - center) / scale, torch.full_like(center, NOT_JUDGED))
+    floor = (center.abs() * SCALE_FLOOR).clamp_min(_SCALE_MIN)
+    scale = torch.fmax(above.nanmedian(dim=-1).values / _MAD_NORMAL, floor)
+    judged = ((~torch.isnan(window)).sum(dim=-1) >= warmup) & ~torch.isnan(roots)
+    return torch.where(judged, (roots - center) / scale, torch.full_like(center, NOT_JUDGED))
 
 
 class SpikeWindow:
     """The rolling window of the loss and the global gradient norm, on the device.
 
-    ``values`` is a ``[2, window]`` float32 tensor of logarithms (row 0: loss, row 1: gradient norm) with
+    ``values`` is a ``[2, window]`` float32 tensor of cube roots (row 0: loss, row 1: gradient norm) with
     ``NaN`` for missing entries; each step writes its column at ``pos`` (a host integer: no index is read
     back) and moves on, so the window always spans the last ``window`` steps.
 
@@ -128,13 +134,13 @@ class SpikeWindow:
     def scores(self, values: torch.Tensor) -> torch.Tensor:
         """The z-scores of this step's raw ``[loss, grad_norm]`` against the window before it; no sync.
 
-        :data:`NOT_JUDGED` for a row in warm-up and for a value that is not finite and positive.
+        :data:`NOT_JUDGED` for a row in warm-up and for a value that is not finite.
         """
-        return _scores(self.values, _logs(values.to(self.values.device, torch.float32)), self.warmup)
+        return _scores(self.values, _roots(values.to(self.values.device, torch.float32)), self.warmup)
 
     def push(self, values: torch.Tensor) -> None:
-        """Add this step's raw ``[loss, grad_norm]`` (non-finite or non-positive ones as missing); no sync."""
-        self.values[:, self.pos].copy_(_logs(values.to(self.values.device, torch.float32)))
+        """Add this step's raw ``[loss, grad_norm]`` (non-finite ones as missing); no sync."""
+        self.values[:, self.pos].copy_(_roots(values.to(self.values.device, torch.float32)))
         self.pos = (self.pos + 1) % self.window
 
     def valid(self) -> list[int]:
@@ -147,7 +153,10 @@ class SpikeWindow:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (or its plain-list form); a window of another length is re-laid out."""
-        values = torch.as_tensor(state["values"], dtype=torch.float32)
+        raw = state["values"]
+        if isinstance(raw, (list, tuple)):  # the plain form: None marks a missing value
+            raw = [[math.nan if v is None else float(v) for v in row] for row in raw]
+        values = torch.as_tensor(raw, dtype=torch.float32)
         if values.dim() != 2 or values.shape[0] != 2:
             raise ValueError(f"a spike window has shape [2, window], got {list(values.shape)}")
         pos = int(state.get("pos", 0)) % values.shape[1]
@@ -160,16 +169,18 @@ class SpikeWindow:
         self.pos = pos
 
     def to_plain(self) -> dict[str, Any]:
-        """The window as plain Python numbers (for the callback's checkpoint state). **Syncs.**"""
-        return {"values": self.values.cpu().tolist(), "pos": self.pos, "window": self.window}
+        """The window as plain Python numbers, ``None`` for a missing value (the callback's checkpoint state).
+        **Syncs.**"""
+        rows = [[None if math.isnan(v) else v for v in row] for row in self.values.cpu().tolist()]
+        return {"values": rows, "pos": self.pos, "window": self.window}
 
 
 def spike_z(value: float, history: Sequence[float], warmup: int) -> float | None:
     """The rule of :class:`SpikeWindow` on host numbers: ``value``'s z-score against ``history``, or ``None``
-    when it is not judged (fewer than ``warmup`` finite positive values, or ``value`` not finite and positive).
+    when it is not judged (fewer than ``warmup`` finite values, or ``value`` not finite).
     """
-    window = _logs(torch.tensor([list(history) or [math.nan]], dtype=torch.float32))
-    z = float(_scores(window, _logs(torch.tensor([float(value)])), warmup)[0])
+    window = _roots(torch.tensor([list(history) or [math.nan]], dtype=torch.float32))
+    z = float(_scores(window, _roots(torch.tensor([float(value)])), warmup)[0])
     return None if z <= NOT_JUDGED else z
 
 
