@@ -128,7 +128,7 @@ def incident_message(
         peak, limit, dtype = details.get("peak"), details.get("limit"), details.get("dtype", "?")
         if isinstance(peak, (int, float)) and isinstance(limit, (int, float)) and peak > 0:
             text = (
-                f"module {names} output reached |x| = {peak:.4g}, within {limit / peak:.3g}x of {dtype}'s largest "
+                f"module {names} output reached |x| = {peak:.5g}, within {limit / peak:.3g}x of {dtype}'s largest "
                 f"finite value {limit:.6g}, {at}"
             )
         else:

@@ -223,5 +223,5 @@ def test_fit_subcommand_boring_model_clean_run(tmp_path: Path) -> None:
     cli = _cli(["fit", "--config", str(cfg)], run=True)
     assert cli.trainer.global_step == 4
     (cb,) = _guards(cli.trainer)
-    assert cb.counters == {"incidents": 0, "skipped_steps": 0, "rollbacks": 0, "amp_overflow_steps": 0}
+    assert cb.counters == {"incidents": 0, "skipped_steps": 0, "rollbacks": 0, "amp_overflow_steps": 0, "spikes": 0}
     assert cb.events == []

@@ -161,7 +161,7 @@ def test_second_fit_without_checkpoint_starts_from_zero(faulted: SimpleNamespace
     cb.load_state_dict(faulted.cb.state_dict())
     tr = trainer(tmp_path, [cb], max_steps=2)
     tr.fit(FaultModel(), loader(FaultData()))
-    assert cb.counters == {"incidents": 0, "skipped_steps": 0, "rollbacks": 0, "amp_overflow_steps": 0}
+    assert cb.counters == {"incidents": 0, "skipped_steps": 0, "rollbacks": 0, "amp_overflow_steps": 0, "spikes": 0}
     assert cb.quarantined == []
 
 

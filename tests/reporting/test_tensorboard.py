@@ -93,8 +93,9 @@ def _check_warnings(records: Any, events: list[dict[str, Any]], first: str) -> l
 
 
 def _csv_rows(log_dir: str) -> dict[int, dict[str, str]]:
+    """The rows that carry the counters (the spike series' rows every ``log_every_n_steps`` carry others)."""
     with (Path(log_dir) / "metrics.csv").open(newline="") as fh:
-        return {int(row["step"]): row for row in csv.DictReader(fh)}
+        return {int(row["step"]): row for row in csv.DictReader(fh) if row.get("numguard/incidents")}
 
 
 # ----------------------------------------------------------------------------- TensorBoard
