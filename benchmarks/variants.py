@@ -2,7 +2,11 @@
 
 Variants:
   baseline                      plain ``pl.Trainer`` (logger=False, no checkpointing, progress bar, summary)
-  numguard_default              ``NumGuardCallback()`` (default checks, snapshot every 50 steps)
+  numguard_default              ``NumGuardCallback()`` (default checks, snapshot every 50 steps; spike statistics
+                                and overflow headroom on, ``spike_action=None``)
+  numguard_no_spike             defaults with ``spike_window=0, overflow_headroom=None`` (no spike statistics: the
+                                defaults before them, the reference for their cost)
+  numguard_spike_skip           defaults with ``spike_action="skip"`` (a spike would be skipped; none is here)
   numguard_all                  every check every step: output hooks, parameters, optimizer state
   numguard_all_no_outputs       every check but ``outputs`` (the forward hooks off)
   numguard_no_ops               defaults without ``ops`` (no TorchFunctionMode)
@@ -35,6 +39,8 @@ __all__ = ["ALL_CHECKS", "DEFAULT_CHECKS", "VARIANTS", "NaiveIsFinite", "inciden
 VARIANTS = (
     "baseline",
     "numguard_default",
+    "numguard_no_spike",
+    "numguard_spike_skip",
     "numguard_all",
     "numguard_all_no_outputs",
     "numguard_no_ops",
@@ -71,6 +77,10 @@ def make_variant(name: str, tmp: Path) -> tuple[dict[str, Any], list[Callback]]:
         return {}, []
     if name == "numguard_default":
         return {}, [NumGuardCallback(dirpath=ng)]
+    if name == "numguard_no_spike":
+        return {}, [NumGuardCallback(dirpath=ng, spike_window=0, overflow_headroom=None)]
+    if name == "numguard_spike_skip":
+        return {}, [NumGuardCallback(dirpath=ng, spike_action="skip")]
     if name == "numguard_all":
         return {}, [NumGuardCallback(dirpath=ng, check=list(ALL_CHECKS))]
     if name == "numguard_snapshot_every_step":

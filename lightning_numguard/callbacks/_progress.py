@@ -1,6 +1,6 @@
 """What the guard shows while training and after it: progress-bar counts and the end-of-fit summary.
 
-Progress bar: once something has happened, ``numguard/incidents`` and ``numguard/rollbacks`` (each
+Progress bar: once something has happened, ``numguard/incidents``, ``numguard/rollbacks`` and ``numguard/spikes`` (each
 from its first non-zero value on) go to Lightning's progress bar through ``pl_module.log(...,
 prog_bar=True, logger=False)``, which both ``TQDMProgressBar`` and ``RichProgressBar`` display. The
 counters are host integers logged as CPU tensors: reading them back for the bar costs no device
@@ -26,7 +26,7 @@ __all__ = ["PROGRESS_BAR_KEYS", "FitProgress"]
 log = logging.getLogger(__name__)
 
 #: Counters shown in the progress bar, each once it is non-zero (the key is ``numguard/<counter>``).
-PROGRESS_BAR_KEYS: tuple[str, ...] = ("incidents", "rollbacks")
+PROGRESS_BAR_KEYS: tuple[str, ...] = ("incidents", "rollbacks", "spikes")
 
 
 def _uses_rich_bar(trainer: Any) -> bool:

@@ -32,7 +32,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_numguard.core import spike
-from lightning_numguard.core.findings import Finding
+from lightning_numguard.core.findings import Finding, mark_consequences
 from lightning_numguard.core.spike import NOT_JUDGED, SpikeWindow
 
 __all__ = ["SPIKE_ACTIONS", "SpikeGuard"]
@@ -148,17 +148,20 @@ class SpikeGuard:
                     "rule": "cube root > median + sigma x upper-half MAD",
                 }
                 spikes.append(Finding(f"{name}_spike", [name], details))
+        mark_consequences(spikes)  # a loss and a gradient norm spiking together are one incident
         return spikes, self._overflow(values, watch)
 
     def _overflow(self, values: list[float], watch: Any) -> list[Finding]:
         ratio, index = values[4], int(values[5])
         if self.headroom is None or index < 0 or watch is None or not self._layout:
             return []
-        for key, n in self._layout:
+        key = None
+        for buffer_key, n in self._layout:  # the buffers laid end to end: which one, which row
             if index < n:
+                key = buffer_key
                 break
             index -= n
-        else:
+        if key is None:
             return []
         self._masks[key][index] = True  # on the device, from a host index: no sync
         name = watch.names[index]
@@ -185,7 +188,8 @@ class SpikeGuard:
 
     def decide(self, step: int) -> str:
         """The action for a spike at ``step`` (escalated), and remember the step."""
-        assert self.window is not None and self.action is not None
+        assert self.window is not None
+        assert self.action is not None
         action = spike.escalate(self.action, self.spike_steps, step, self.window.window, self.rollback_after)
         self.spike_steps = [s for s in self.spike_steps if s > step - self.window.window] + [step]
         return action
@@ -195,8 +199,8 @@ class SpikeGuard:
         if self.last is None or not trainer.loggers or not trainer.is_global_zero:
             return
         step, values = self.last
-        every = max(int(trainer.log_every_n_steps or 1), 1)
-        if step % every:
+        every = int(getattr(trainer, "log_every_n_steps", 50) or 0)  # set from Trainer(log_every_n_steps=...)
+        if every <= 0 or step % every:
             return
         self.last = None
         metrics: dict[str, float] = {"numguard/spikes": float(counters.get("spikes", 0))}
@@ -225,4 +229,3 @@ class SpikeGuard:
         self.spike_steps = [int(s) for s in state.get("spike_steps", [])]
         if self.window is not None and state.get("window"):
             self.window.load_state_dict(state["window"])
-

@@ -284,7 +284,6 @@ class DeferredSync:
         log.info("numguard (deferred) step %s was bad, read at step %s: %s", step, trainer.global_step, action)
         return restored
 
-
     def _late_spike(
         self,
         guard: NumGuardCallback,

@@ -36,8 +36,8 @@ from lightning_numguard.callbacks._ledger import Ledger
 from lightning_numguard.callbacks._metrics import LoggedValues
 from lightning_numguard.callbacks._progress import FitProgress
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
-from lightning_numguard.callbacks._spike import STATEFUL_KEY, SpikeGuard
 from lightning_numguard.callbacks._sharded import SHARDING
+from lightning_numguard.callbacks._spike import STATEFUL_KEY, SpikeGuard
 from lightning_numguard.callbacks._strategies import check_strategy
 from lightning_numguard.callbacks._zerosync import SYNC_MODES, DeferredSync
 from lightning_numguard.core import flags as slots
@@ -635,9 +635,7 @@ class NumGuardCallback(Callback):
         for f in spikes:
             if wanted != self.spike_action:
                 f.details["escalated"] = f"{self.spike_rollback_after} spikes within {self.spike_window} steps"
-        rec.events = [
-            self._ledger.event(trainer, f, rec.step, rec.action, rec.epoch, rec.batch_idx) for f in spikes
-        ]
+        rec.events = [self._ledger.event(trainer, f, rec.step, rec.action, rec.epoch, rec.batch_idx) for f in spikes]
 
     def _decide(self, state_bad: bool, has_incident: bool) -> str:
         return policy.decide(

@@ -200,5 +200,14 @@ CATALOGUE: tuple[Pattern, ...] = (
         "op_domain",
         follow_on=True,
     ),
+    _p(
+        "training_loss_spike",
+        r"Training spike detected in batch \d+|Training stopped due to a loss spike",
+        "a loss-spike detector stopped the run: Lightning's SpikeDetection raises after the spiking batch's "
+        "update has already landed (it runs in on_train_batch_end); llm-foundry's KillLossSpike stops the run.",
+        f"Skip or roll back the spike before its update lands: {_GUARD}(spike_action='skip'), or 'rollback' "
+        "with skip_batches_after_rollback and lr_backoff; its statistics are NaN-safe and resume from checkpoints.",
+        "loss_spike",
+    ),
 )
 """Every known failure signature, most specific first."""

@@ -42,6 +42,7 @@ class FitSummary:
     steps: int
     events_path: str | None
     ended: str = "finished"
+    spikes: int = 0
 
     @property
     def eventful(self) -> bool:
@@ -61,7 +62,8 @@ def summarize(
 
     Args:
         events: the event dicts of the fit (``callback.events``).
-        counters: ``incidents``, ``skipped_steps``, ``rollbacks``, ``amp_overflow_steps`` (missing ones are 0).
+        counters: ``incidents``, ``skipped_steps``, ``rollbacks``, ``amp_overflow_steps``, ``spikes`` (missing
+            ones are 0).
         steps_lost_to_rollbacks: clean optimizer steps whose updates rollbacks discarded.
         steps: the global step at the end of the fit.
         events_path: where ``events.jsonl`` is, or ``None`` when nothing was written.
@@ -87,6 +89,7 @@ def summarize(
         steps=int(steps),
         events_path=events_path,
         ended=ended,
+        spikes=int(counters.get("spikes", 0)),
     )
 
 
@@ -98,6 +101,8 @@ def _totals(s: FitSummary) -> str:
     parts = [_plural(s.skipped_steps, "step") + " skipped", _plural(s.rollbacks, "rollback")]
     if s.rollbacks:
         parts[-1] += f" ({_plural(s.steps_lost_to_rollbacks, 'step')} lost to rollbacks)"
+    if s.spikes:
+        parts.append(_plural(s.spikes, "loss or gradient-norm spike"))
     if s.amp_overflow_steps:
         parts.append(_plural(s.amp_overflow_steps, "AMP overflow step") + " (the GradScaler's, not incidents)")
     return ", ".join(parts)

@@ -43,7 +43,7 @@ TABLE = [
     ("downward move is never a spike", _steady(), 1e-3, 64, False),
     ("fewer samples than the warm-up", _steady(10), 100.0, 64, None),
     ("warm-up counts only finite samples", _steady(60) + [math.nan] * 10, 100.0, 64, None),
-    ("NaN and Inf in the history are ignored", _steady(50) + [math.nan, math.inf, -1.0] + _steady(50), 100.0, 64, True),
+    ("NaN and Inf in the history are ignored", [*_steady(50), math.nan, math.inf, -1.0, *_steady(50)], 100.0, 64, True),
     ("a NaN value is the NaN guard's, not a spike", _steady(), math.nan, 64, None),
     ("an infinite value is not a finite spike", _steady(), math.inf, 64, None),
     ("a negative value below the window is not a spike", _steady(), -5.0, 64, False),

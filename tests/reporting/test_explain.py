@@ -194,6 +194,15 @@ LOG_SNIPPETS: list[tuple[str, str]] = [
     ("cuda_library_error_after_assert", "RuntimeError: CUDA error: an illegal memory access was encountered"),
     ("cuda_device_assert", DEVICE_ASSERT),
     ("cuda_device_assert", "RuntimeError: CUDA error: device-side assert triggered的解决"),
+    (
+        "training_loss_spike",
+        "lightning.fabric.utilities.spike.TrainingSpikeException: Training spike detected in batch 41",
+    ),
+    (
+        "training_loss_spike",
+        "llmfoundry.utils.exceptions.LossSpikeError: Training stopped due to a loss spike. The training loss was "
+        "more than 2 times greater than the running average loss",
+    ),
 ]
 
 
