@@ -346,7 +346,9 @@ class StepInspector:
         self.extras = None
         if self.spike is not None and self.spike.enabled and not rec.spike_read:
             rec.spike_read = True  # the step's first read only (a further optimizer reads its gradients alone)
-            self.extras = self.spike.extras(loss_total if losses else None, self._grad_norm, watch, device)
+            loss = loss_total if losses else None
+            rank, world = trainer.global_rank, trainer.world_size
+            self.extras = self.spike.extras(loss, self._grad_norm, watch, device, rank, world)
         return slots, segments
 
     def _norm_total(self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ already reported near their dtype's limit). Each optimizer step:
 
 1. :meth:`~SpikeGuard.extras` (in ``StepInspector.slot_values``, no sync): this rank's loss, the global
    gradient norm, their z-scores against the window, and the largest overflow-headroom ratio of a block not
-   reported yet, as six float32 values that ride after the flag slots in the step's one packed vector (the
+   reported yet, as eight float32 values that ride after the flag slots in the step's one packed vector (the
    same ``MAX`` all-reduce: the loss becomes the largest of the ranks', its z-score that loss's; the
    gradient norm, the same on every rank after DDP's all-reduce, stays as it is);
 2. after the read (``sync_mode="every_step"``): :meth:`~SpikeGuard.findings` turns the host-read values
@@ -93,7 +93,13 @@ class SpikeGuard:
     # ------------------------------------------------------------------ on the device
 
     def extras(
-        self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None, watch: Any, device: torch.device
+        self,
+        loss: torch.Tensor | None,
+        grad_norm: torch.Tensor | None,
+        watch: Any,
+        device: torch.device,
+        rank: int = 0,
+        world: int = 1,
     ) -> torch.Tensor:
         """The :data:`~lightning_numguard.core.spike.EXTRAS` of this rank, before the reduce; no sync."""
         nan = torch.full((), math.nan, device=device)
@@ -104,7 +110,10 @@ class SpikeGuard:
         else:
             z = torch.full((2,), NOT_JUDGED, device=device)
         ratio, index = self._headroom(watch, device)
-        return torch.cat([raw, z, ratio.reshape(1), index.reshape(1)])
+        mark = torch.full((), float(world - rank), device=device)
+        zero = torch.zeros((), device=device)
+        ranks = torch.stack([torch.where(z[0] > self.sigma, mark, zero), torch.where(index >= 0, mark, zero)])
+        return torch.cat([raw, z, ratio.reshape(1), index.reshape(1), ranks])
 
     def _headroom(self, watch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         zero = torch.zeros((), device=device)
@@ -134,9 +143,13 @@ class SpikeGuard:
 
     # ------------------------------------------------------------------ on the host
 
-    def findings(self, values: list[float], step: int, watch: Any) -> tuple[list[Finding], list[Finding]]:
-        """``(spikes, overflow risks)`` of host-read extras (``values``) of ``step``."""
+    def findings(
+        self, values: list[float], step: int, watch: Any, world: int = 1
+    ) -> tuple[list[Finding], list[Finding]]:
+        """``(spikes, overflow risks)`` of host-read extras (``values``) of ``step``, the same on every rank (the
+        loss's and the block's rank: the lowest that saw them; the gradient norm's: 0, it is every rank's)."""
         self.last = (step, values)
+        loss_rank = world - round(values[6]) if values[6] > 0 else 0
         spikes: list[Finding] = []
         if self.window is not None and self.action is not None:
             for name, value, z in spike.judge(values, self.sigma):
@@ -147,11 +160,11 @@ class SpikeGuard:
                     "window": self.window.window,
                     "rule": "cube root > median + sigma x upper-half MAD",
                 }
-                spikes.append(Finding(f"{name}_spike", [name], details))
+                spikes.append(Finding(f"{name}_spike", [name], details, loss_rank if name == "loss" else 0))
         mark_consequences(spikes)  # a loss and a gradient norm spiking together are one incident
-        return spikes, self._overflow(values, watch)
+        return spikes, self._overflow(values, watch, world - round(values[7]) if values[7] > 0 else 0)
 
-    def _overflow(self, values: list[float], watch: Any) -> list[Finding]:
+    def _overflow(self, values: list[float], watch: Any, rank: int) -> list[Finding]:
         ratio, index = values[4], int(values[5])
         if self.headroom is None or index < 0 or watch is None or not self._layout:
             return []
@@ -177,7 +190,7 @@ class SpikeGuard:
             "headroom": (1.0 / ratio) if ratio > 0 else math.inf,
             "factor": self.headroom,
         }
-        return [Finding("overflow_risk", [name], details)]
+        return [Finding("overflow_risk", [name], details, rank)]
 
     def loss_scale_finding(self, message: str) -> Finding | None:
         """A collapsing fp16 loss scale as an ``overflow_risk`` finding, once per fit."""

@@ -213,7 +213,7 @@ class DeferredSync:
         seen = flags.decode(values[:n], trainer.world_size)
         spikes: list[Finding] = []
         if len(values) > n:  # the spike statistics of that step; its overflow risks are recorded now
-            spikes, risks = guard._spike.findings(values[n:], step, guard._inspector.watch)
+            spikes, risks = guard._spike.findings(values[n:], step, guard._inspector.watch, trainer.world_size)
             guard._ledger.record(trainer, [guard._ledger.event(trainer, f, step, "none") for f in risks])
         quiet = seen.seen(flags.QUARANTINE)  # a quarantined batch, skipped on the device without an incident
         if quiet and rec is not None and rec.forced_skip is None:

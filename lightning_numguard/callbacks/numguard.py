@@ -610,7 +610,7 @@ class NumGuardCallback(Callback):
         """The step's spikes (acted on by the caller) from the read's extras; its overflow risks recorded now."""
         if not extras:
             return []
-        spikes, risks = self._spike.findings(extras, rec.step, self._inspector.watch)
+        spikes, risks = self._spike.findings(extras, rec.step, self._inspector.watch, trainer.world_size)
         if risks:
             self._ledger.record(trainer, [self._ledger.event(trainer, f, rec.step, "none") for f in risks])
         return spikes

@@ -6,6 +6,7 @@ too: one fit per site and precision, in sequence in the same processes, each und
 SITE ``accumulate``: ``accumulate_grad_batches=2`` and NaN inputs in batch 3 (a window's second micro-batch);
 SITE ``manual``: a two-optimizer GAN (manual optimization) whose discriminator loss is NaN at batch 2;
 SITE ``compile``: a ``torch.compile``d head whose ``log1p`` goes NaN at batch 3.
+SITE ``spike``: an outlier batch (finite) on FAULT_RANK at step 20, ``spike_action="skip"``, in both sync modes.
 Each rank writes OUT_DIR/rank{r}.json with its events, counters and a digest of its weights.
 """
 
@@ -66,6 +67,8 @@ def main() -> None:
         return sharded_main(root, fault_rank, action, asynchronous=site == "sharded_async")
     if site == "deferred_sharded":
         return deferred_sharded_main(root, fault_rank, action)
+    if site == "spike":
+        return spike_main(root, fault_rank, action)
     warnings.simplefilter("ignore")
     if len(sys.argv) == 5:
         fit(root, site, fault_rank, action, None)
@@ -269,7 +272,12 @@ def _deferred_run(
 
     pl.seed_everything(0, verbose=False)
     guard = NumGuardCallback(
-        action=action, dirpath=str(dirpath), snapshot_sharding=mode, snapshot_every_n_steps=2, sync_mode="deferred"
+        action=action,
+        dirpath=str(dirpath),
+        snapshot_sharding=mode,
+        snapshot_every_n_steps=2,
+        sync_mode="deferred",
+        spike_window=0,  # kept whole per rank, the window's 1 KiB would hide the halving of this 3 KiB model's state
     )
     if callbacks is None:
         trainer = ddp_trainer(10, [guard], enable_checkpointing=False)
@@ -279,6 +287,46 @@ def _deferred_run(
     model = FusedModel(site=site, step=step, rank=fault_rank)
     data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
     return guard, trainer, model, DataLoader(data, batch_size=8, shuffle=False)
+
+
+def spike_main(out: Path, fault_rank: int, action: str) -> None:
+    """An outlier batch on ``fault_rank`` only at step 20 (its loss ~1000x), ``spike_action="skip"``, 24 steps, in
+    each sync mode. Each rank saves OUT_DIR/spike_{mode}_rank{r}.pt: events, counters, its spike window and a
+    gather of every rank's parameters."""
+    from tests.callbacks.test_spike import Regression, regression_data
+
+    class RankOutlier(Regression):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            if self.global_step in self.outliers and self.global_rank == fault_rank:
+                y = y * 10 + 30
+            return torch.nn.functional.mse_loss(self.lin(x), y)
+
+    for mode in ("every_step", "deferred"):
+        pl.seed_everything(0, verbose=False)
+        guard = NumGuardCallback(
+            action=action,
+            dirpath=str(out / f"ng_{mode}"),
+            spike_action="skip",
+            spike_window=16,
+            spike_warmup=8,
+            sync_mode=mode,  # type: ignore[arg-type]
+            emit_warnings=False,
+        )
+        trainer = ddp_trainer(24, [guard])
+        rank = trainer.global_rank
+        data = torch.utils.data.Subset(regression_data(192, seed=0), list(range(rank * 96, rank * 96 + 96)))
+        model = RankOutlier(outliers=(20,))
+        trainer.fit(model, DataLoader(data, batch_size=4, shuffle=False))
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        result = {
+            "events": guard.events,
+            "counters": dict(guard.counters),
+            "window": guard._spike.state_dict(),
+            "params": trainer.strategy.all_gather(flat).cpu(),
+        }
+        torch.save(result, out / f"spike_{mode}_rank{rank}.pt")
+        (out / f"rank{rank}.json").write_text(json.dumps({"events": guard.events, "counters": guard.counters}))
 
 
 def _ending(trainer: pl.Trainer, model: Any, guard: NumGuardCallback) -> dict[str, Any]:

@@ -314,3 +314,22 @@ def test_deferred_sync_shards_its_snapshot_ring_and_rolls_back_late_bitwise_like
     assert late_events[0] and late_events[0] == late_events[1]
     assert not any(e["where"][0].startswith("a ") for e in late_events[0]), late_events[0]
     print({f"rank{r}": (auto[r]["snapshot_nbytes"], off[r]["snapshot_nbytes"]) for r in (0, 1)})
+
+
+@pytest.mark.ddp
+def test_a_spike_on_one_rank_is_skipped_by_every_rank_with_the_same_window(tmp_path):
+    """An outlier batch on rank 1 only (finite, its loss ~1000x) at step 20: the loss rides the one MAX all-reduce, so
+    both ranks judge the same value against the same window, skip the same step (in both sync modes) and end with
+    identical windows and weights."""
+    import torch
+
+    run_ddp(tmp_path, "spike", 1, "rollback")
+    for mode in ("every_step", "deferred"):
+        ranks = [torch.load(tmp_path / f"spike_{mode}_rank{r}.pt", weights_only=False) for r in (0, 1)]
+        for r in ranks:
+            spikes = [(e["kind"], e["step"], e["action"]) for e in r["events"] if e["kind"] == "loss_spike"]
+            assert spikes == [("loss_spike", 20, "skip")], (mode, r["events"])
+            assert r["counters"]["spikes"] == 1 and r["counters"]["skipped_steps"] == 1
+            assert torch.equal(r["params"][0], r["params"][1]) and torch.isfinite(r["params"]).all()
+        assert ranks[0]["window"] == ranks[1]["window"], mode
+        assert ranks[0]["events"] == ranks[1]["events"], mode
