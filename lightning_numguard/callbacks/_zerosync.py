@@ -297,9 +297,10 @@ class DeferredSync:
     ) -> bool:
         """A finite spike of step ``step``, read late (the device skipped it when ``spike_action`` acts): record it,
         and roll back when its action says so. Returns whether the live state was restored."""
-        self.snapshots.discard_from(step)  # the state that spiked is not one to come back to
         recovery = guard._recovery
         wanted = guard._spike.decide(step)
+        if wanted != "warn":  # the state that spiked is not one to come back to
+            self.snapshots.discard_from(step)
         action = policy.decide(
             wanted,
             state_bad=False,
