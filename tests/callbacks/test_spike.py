@@ -124,6 +124,11 @@ def test_repeated_spikes_within_the_window_escalate_to_a_rollback(tmp_path, mode
     escalated = [e for e in guard.events if e["action"] == "rollback"]
     assert "3 spikes within 128 steps" in escalated[0]["message"]
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    # the rollback put back its snapshot's window (taken after the skipped spikes of steps 150 and 160, at most),
+    # so the outlier of step 170 is not in it; without that, all three would be
+    assert guard._spike.window is not None
+    kept = [v for v in guard._spike.state_dict()["window"]["values"][0] if v is not None]
+    assert len(kept) == 128 and sum(v > 100 ** (1 / 3) for v in kept) < 3  # cube roots of losses above 100
 
 
 class DeepLinear(pl.LightningModule):
