@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 SPIKE_ACTIONS: tuple[str, ...] = ("warn", "skip", "rollback")
 #: The stateful name of the window in snapshots.
 STATEFUL_KEY = "numguard:spike_window"
+#: Steps between refreshes of the window's median and scale (each step's value is scored against them).
+REFRESH_EVERY = 4
+#: Steps between looks at the watched blocks' headroom (activations creep towards a limit over many steps).
+HEADROOM_EVERY = 8
 
 
 class SpikeGuard:
@@ -70,7 +74,7 @@ class SpikeGuard:
     ) -> None:
         self.action = action
         self.sigma = sigma
-        self.window = SpikeWindow(window, warmup) if window > 0 else None
+        self.window = SpikeWindow(window, warmup, REFRESH_EVERY) if window > 0 else None
         self.rollback_after = rollback_after
         self.headroom = headroom
         self.spike_steps: list[int] = []  # steps that spiked (host), for the escalation to a rollback
@@ -79,6 +83,8 @@ class SpikeGuard:
         self._layout: list[tuple[Any, int]] = []  # this step's watch buffers, in the order laid end to end
         self.reduced: torch.Tensor | None = None  # this step's reduced extras, on the device (for push)
         self.last: tuple[int, list[float]] | None = None  # the latest host-read extras and their step
+        self._constants: dict[torch.device, torch.Tensor] = {}
+        self._calls = 0
 
     @property
     def enabled(self) -> bool:
@@ -101,25 +107,30 @@ class SpikeGuard:
         rank: int = 0,
         world: int = 1,
     ) -> torch.Tensor:
-        """The :data:`~lightning_numguard.core.spike.EXTRAS` of this rank, before the reduce; no sync."""
-        nan = torch.full((), math.nan, device=device)
-        raw = torch.stack([nan if loss is None else loss.float(), nan if grad_norm is None else grad_norm.float()])
-        raw = torch.where(torch.isfinite(raw), raw, torch.full_like(raw, NOT_JUDGED))  # missing, after a MAX too
-        if self.window is not None:
-            z = self.window.to(device).scores(raw)
-        else:
-            z = torch.full((2,), NOT_JUDGED, device=device)
-        ratio, index = self._headroom(watch, device)
-        mark = torch.full((), float(world - rank), device=device)
-        zero = torch.zeros((), device=device)
-        ranks = torch.stack([torch.where(z[0] > self.sigma, mark, zero), torch.where(index >= 0, mark, zero)])
-        return torch.cat([raw, z, ratio.reshape(1), index.reshape(1), ranks])
+        """The :data:`~lightning_numguard.core.spike.EXTRAS` of this rank, before the reduce; no sync.
 
-    def _headroom(self, watch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        zero = torch.zeros((), device=device)
-        if self.headroom is None or watch is None or not watch.records:
-            self._layout = []
-            return zero, zero - 1
+        A few element-wise ops a step: the window's median and scale are refreshed every
+        :data:`REFRESH_EVERY` steps, the headroom is looked at every :data:`HEADROOM_EVERY` steps.
+        """
+        const = self._constants.get(device)
+        if const is None:  # [NaN, NOT_JUDGED x2, 0, -1, 0, 0]: reused every step
+            const = torch.tensor([math.nan, NOT_JUDGED, NOT_JUDGED, 0.0, -1.0, 0.0, 0.0], device=device)
+            self._constants[device] = const
+        nan = const[0]
+        raw = torch.stack([nan if loss is None else loss.reshape(()), nan if grad_norm is None else grad_norm])
+        raw = raw.float().nan_to_num(nan=NOT_JUDGED, posinf=NOT_JUDGED, neginf=NOT_JUDGED)  # missing, after a MAX
+        z = self.window.to(device).scores(raw) if self.window is not None else const[1:3]
+        self._calls += 1
+        due = self.headroom is not None and watch is not None and watch.records and self._calls % HEADROOM_EVERY == 1
+        head = self._headroom(watch, device) if due else const[3:5]
+        if world == 1:  # the lowest rank that saw a spike or a risk can only be this one
+            return torch.cat([raw, z, head, const[5:7]])
+        mark = torch.full((2,), float(world - rank), device=device)
+        ranks = torch.where(torch.stack([z[0] > self.sigma, head[1] >= 0]), mark, 0.0)
+        return torch.cat([raw, z, head, ranks])
+
+    def _headroom(self, watch: Any, device: torch.device) -> torch.Tensor:
+        assert self.headroom is not None
         ranges = [(key, rows) for key, rows in watch.ranges() if key[1] in spike.DTYPE_MAX]
         self._layout = [(key, rows.shape[0]) for key, rows in ranges]
         masks = []
@@ -129,7 +140,7 @@ class SpikeGuard:
                 mask = self._masks[key] = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
             masks.append(mask)
         ratio, index = spike.headroom([(key[1], rows) for key, rows in ranges], masks, self.headroom)
-        return ratio.to(device), index.to(device)
+        return torch.stack([ratio, index]).to(device)
 
     def device_flag(self, reduced: torch.Tensor) -> torch.Tensor:
         """0-d bool on the device: this step spiked and a spike skips (``sync_mode="deferred"``); no sync."""

@@ -93,20 +93,30 @@ SERIES: tuple[str, str] = ("loss", "grad_norm")
 
 def _roots(values: torch.Tensor) -> torch.Tensor:
     """``cbrt(x)`` (sign kept) where ``x`` is finite and not the missing mark, else ``NaN`` (missing); no sync."""
-    ok = torch.isfinite(values) & (values > NOT_JUDGED)
-    root = values.sign() * values.abs().pow(1.0 / 3.0)
-    return torch.where(ok, root, torch.full_like(values, math.nan))
+    root = torch.copysign(torch.where(values > NOT_JUDGED, values, math.nan).abs().pow(1.0 / 3.0), values)
+    return root.nan_to_num(nan=math.nan, posinf=math.nan, neginf=math.nan)  # +-Inf: missing too
+
+
+def _stats(window: torch.Tensor, warmup: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's center, scale and whether it judges (enough valid values); no sync."""
+    center = window.nanmedian(dim=-1).values
+    above = window - center.unsqueeze(-1)
+    above = torch.where(above > 0, above, math.nan)
+    floor = (center.abs() * SCALE_FLOOR).clamp_min(_SCALE_MIN)
+    scale = torch.fmax(above.nanmedian(dim=-1).values / _MAD_NORMAL, floor)
+    return center, scale, window.isnan().logical_not().sum(dim=-1) >= warmup
+
+
+def _z(stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor], roots: torch.Tensor) -> torch.Tensor:
+    """``roots`` scored against ``stats`` (:data:`NOT_JUDGED` where a row does not judge or a value is missing)."""
+    center, scale, judges = stats
+    z = (roots - center) / scale  # NaN where the value is missing
+    return torch.where(judges, z, NOT_JUDGED).nan_to_num(nan=NOT_JUDGED)
 
 
 def _scores(window: torch.Tensor, roots: torch.Tensor, warmup: int) -> torch.Tensor:
     """Each row's new value (``roots``, already cube roots) scored against the row of ``window``; no sync."""
-    center = window.nanmedian(dim=-1).values
-    above = window - center.unsqueeze(-1)
-    above = torch.where(above > 0, above, torch.full_like(above, math.nan))
-    floor = (center.abs() * SCALE_FLOOR).clamp_min(_SCALE_MIN)
-    scale = torch.fmax(above.nanmedian(dim=-1).values / _MAD_NORMAL, floor)
-    judged = ((~torch.isnan(window)).sum(dim=-1) >= warmup) & ~torch.isnan(roots)
-    return torch.where(judged, (roots - center) / scale, torch.full_like(center, NOT_JUDGED))
+    return _z(_stats(window, warmup), roots)
 
 
 class SpikeWindow:
@@ -119,6 +129,9 @@ class SpikeWindow:
     Args:
         window: steps kept.
         warmup: valid values a row needs before its new values are judged.
+        refresh_every: the center, scale and warm-up state are recomputed after this many pushes (a spike is
+            then judged against the window as it was at most ``refresh_every`` steps earlier); between
+            refreshes a score costs a handful of element-wise ops. 1: every step, exact.
 
     Example:
         >>> w = SpikeWindow(window=8, warmup=4)
@@ -129,18 +142,25 @@ class SpikeWindow:
         (True, False)
     """
 
-    def __init__(self, window: int = 128, warmup: int = 64) -> None:
-        if window < 1 or not 1 <= warmup <= window:
-            raise ValueError(f"need window >= 1 and 1 <= warmup <= window, got window={window}, warmup={warmup}")
+    def __init__(self, window: int = 128, warmup: int = 64, refresh_every: int = 1) -> None:
+        if window < 1 or not 1 <= warmup <= window or refresh_every < 1:
+            raise ValueError(
+                f"need window >= 1, 1 <= warmup <= window and refresh_every >= 1, got window={window}, "
+                f"warmup={warmup}, refresh_every={refresh_every}"
+            )
         self.window = window
         self.warmup = warmup
+        self.refresh_every = refresh_every
         self.values = torch.full((2, window), math.nan)
         self.pos = 0
+        self._stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._age = 0  # pushes since the statistics were computed
 
     def to(self, device: torch.device) -> SpikeWindow:
         """Keep the window on ``device`` (once per fit; a no-op when it is there)."""
         if self.values.device != device:
             self.values = self.values.to(device)
+            self._stats = None
         return self
 
     def scores(self, values: torch.Tensor) -> torch.Tensor:
@@ -148,12 +168,15 @@ class SpikeWindow:
 
         :data:`NOT_JUDGED` for a row in warm-up and for a value that is not finite.
         """
-        return _scores(self.values, _roots(values.to(self.values.device, torch.float32)), self.warmup)
+        if self._stats is None or self._age >= self.refresh_every:
+            self._stats, self._age = _stats(self.values, self.warmup), 0
+        return _z(self._stats, _roots(values.to(self.values.device, torch.float32)))
 
     def push(self, values: torch.Tensor) -> None:
         """Add this step's raw ``[loss, grad_norm]`` (non-finite ones as missing); no sync."""
         self.values[:, self.pos].copy_(_roots(values.to(self.values.device, torch.float32)))
         self.pos = (self.pos + 1) % self.window
+        self._age += 1
 
     def valid(self) -> list[int]:
         """Valid values per row. **Syncs** (reports and tests only)."""
@@ -181,6 +204,7 @@ class SpikeWindow:
             pos = ordered.shape[1] % self.window
         self.values = values.to(self.values.device, copy=True)
         self.pos = pos
+        self._stats = None
 
     def to_plain(self) -> dict[str, Any]:
         """The window as plain Python numbers, ``None`` for a missing value (the callback's checkpoint state).
