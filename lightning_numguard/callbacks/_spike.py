@@ -85,6 +85,8 @@ class SpikeGuard:
         self.last: tuple[int, list[float]] | None = None  # the latest host-read extras and their step
         self._constants: dict[torch.device, torch.Tensor] = {}
         self._calls = 0
+        self._single = True  # one process: the raw values need no mark for the reduce
+        self._roots: torch.Tensor | None = None  # this step's values as the window keeps them (one process)
 
     @property
     def enabled(self) -> bool:
@@ -117,9 +119,15 @@ class SpikeGuard:
             const = torch.tensor([math.nan, NOT_JUDGED, NOT_JUDGED, 0.0, -1.0, 0.0, 0.0], device=device)
             self._constants[device] = const
         nan = const[0]
-        raw = torch.stack([nan if loss is None else loss.reshape(()), nan if grad_norm is None else grad_norm])
-        raw = raw.float().nan_to_num(nan=NOT_JUDGED, posinf=NOT_JUDGED, neginf=NOT_JUDGED)  # missing, after a MAX
-        z = self.window.to(device).scores(raw) if self.window is not None else const[1:3]
+        raw = torch.stack([nan if loss is None else loss.reshape(()), nan if grad_norm is None else grad_norm]).float()
+        self._single = world == 1
+        if not self._single:  # a finite mark for "missing" survives the MAX all-reduce; NaN might not
+            raw = raw.nan_to_num(nan=NOT_JUDGED, posinf=NOT_JUDGED, neginf=NOT_JUDGED)
+        z = const[1:3]
+        if self.window is not None:
+            roots = self.window.to(device).roots(raw, marked=not self._single)
+            z = self.window.scores(raw, roots)
+            self._roots = roots  # one process: what push adds, without computing it again
         self._calls += 1
         due = self.headroom is not None and watch is not None and watch.records and self._calls % HEADROOM_EVERY == 1
         head = self._headroom(watch, device) if due else const[3:5]
@@ -149,8 +157,12 @@ class SpikeGuard:
     def push(self) -> None:
         """Batch end: this step's reduced loss and gradient norm join the window; no sync."""
         if self.reduced is not None and self.window is not None:
-            self.window.push(self.reduced[:2])
+            if self._single and self._roots is not None:
+                self.window.push(roots=self._roots)
+            else:  # the values reduced across ranks: the same on every rank
+                self.window.push(self.reduced[:2])
         self.reduced = None
+        self._roots = None
 
     # ------------------------------------------------------------------ on the host
 
@@ -228,7 +240,7 @@ class SpikeGuard:
             return
         self.last = None
         metrics: dict[str, float] = {"numguard/spikes": float(counters.get("spikes", 0))}
-        if values[1] > NOT_JUDGED:
+        if math.isfinite(values[1]) and values[1] > NOT_JUDGED:
             metrics["numguard/grad_norm"] = float(values[1])
         for i, tag in ((2, "numguard/loss_zscore"), (3, "numguard/grad_norm_zscore")):
             if values[i] > NOT_JUDGED:

@@ -91,27 +91,30 @@ DTYPE_MAX: dict[torch.dtype, float] = {
 SERIES: tuple[str, str] = ("loss", "grad_norm")
 
 
-def _roots(values: torch.Tensor) -> torch.Tensor:
-    """``cbrt(x)`` (sign kept) where ``x`` is finite and not the missing mark, else ``NaN`` (missing); no sync."""
-    root = torch.copysign(torch.where(values > NOT_JUDGED, values, math.nan).abs().pow(1.0 / 3.0), values)
+def _roots(values: torch.Tensor, marked: bool = True) -> torch.Tensor:
+    """``cbrt(x)`` (sign kept) where ``x`` is finite (and, if ``marked``, not the missing mark :data:`NOT_JUDGED`),
+    else ``NaN`` (missing); no sync."""
+    if marked:
+        values = torch.where(values > NOT_JUDGED, values, math.nan)
+    root = torch.copysign(values.abs().pow(1.0 / 3.0), values)
     return root.nan_to_num(nan=math.nan, posinf=math.nan, neginf=math.nan)  # +-Inf: missing too
 
 
-def _stats(window: torch.Tensor, warmup: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's center, scale and whether it judges (enough valid values); no sync."""
+def _stats(window: torch.Tensor, warmup: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's center, and ``1 / scale`` where it judges (enough valid values) else ``NaN``; no sync."""
     center = window.nanmedian(dim=-1).values
     above = window - center.unsqueeze(-1)
     above = torch.where(above > 0, above, math.nan)
     floor = (center.abs() * SCALE_FLOOR).clamp_min(_SCALE_MIN)
     scale = torch.fmax(above.nanmedian(dim=-1).values / _MAD_NORMAL, floor)
-    return center, scale, window.isnan().logical_not().sum(dim=-1) >= warmup
+    judges = window.isnan().logical_not().sum(dim=-1) >= warmup
+    return center, torch.where(judges, scale.reciprocal(), math.nan)
 
 
-def _z(stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor], roots: torch.Tensor) -> torch.Tensor:
+def _z(stats: tuple[torch.Tensor, torch.Tensor], roots: torch.Tensor) -> torch.Tensor:
     """``roots`` scored against ``stats`` (:data:`NOT_JUDGED` where a row does not judge or a value is missing)."""
-    center, scale, judges = stats
-    z = (roots - center) / scale  # NaN where the value is missing
-    return torch.where(judges, z, NOT_JUDGED).nan_to_num(nan=NOT_JUDGED)
+    center, inverse_scale = stats
+    return ((roots - center) * inverse_scale).nan_to_num(nan=NOT_JUDGED)  # NaN: not judged, or missing
 
 
 def _scores(window: torch.Tensor, roots: torch.Tensor, warmup: int) -> torch.Tensor:
@@ -153,7 +156,7 @@ class SpikeWindow:
         self.refresh_every = refresh_every
         self.values = torch.full((2, window), math.nan)
         self.pos = 0
-        self._stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._stats: tuple[torch.Tensor, torch.Tensor] | None = None
         self._age = 0  # pushes since the statistics were computed
 
     def to(self, device: torch.device) -> SpikeWindow:
@@ -163,18 +166,25 @@ class SpikeWindow:
             self._stats = None
         return self
 
-    def scores(self, values: torch.Tensor) -> torch.Tensor:
-        """The z-scores of this step's raw ``[loss, grad_norm]`` against the window before it; no sync.
+    def roots(self, values: torch.Tensor, marked: bool = True) -> torch.Tensor:
+        """Raw ``[loss, grad_norm]`` as the window keeps them (cube roots, ``NaN`` when missing); no sync."""
+        return _roots(values.to(self.values.device, torch.float32), marked)
 
-        :data:`NOT_JUDGED` for a row in warm-up and for a value that is not finite.
+    def scores(self, values: torch.Tensor, roots: torch.Tensor | None = None) -> torch.Tensor:
+        """The z-scores of this step's raw ``[loss, grad_norm]`` (or of their :meth:`roots`) against the window
+        before it; no sync. :data:`NOT_JUDGED` for a row in warm-up and for a value that is not finite.
         """
         if self._stats is None or self._age >= self.refresh_every:
             self._stats, self._age = _stats(self.values, self.warmup), 0
-        return _z(self._stats, _roots(values.to(self.values.device, torch.float32)))
+        return _z(self._stats, self.roots(values) if roots is None else roots)
 
-    def push(self, values: torch.Tensor) -> None:
-        """Add this step's raw ``[loss, grad_norm]`` (non-finite ones as missing); no sync."""
-        self.values[:, self.pos].copy_(_roots(values.to(self.values.device, torch.float32)))
+    def push(self, values: torch.Tensor | None = None, roots: torch.Tensor | None = None) -> None:
+        """Add this step's raw ``[loss, grad_norm]`` (non-finite ones as missing), or their :meth:`roots`; no sync."""
+        if roots is None:
+            assert values is not None, "push needs the raw values or their roots"
+            roots = self.roots(values)
+        column = roots
+        self.values[:, self.pos] = column
         self.pos = (self.pos + 1) % self.window
         self._age += 1
 
