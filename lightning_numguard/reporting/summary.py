@@ -120,10 +120,14 @@ def summary_text(s: FitSummary) -> str:
 
 
 def rich_table(s: FitSummary) -> Any:
-    """The summary as a ``rich.table.Table`` (``rich`` is imported here, only when a Rich progress bar is used)."""
+    """The summary as a ``rich.table.Table`` (``rich`` is imported here, only when a Rich progress bar is used).
+
+    The path to ``events.jsonl`` is not in the table: a caption is folded at the table's width, mid-word; the
+    caller prints it on a line of its own.
+    """
     from rich.table import Table
 
-    table = Table(title="NumGuard", caption=_totals(s) + (f"\nevents: {s.events_path}" if s.events_path else ""))
+    table = Table(title="NumGuard", caption=_totals(s))
     table.add_column("kind")
     table.add_column("count", justify="right")
     table.add_column("first at step", justify="right")
