@@ -102,7 +102,8 @@ def test_rollback_and_tensorboard_text_under_l_trainer(tmp_path: Path) -> None:
         tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in ea.Tensors("numguard/events/text_summary")
     ]
     assert len(texts) == 1 and "**nonfinite_loss** (step 3" in texts[0], texts
-    assert [(e.step, e.value) for e in ea.Scalars("numguard/rollbacks")] == [(3, 1.0)]
+    # step 0 of the log_every_n_steps series, and the incident's step
+    assert [(e.step, e.value) for e in ea.Scalars("numguard/rollbacks")] == [(0, 0.0), (3, 1.0)]
 
 
 def _yaml(tmp_path: Path, class_path: str) -> Path:

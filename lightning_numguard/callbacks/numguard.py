@@ -44,7 +44,7 @@ from lightning_numguard.core import policy
 from lightning_numguard.core.findings import Finding
 from lightning_numguard.core.quarantine import parse_state, position_key
 from lightning_numguard.errors import NonFiniteError, NumGuardError
-from lightning_numguard.reporting.report import Reporter
+from lightning_numguard.reporting.report import Reporter, counter_scalars
 
 __all__ = ["CHECKS", "DEFAULT_CHECKS", "NumGuardCallback"]
 
@@ -146,9 +146,10 @@ class NumGuardCallback(Callback):
     Logged (TensorBoard tags; other loggers get the scalars):
 
     ==============================  =====================================================
-    ``numguard/incidents``          incidents recorded so far (scalar)
-    ``numguard/skipped_steps``      optimizer steps turned into no-ops (scalar)
-    ``numguard/rollbacks``          rollbacks so far (scalar)
+    ``numguard/incidents``          incidents recorded so far (scalar; every ``log_every_n_steps``
+                                    from step 0, and at each incident's step)
+    ``numguard/skipped_steps``      optimizer steps turned into no-ops (scalar; the same steps)
+    ``numguard/rollbacks``          rollbacks so far (scalar; the same steps)
     ``numguard/amp_overflow_steps`` steps the AMP GradScaler skipped itself (scalar; under a
                                     GradScaler also every ``log_every_n_steps``, with your metrics)
     ``numguard/loss_scale``         the GradScaler's loss scale (scalar, every ``log_every_n_steps``)
@@ -424,6 +425,7 @@ class NumGuardCallback(Callback):
         self._finish(trainer, pl_module, rec)
         self._progress.after_step(trainer, pl_module, rec, self._recovery.snapshot, self.counters)
         self._amp.log(trainer, pl_module, self.counters["amp_overflow_steps"])
+        self._reporter.series(trainer, rec.step, counter_scalars(self.counters))  # host ints: no device read
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
