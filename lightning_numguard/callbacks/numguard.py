@@ -108,8 +108,8 @@ class NumGuardCallback(Callback):
             after a resume, and save them under `<dirpath>/bad_batches/`.
         replay: after an incident under `skip`/`rollback`/`halt`, replay the batch with anomaly
             mode and backward hooks to name the first autograd op and module that went non-finite.
-        emit_warnings: emit one `NumGuardWarning` per incident kind and place (events, log lines
-            and loggers are written either way).
+        emit_warnings: emit one `NumGuardWarning` per root cause's kind and place (its consequences in
+            the same step are recorded, not warned; events, log lines and loggers are written either way).
         sync_mode: `"every_step"` reads the step's flags on the host before the optimizer step
             (one host read per step). `"deferred"` reads nothing on the step: a bad step is
             skipped on the device through the optimizer's `found_inf` (needs one fused optimizer,

@@ -63,7 +63,7 @@ def warn_at_user_code(message: str, category: type[Warning] = NumGuardWarning) -
 
 
 class Reporter:
-    """Fans events out to ``events.jsonl``, loggers and once-per-place warnings.
+    """Fans events out to ``events.jsonl``, loggers and warnings: one per root cause's kind and place.
 
     ``dirpath=None``: no file is written (``fast_dev_run``, or no logger, no checkpointing and no
     ``dirpath``); events stay in memory (``callback.events``), in the log and in the loggers.
@@ -83,7 +83,8 @@ class Reporter:
             return
         for event in events:
             key = (event["kind"], event["where"][0] if event["where"] else "")
-            if self.warn and key not in self._warned:
+            # a consequence (root_cause: False) is the same incident: recorded and logged, not warned again
+            if self.warn and event.get("root_cause", True) and key not in self._warned:
                 self._warned.add(key)
                 if trainer.is_global_zero:
                     warn_at_user_code(f"NumGuard: {event['message']}")

@@ -39,3 +39,17 @@ def test_a_run_with_an_incident_makes_lightning_warn_about_nothing_the_guard_log
         and ("self.log(" in str(w.message) or "numguard" in str(w.message))
     ]
     assert about_logging == []
+
+
+def test_a_nan_batch_warns_once_its_consequences_are_recorded_not_warned(tmp_path: Path) -> None:
+    """One warning per root cause: the module outputs, loss, gradients and buffers that the NaN batch made
+    non-finite are events (file, loggers, summary), not four more warnings saying "fix that first"."""
+    guard = NumGuardCallback(action="skip", dirpath=str(tmp_path / "ng"), replay=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [guard], max_steps=5).fit(FaultModel(), loader(FaultData(bad_batch=3, site="input")))
+    consequences = [e for e in guard.events if not e["root_cause"]]
+    assert consequences, "control: the NaN batch had consequences"
+    warned = [str(w.message) for w in caught if issubclass(w.category, NumGuardWarning)]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("NumGuard: non-finite value in `batch['x']` at step 3 on rank 0"), warned[0]
