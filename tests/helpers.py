@@ -41,6 +41,10 @@ SITE_CULPRIT = {
     "opt_state": ".exp_avg_sq",
     "op": "binary_cross_entropy",
 }
+#: Text of the guard's one warning about a fault at each site: it names the root cause. A poisoned Adam moment
+#: is found a step later with the weight its update ruined; the weight comes first and the moment is recorded as
+#: its consequence (an event whose message holds ``SITE_CULPRIT["opt_state"]``, not a warning).
+SITE_WARNING = {**SITE_CULPRIT, "opt_state": "head.weight"}
 
 
 class FaultData(Dataset):
