@@ -29,6 +29,7 @@ class FusedModel(FaultModel):
 def run(tmp_path: Any, site: str | None, mode: str, **kwargs: Any) -> tuple[NumGuardCallback, FusedModel]:
     torch.manual_seed(0)
     model = FusedModel(site=site, step=3)
+    kwargs.setdefault("emit_warnings", False)  # these tests read the events; the warnings are tested in reporting/
     guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / mode), sync_mode=mode, **kwargs)  # type: ignore[arg-type]
     trainer(tmp_path / mode, [guard], max_steps=8).fit(
         model, loader(FaultData(bad_batch=3 if site else None, site=site or "input"))
@@ -98,7 +99,7 @@ def test_deferred_mode_and_retry_transient_are_refused_together():
 
 
 def test_a_batch_that_fails_twice_is_quarantined_and_then_skipped_on_the_device(tmp_path):
-    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), sync_mode="deferred")
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), sync_mode="deferred", emit_warnings=False)
     model = FusedModel()
     trainer(tmp_path, [guard], max_epochs=3).fit(model, loader(FaultData(bad_batch=3)))
     assert [(q["epoch"], q["batch_idx"]) for q in guard.quarantined] == [(1, 3)]
@@ -125,7 +126,7 @@ def test_a_late_halt_restores_the_verified_snapshot_and_writes_it_as_last_finite
     torch.manual_seed(0)
     model = FusedModel(site="param", step=3)
     guard = NumGuardCallback(
-        action="halt", dirpath=str(tmp_path / "ng"), sync_mode="deferred", snapshot_every_n_steps=2
+        action="halt", dirpath=str(tmp_path / "ng"), sync_mode="deferred", snapshot_every_n_steps=2, emit_warnings=False
     )
     t = trainer(tmp_path, [guard], max_steps=8)
     t.fit(model, loader(FaultData()))
