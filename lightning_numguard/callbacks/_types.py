@@ -9,9 +9,10 @@ anything is built, naming the argument, the restriction and the value, instead o
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["Backoff", "NonNegativeInt", "PositiveFloat", "PositiveInt"]
+__all__ = ["Backoff", "NonNegativeInt", "PositiveFloat", "PositiveInt", "plain_args"]
 
 
 def _restricted() -> tuple[Any, Any, Any, Any]:
@@ -33,3 +34,17 @@ if TYPE_CHECKING:
     Backoff = float
 else:
     PositiveInt, NonNegativeInt, PositiveFloat, Backoff = _restricted()
+
+
+def plain_args(doc: str | None) -> str | None:
+    """``doc`` with the reStructuredText literals of its ``Args:`` section (````x````) written as ```x```.
+
+    jsonargparse prints each argument's ``Args:`` entry as LightningCLI's ``--help`` text, where doubled
+    backticks are noise; the source keeps RST, so entries added later need no care.
+    """
+    if doc is None:
+        return None
+    match = re.search(r"^(\s*)Args:\n.*?(?=^\1\S|\Z)", doc, flags=re.MULTILINE | re.DOTALL)
+    if match is None:
+        return doc
+    return doc[: match.start()] + match.group(0).replace("``", "`") + doc[match.end() :]

@@ -37,7 +37,7 @@ from lightning_numguard.callbacks._progress import FitProgress
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
 from lightning_numguard.callbacks._sharded import SHARDING
 from lightning_numguard.callbacks._strategies import check_strategy
-from lightning_numguard.callbacks._types import Backoff, NonNegativeInt, PositiveFloat, PositiveInt
+from lightning_numguard.callbacks._types import Backoff, NonNegativeInt, PositiveFloat, PositiveInt, plain_args
 from lightning_numguard.callbacks._zerosync import SYNC_MODES, DeferredSync
 from lightning_numguard.core import flags as slots
 from lightning_numguard.core import policy
@@ -63,78 +63,78 @@ class NumGuardCallback(Callback):
     Names, counts and indices are computed only after a hit.
 
     Args:
-        action: what to do on an incident. `"warn"`: record and report only. `"skip"`: the
-            optimizer step becomes a no-op (gradients set to `None`) and buffers changed by the
-            bad forward pass are restored; escalates to `"rollback"` when the weights or
-            optimizer state are no longer finite. `"rollback"`: restore the last
-            verified-finite state in place and carry on; after `max_rollbacks` escalate to
-            `"halt"`. `"halt"`: restore the last finite state, write
-            `<dirpath>/last_finite.ckpt`, stop every rank.
-        dirpath: folder for `events.jsonl`, `last_finite.ckpt` and `bad_batches/`. Defaults
-            to `<trainer.log_dir>/numguard` (`<default_root_dir>/numguard` without a logger).
-        check: which sites to check every step, any of `inputs`, `outputs`, `ops`, `loss`,
-            `grads`, `buffers`, `params`, `optimizer_state`. `outputs` watches blocks (see
-            `watch_depth`): one fused min/max per block into a preallocated device buffer; after a
+        action: what to do on an incident. ``"warn"``: record and report only. ``"skip"``: the
+            optimizer step becomes a no-op (gradients set to ``None``) and buffers changed by the
+            bad forward pass are restored; escalates to ``"rollback"`` when the weights or
+            optimizer state are no longer finite. ``"rollback"``: restore the last
+            verified-finite state in place and carry on; after ``max_rollbacks`` escalate to
+            ``"halt"``. ``"halt"``: restore the last finite state, write
+            ``<dirpath>/last_finite.ckpt``, stop every rank.
+        dirpath: folder for ``events.jsonl``, ``last_finite.ckpt`` and ``bad_batches/``. Defaults
+            to ``<trainer.log_dir>/numguard`` (``<default_root_dir>/numguard`` without a logger).
+        check: which sites to check every step, any of ``inputs``, ``outputs``, ``ops``, ``loss``,
+            ``grads``, ``buffers``, ``params``, ``optimizer_state``. ``outputs`` watches blocks (see
+            ``watch_depth``): one fused min/max per block into a preallocated device buffer; after a
             hit the replay names the exact module and op inside the block. The default leaves out
-            two whose work is repeated elsewhere: `params` (a NaN weight makes the outputs, loss
+            two whose work is repeated elsewhere: ``params`` (a NaN weight makes the outputs, loss
             and gradients non-finite, and after any hit the parameters are checked exactly and
             named first; they are also verified before every snapshot and checkpoint) and
-            `optimizer_state` (verified before every snapshot; add it to catch a poisoned
+            ``optimizer_state`` (verified before every snapshot; add it to catch a poisoned
             Adam moment before the step it would ruin).
-        max_abs_input: finite batch values with `|x|` at or above this are `suspicious_input`
+        max_abs_input: finite batch values with ``|x|`` at or above this are ``suspicious_input``
             (numpy's masked-array fill value 1e20 and netCDF's 9.96921e36 are caught by the
-            default); `None` turns this off.
+            default); ``None`` turns this off.
         watch_modules: glob patterns of module names whose outputs are watched.
         ignore_modules: glob patterns of module names not watched.
-        watch_depth: which modules the `outputs` check watches: those at most this many levels
-            below the LightningModule (`Sequential`/`ModuleList`/`ModuleDict` do not count as
-            a level), every element of a `ModuleList`/`ModuleDict` (repeated blocks; of a list
-            of more than 16, every `ceil(n / 16)`-th and the last), and any module an explicit
-            `watch_modules` pattern names; `None` watches every module.
-        check_optimizer_coverage: `"warn"` or `"error"` on trainable parameters in no optimizer,
+        watch_depth: which modules the ``outputs`` check watches: those at most this many levels
+            below the LightningModule (``Sequential``/``ModuleList``/``ModuleDict`` do not count as
+            a level), every element of a ``ModuleList``/``ModuleDict`` (repeated blocks; of a list
+            of more than 16, every ``ceil(n / 16)``-th and the last), and any module an explicit
+            ``watch_modules`` pattern names; ``None`` watches every module.
+        check_optimizer_coverage: ``"warn"`` or ``"error"`` on trainable parameters in no optimizer,
             frozen parameters in one, parameters in two groups, trainable parameters that get no
-            gradient; `"off"` to skip.
+            gradient; ``"off"`` to skip.
         snapshot_every_n_steps: take a verified-finite snapshot every this many clean steps.
-        snapshot_device: keep snapshots on the `"host"` (pinned when CUDA is used) or on the
-            `"device"`.
-        max_rollbacks: rollbacks allowed in one `fit` before escalating to `"halt"`.
+        snapshot_device: keep snapshots on the ``"host"`` (pinned when CUDA is used) or on the
+            ``"device"``.
+        max_rollbacks: rollbacks allowed in one ``fit`` before escalating to ``"halt"``.
         skip_batches_after_rollback: batches to skip after each rollback (0 = only the bad one).
         lr_backoff: factor applied to every learning rate after each rollback (1.0 = unchanged).
         retry_transient: after a rollback, run the same batch once more from the restored state (under
             the precision plugin's autocast, stepping no optimizer and moving no counter) to judge the
-            incident: if it comes out finite it was transient (`retry: transient` in the event; the
+            incident: if it comes out finite it was transient (``retry: transient`` in the event; the
             batch is not trained on and not quarantined), otherwise it is quarantined at once.
         quarantine: skip batch positions that failed twice (or failed a retry) in later epochs and
-            after a resume, and save them under `<dirpath>/bad_batches/`.
-        replay: after an incident under `skip`/`rollback`/`halt`, replay the batch with anomaly
+            after a resume, and save them under ``<dirpath>/bad_batches/``.
+        replay: after an incident under ``skip``/``rollback``/``halt``, replay the batch with anomaly
             mode and backward hooks to name the first autograd op and module that went non-finite.
-        emit_warnings: emit one `NumGuardWarning` per root cause's kind and place (its consequences in
+        emit_warnings: emit one ``NumGuardWarning`` per root cause's kind and place (its consequences in
             the same step are recorded, not warned; events, log lines and loggers are written either way).
-        sync_mode: `"every_step"` reads the step's flags on the host before the optimizer step
-            (one host read per step). `"deferred"` reads nothing on the step: a bad step is
-            skipped on the device through the optimizer's `found_inf` (needs one fused optimizer,
-            e.g. `AdamW(..., fused=True)`, automatic optimization and no fp16 GradScaler;
-            anything else raises `NumGuardConfigError` at fit start), its flags are copied to the
+        sync_mode: ``"every_step"`` reads the step's flags on the host before the optimizer step
+            (one host read per step). ``"deferred"`` reads nothing on the step: a bad step is
+            skipped on the device through the optimizer's ``found_inf`` (needs one fused optimizer,
+            e.g. ``AdamW(..., fused=True)``, automatic optimization and no fp16 GradScaler;
+            anything else raises ``NumGuardConfigError`` at fit start), its flags are copied to the
             host without blocking and read one step later, and a rollback or halt is decided then,
             from a snapshot verified before it is needed. Events keep the step of the fault and name
-            the watched block and op call, not the leaf module inside the block; `retry_transient`
-            is refused and `replay` does not run (see `docs/performance.md`).
-        snapshot_sharding: `"auto"` shards snapshots under DDP with more than one rank (every rank
-            holds the same weights and optimizer state): each rank keeps only its `1/world` of the
+            the watched block and op call, not the leaf module inside the block; ``retry_transient``
+            is refused and ``replay`` does not run (see ``docs/performance.md``).
+        snapshot_sharding: ``"auto"`` shards snapshots under DDP with more than one rank (every rank
+            holds the same weights and optimizer state): each rank keeps only its ``1/world`` of the
             parameters and optimizer states (buffers, schedulers, the scaler, metrics and RNG states
             stay whole and per rank), and a rollback, a halt, the end-of-fit repair and the checkpoint
-            swap gather them back from every rank (one all-gather, only on those events). `"off"`
+            swap gather them back from every rank (one all-gather, only on those events). ``"off"``
             keeps a full copy on every rank; use it when the ranks do not hold the same parameters
-            and optimizer state. FSDP and DeepSpeed always keep full copies; `sync_mode="deferred"` shards its
+            and optimizer state. FSDP and DeepSpeed always keep full copies; ``sync_mode="deferred"`` shards its
             ring of snapshots the same way.
         snapshot_async: take snapshots asynchronously: from the start of a step whose snapshot is due, the
             parameters and optimizer state are copied on a CUDA side stream (on the CPU: a worker thread),
             overlapped with the forward and backward passes, into a second snapshot buffer; the copy becomes
             the snapshot only once the step's read verified the state finite, and the optimizer step waits
             for it on the device (no host stall). Costs a second snapshot buffer while on (twice the
-            snapshot's host memory). `None` (default): on when the LightningModule is on CUDA and
-            `snapshot_device="host"`, off on the CPU (a worker thread competes with compute on small
-            machines); `True` forces it; `sync_mode="deferred"` keeps its own synchronous snapshots.
+            snapshot's host memory). ``None`` (default): on when the LightningModule is on CUDA and
+            ``snapshot_device="host"``, off on the CPU (a worker thread competes with compute on small
+            machines); ``True`` forces it; ``sync_mode="deferred"`` keeps its own synchronous snapshots.
 
     Raises:
         NumGuardConfigError: at construction, for any invalid argument.
@@ -576,3 +576,7 @@ class NumGuardCallback(Callback):
                 f"NumGuard: the weights or optimizer state are already non-finite at fit start ({bad[:3]}); "
                 "there is no finite state to protect. Resume from an earlier checkpoint."
             )
+
+
+# LightningCLI's --help prints the Args: entries: plain text there, RST in the source.
+NumGuardCallback.__doc__ = plain_args(NumGuardCallback.__doc__)

@@ -307,3 +307,15 @@ def test_the_package_imports_and_validates_without_jsonargparse() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "`snapshot_every_n_steps` must be an integer >= 1, got -3"
+
+
+def test_plain_args_changes_only_the_args_section() -> None:
+    from lightning_numguard.callbacks._types import plain_args
+
+    doc = 'Do ``x``.\n\n    Args:\n        a: ``"on"`` or ``None``.\n            More ``b``.\n\n    Raises:\n        E: ``c``.\n'
+    assert (
+        plain_args(doc)
+        == 'Do ``x``.\n\n    Args:\n        a: `"on"` or `None`.\n            More `b`.\n\n    Raises:\n        E: ``c``.\n'
+    )
+    assert plain_args("no sections ``x``") == "no sections ``x``"
+    assert plain_args(None) is None
