@@ -210,6 +210,8 @@ class DeferredSync:
         if quiet and rec is not None and rec.forced_skip is None:
             guard.counters["skipped_steps"] += 1
         if not seen.any or quiet or (rec is not None and rec.forced_skip is not None):
+            if not seen.any:
+                guard._conventions.clean_step()
             if seen.seen(flags.NORMS):  # gradients or state non-finite: its snapshot is not verified
                 self.snapshots.discard_from(step)
             else:
@@ -243,10 +245,12 @@ class DeferredSync:
         findings = merge([findings, placed.get("op_domain", [])])  # in causal order, without duplicates
         findings = _across_ranks(trainer, findings)  # every rank is here together: the flags were reduced
         mark_consequences(findings)
-        events = []
+        epoch, batch_idx = (rec.epoch, rec.batch_idx) if rec is not None else (None, -1)
+        # a field flagged step after step: the device already skipped this step; later steps leave the field out
+        _, declared = guard._conventions.sort(findings)
+        events = guard._conventions_declared(trainer, declared, step, epoch, batch_idx)
         for f in findings:
             f.details.update({"deferred": True, "read_at_step": trainer.global_step})
-            epoch, batch_idx = (rec.epoch, rec.batch_idx) if rec is not None else (None, -1)
             events.append(guard._ledger.event(trainer, f, step, action, epoch, batch_idx))
         if action != "warn":
             guard.counters["skipped_steps"] += 1  # the device skipped it
@@ -344,8 +348,9 @@ def describe(
     if rec is not None and (seen.seen(flags.INPUT) or seen.seen(flags.SUSPICIOUS)):
         for leaves, _ in rec.inputs:
             values = checks.max_abs([t for _, t in leaves]).tolist()
+            unmasked = checks.max_abs([t for _, t in leaves], masks_as_zero=True).tolist()  # finfo.min: a mask
             bad = [p for (p, _), v in zip(leaves, values) if v != v or v in (float("inf"), float("-inf"))]
-            huge = [p for (p, _), v in zip(leaves, values) if max_abs is not None and p not in bad and v >= max_abs]
+            huge = [p for (p, _), v in zip(leaves, unmasked) if max_abs is not None and p not in bad and v >= max_abs]
             if bad:
                 out.append(Finding("nonfinite_input", bad, {}, rank))
             elif huge:

@@ -29,6 +29,7 @@ from lightning_numguard import _compat
 from lightning_numguard.callbacks import _config, _nofiles
 from lightning_numguard.callbacks._amp import AmpCounters
 from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action
+from lightning_numguard.callbacks._conventions import InputConventions
 from lightning_numguard.callbacks._coverage import CoverageCheck
 from lightning_numguard.callbacks._diagnosis import diagnose
 from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
@@ -246,6 +247,8 @@ class NumGuardCallback(Callback):
     def _fresh_run(self, dirpath: Path | None = None) -> None:
         """New collaborators for a fit (run in ``setup``, before Lightning loads this callback's state)."""
         self._inspector = self._new_inspector()
+        self._conventions = InputConventions()  # batch fields flagged step after step: no longer checked
+        self._inspector.ignored_inputs = self._conventions.ignored
         self._reporter = Reporter(dirpath, warn=self.emit_warnings)
         self._ledger = Ledger(self._reporter)
         self._recovery = Recovery(
@@ -495,8 +498,10 @@ class NumGuardCallback(Callback):
             self._skip_quietly(trainer, pl_module, optimizer, rec, reading)
         elif reading.flags.any:
             self._on_hit(trainer, pl_module, optimizer, rec, reading, due)
-        elif due:
-            self._recovery.take(trainer, pl_module, rec)
+        else:
+            self._conventions.clean_step()
+            if due:
+                self._recovery.take(trainer, pl_module, rec)
         self._recovery.settle()
 
     def _skip_quietly(
@@ -527,7 +532,10 @@ class NumGuardCallback(Callback):
             collapsed = self._amp.after_overflow(trainer)
             if collapsed is not None and self._reporter is not None:
                 self._reporter.say_once(trainer, "loss_scale_collapse", collapsed)
-        if not found.findings:
+        findings, declared = self._conventions.sort(found.findings)  # a field flagged step after step: not a fault
+        conventions = self._conventions_declared(trainer, declared, rec.step, rec.epoch, rec.batch_idx)
+        if not findings:
+            rec.events = conventions
             if due:
                 self._recovery.take(trainer, pl_module, rec)
             return
@@ -539,10 +547,19 @@ class NumGuardCallback(Callback):
             self.counters["skipped_steps"] += 1
             if not found.state_bad:  # the state before this step is verified finite: a rollback undoes exactly it
                 self._recovery.take(trainer, pl_module, rec)
-        rec.events = [
-            self._ledger.event(trainer, f, rec.step, rec.action, rec.epoch, rec.batch_idx) for f in found.findings
+        rec.events = conventions + [
+            self._ledger.event(trainer, f, rec.step, rec.action, rec.epoch, rec.batch_idx) for f in findings
         ]
         self._recovery.quarantine.count_failure(position_key(rec.batch, rec.batch_idx))
+
+    def _conventions_declared(
+        self, trainer: pl.Trainer, declared: list[Finding], step: int, epoch: int | None, batch_idx: int
+    ) -> list[dict[str, Any]]:
+        """The events (action ``"none"``) of batch fields declared conventions at this step, each said once."""
+        events = [self._ledger.event(trainer, f, step, "none", epoch, batch_idx) for f in declared]
+        for event in events:
+            self._reporter.say_once(trainer, f"convention {event['where']}", event["message"])
+        return events
 
     def _decide(self, state_bad: bool, has_incident: bool) -> str:
         return policy.decide(

@@ -59,6 +59,9 @@ def incident_message(
     checked = set(details.get("checked") or ())
     replay = details.get("replay") or {}
     root = not details.get("after")
+    convention = details.get("convention")
+    if convention and kind in ("nonfinite_input", "suspicious_input"):
+        return _convention_message(kind, names, details, int(convention.get("steps", 0)), at)
     if kind == "nonfinite_input":
         text = f"non-finite value in {names} {at}"
         stats = details.get("stats") or {}
@@ -115,6 +118,24 @@ def incident_message(
     else:
         text = f"{kind} in {names} {at}"
     return f"{text}; {hint}" if hint else text
+
+
+def _convention_message(kind: str, names: str, details: dict[str, Any], steps: int, at: str) -> str:
+    """A batch field flagged on ``steps`` consecutive steps: a convention of the data, no longer acted on."""
+    if kind == "suspicious_input":
+        value = details.get("max_abs")
+        above = f", or a threshold above {value:.6g}" if isinstance(value, (int, float)) else ""
+        setting = f"NumGuardCallback(max_abs_input=None{above})"
+        what = "held values above max_abs_input"
+    else:
+        setting = "NumGuardCallback(check=[...]) without 'inputs'"
+        what = "held NaN/Inf"
+    return (
+        f"{names} {what} on {steps} consecutive steps (the last {at}): that is a convention of this data, not "
+        f"a fault, so NumGuard no longer checks this field and no longer skips or rolls back steps for it in "
+        f"this fit (the module outputs, loss, gradients and weights are still checked every step); "
+        f"{setting} silences this"
+    )
 
 
 def action_message(

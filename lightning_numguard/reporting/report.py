@@ -66,7 +66,7 @@ class Reporter:
             return
         for event in events:
             key = (event["kind"], event["where"][0] if event["where"] else "")
-            if self.warn and key not in self._warned:
+            if self.warn and key not in self._warned and not (event.get("details") or {}).get("convention"):
                 self._warned.add(key)
                 if trainer.is_global_zero:
                     warn_at_user_code(f"NumGuard: {event['message']}")
