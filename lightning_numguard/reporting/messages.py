@@ -24,11 +24,14 @@ def _names(where: Sequence[str], limit: int = 3) -> str:
     return shown
 
 
-def _op_clause(op: str | None, module: str | None, source: str | None, backward: bool = False) -> str:
+def _op_clause(
+    op: str | None, module: str | None, source: str | None, backward: bool = False, inf_in: bool = False
+) -> str:
     if not op:
         return ""
     what = "autograd op" if backward else "op"
-    text = f"the first {what} to turn finite values into NaN/Inf was `{op}`"
+    values = "values holding ±Inf but no NaN into NaN" if inf_in else "finite values into NaN/Inf"
+    text = f"the first {what} to turn {values} was `{op}`"
     if module:
         text += f" in `{module}`"
     if source:
@@ -78,9 +81,9 @@ def incident_message(
             # kept word for word from earlier versions: "replay traced it to op `div` in `norm`"
             text += f"; replay traced it to op `{op}`" + (f" in `{module}`" if module else "")
             text += f" at {source}" if source else ""
-            text += " from finite inputs"
+            text += " from inputs holding ±Inf but no NaN" if replay.get("inf_in") else " from finite inputs"
         elif replay.get("stage") == "inputs":
-            text += "; its inputs were already non-finite (the batch or the weights), so no op is to blame"
+            text += "; the values entering it were already non-finite, so no op inside it is to blame"
     elif kind == "op_domain":
         op_ = op or details.get("op", where[0] if where else "op")
         module_ = module or details.get("module")
@@ -94,7 +97,7 @@ def incident_message(
     elif kind == "nonfinite_loss":
         text = f"the loss is non-finite {at}"
         if op:
-            text += "; " + _op_clause(op, module, source)
+            text += "; " + _op_clause(op, module, source, inf_in=bool(replay.get("inf_in")))
         elif root and replay.get("stage") == "inputs":
             text += "; the replay found the forward pass's inputs already non-finite"
         elif root and {"inputs", "outputs"} <= checked:
