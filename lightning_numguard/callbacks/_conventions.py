@@ -12,6 +12,7 @@ every step, so a convention that does poison the step is still caught there.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from lightning_numguard.core.findings import Finding, mark_consequences
 
@@ -69,9 +70,10 @@ class InputConventions:
             del self.runs[p]
         self.ignored |= new
         # what remains is judged on its own: its first finding is the step's root cause
-        acted = [
-            replace(f, root_cause=True, consequence_of=None, details={k: v for k, v in f.details.items() if k != "after"})
-            for f in acted
-        ]
+        acted = [replace(f, root_cause=True, consequence_of=None, details=_without_after(f.details)) for f in acted]
         mark_consequences(acted)
         return acted, declared
+
+
+def _without_after(details: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in details.items() if k != "after"}
