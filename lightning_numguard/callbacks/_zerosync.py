@@ -239,6 +239,8 @@ class DeferredSync:
             rollbacks_used=guard._recovery.rollbacks_this_fit,
             max_rollbacks=guard.max_rollbacks,
         )
+        if action == "rollback" and not state_bad:  # the device skip undid the step: nothing is restored, say skip
+            action = "skip"
         findings = describe(seen, rec, state_bad, state_rank, trainer.global_rank, guard.max_abs_input)
         placed = located(guard, kept_records, trainer.global_rank) if seen.any_local() else {}
         findings = [placed.get(f.kind, [f])[0] if f.where[0] in _PLACEHOLDERS else f for f in findings]
@@ -263,7 +265,7 @@ class DeferredSync:
             for opt, lrs in zip(trainer.optimizers, schedule[1]):
                 for group, lr in zip(opt.param_groups, lrs):
                     group["lr"] = lr
-        restored = bool(state_bad and action == "rollback") or action == "halt"
+        restored = action in ("rollback", "halt")  # a rollback only when the state itself went bad
         if restored:  # every rank is here together (the flags and state_bad were merged across ranks)
             assert self.snapshots.last is not None
             guard._recovery.snapshot = self.snapshots.last[1]

@@ -436,6 +436,7 @@ class NumGuardCallback(Callback):
         end = self._recovery.at_train_end(trainer, pl_module, self._inspector, self.action == "warn")
         if end is not None:
             bad, action, details = end
+            self.counters["rollbacks"] += action == "rollback"  # the repair restored from the snapshot: counted
             finding = Finding("nonfinite_param", bad, details)
             self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, action)])
 

@@ -93,7 +93,11 @@ def incident_message(
         text += f" at {source}" if source else ""
         text += f" {at}"
         if details.get("count") is not None:
-            text += f": {details['count']} bad values, min {details.get('min')}, max {details.get('max')}"
+            text += f": {details['count']} bad values"
+            nan = details.get("nan_count") or 0
+            lo, hi = details.get("min"), details.get("max")
+            numbers = [f"min {lo:.6g}, max {hi:.6g}"] if lo is not None and hi is not None else []
+            text += f" ({', '.join(([f'{nan} NaN'] if nan else []) + numbers)})" if nan or numbers else ""
     elif kind == "nonfinite_loss":
         text = f"the loss is non-finite {at}"
         if op:
@@ -141,6 +145,23 @@ def _convention_message(kind: str, names: str, details: dict[str, Any], steps: i
     )
 
 
+def _restored(step: int, snapshot_step: int | None) -> str:
+    """What a rollback put back and what it cost, in words that match what happened."""
+    if snapshot_step is None:
+        return ""
+    if snapshot_step >= step:  # the state before this step was verified finite by its own check
+        return (
+            " to the state at the start of this step (weights, optimizer and buffers, verified finite): only this "
+            "batch's update is dropped, no earlier step is lost,"
+        )
+    lost = step - snapshot_step
+    steps = f"step {snapshot_step}" if lost == 1 else f"steps {snapshot_step}-{step - 1}"
+    return (
+        f" to the last verified-finite snapshot, taken at the start of step {snapshot_step}: the updates of "
+        f"{steps} ({lost} step{'s' if lost != 1 else ''}) are lost,"
+    )
+
+
 def action_message(
     action: str,
     configured: str,
@@ -164,13 +185,14 @@ def action_message(
         events_file: ``events.jsonl``'s path, when one was written.
     """
     cause = f"{root['kind']} in {', '.join(root['where'][:3]) or '-'}" if root else "non-finite values"
-    restored = f" (restored the last finite state, from step {snapshot_step})" if snapshot_step is not None else ""
+    restored = _restored(step, snapshot_step)
     if action == "skip":
         text = f"NumGuard skipped the optimizer step at step {step} because of {cause}"
     elif action == "rollback":
         text = f"NumGuard rolled back at step {step}{restored} because of {cause}"
     elif action == "halt":
-        text = f"NumGuard halted training at step {step}{restored} because of {cause}"
+        text = f"NumGuard halted training at step {step}" + (f", having restored{restored[1:]}," if restored else "")
+        text += f" because of {cause}"
     else:
         text = f"NumGuard took action {action!r} at step {step} because of {cause}"
     if action != configured:

@@ -418,10 +418,11 @@ def test_report_of_hand_written_events(events_file: Path) -> None:
     assert "First culprit: nonfinite_input at batch['image']" in lines
     assert "  step 12, epoch 1, batch 2, rank 1; action: rollback" in lines
     assert "  message: nonfinite_input in `batch['image']` at step 12 on rank 1" in lines
-    assert "Actions taken: warn 1, skip 1, rollback 3, halt 1" in lines
+    actions = "Actions taken: warn 1, skip 1, rollback 1, halt 1 (per step; 3 step(s) skipped)"  # one per step
+    assert actions in lines
 
     start = lines.index("Timeline (in recorded order; '>' marks the first culprit)")
-    timeline = lines[start + 1 : lines.index("Actions taken: warn 1, skip 1, rollback 3, halt 1")]
+    timeline = lines[start + 1 : lines.index(actions)]
     assert timeline[0].split() == ["step", "epoch/batch", "rank", "kind", "where", "action"]
     rows = [line for line in timeline if re.match(r"^  [> ] \d", line)]
     assert len(rows) == len(EVENTS)
@@ -469,7 +470,8 @@ def test_summary_counts(events_file: Path) -> None:
         "nonfinite_grad": 1,
         "nonfinite_param": 1,
     }
-    assert summary["actions"] == {"warn": 1, "skip": 1, "rollback": 3, "halt": 1}
+    assert summary["actions"] == {"warn": 1, "skip": 1, "rollback": 1, "halt": 1}  # step 12's 3 events: 1 rollback
+    assert (summary["skipped_steps"], summary["rollbacks"]) == (3, 1)
     assert summary["first_culprit"]["where"] == ["batch['image']"]
     assert summary["first_culprit"]["hint"] == KIND_HINTS["nonfinite_input"]
     json.dumps(summary)
