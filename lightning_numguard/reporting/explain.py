@@ -251,13 +251,14 @@ def format_report(
 
     culprit = first_culprit(events)
     assert culprit is not None  # events is not empty
+    shown: set[str] = set()  # replay blocks already printed: the events of one step share theirs
     lines += [
         "",
         f"First culprit: {culprit['kind']} at {_where(culprit, limit=None)}",
         f"  step {culprit['step']}, epoch {culprit['epoch']}, batch {culprit['batch_idx']}, "
         f"rank {culprit['rank']}; action: {culprit['action']}",
         wrap("  message: ", culprit["message"]),
-        *_extras(culprit, indent="  "),
+        *_extras(culprit, indent="  ", shown=shown),
         wrap("  hint:    ", _event_hint(culprit)),
         "",
         "Timeline (in recorded order; '>' marks the first culprit)",
@@ -276,7 +277,6 @@ def format_report(
     ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines.append("    " + _columns(header, widths))
-    shown: set[str] = set()  # replay blocks already printed: the events of one step share theirs
     for event, row in zip(events, rows, strict=True):
         marker = "  > " if event is culprit else "    "
         lines.append(marker + _columns(row, widths))
@@ -345,7 +345,7 @@ def _format_time(value: Any) -> str:
 
 
 def _key_values(mapping: Mapping[str, Any]) -> str:
-    return ", ".join(f"{key}={_scalar(value)}" for key, value in mapping.items())
+    return ", ".join(f"{key}={_scalar(value)}" for key, value in mapping.items() if value is not None)
 
 
 def _scalar(value: Any) -> str:
