@@ -84,7 +84,10 @@ class NumGuardCallback(Callback):
             Adam moment before the step it would ruin).
         max_abs_input: finite batch values with ``|x|`` at or above this are ``suspicious_input``
             (numpy's masked-array fill value 1e20 and netCDF's 9.96921e36 are caught by the
-            default); ``None`` turns this off.
+            default; a value equal to its dtype's own finite extreme, ``torch.finfo(dtype).min`` in
+            an additive attention mask, is a mask and does not count); ``None`` turns this off. A
+            batch field flagged on 3 consecutive steps is taken for a convention of the data: said
+            once, then no longer checked in the fit.
         watch_modules: glob patterns of module names whose outputs are watched.
         ignore_modules: glob patterns of module names not watched.
         watch_depth: which modules the ``outputs`` check watches: those at most this many levels
