@@ -242,10 +242,10 @@ def format_report(
         counted = f"{summary['incidents']} in {len(steps)} step(s) ({span})"
     else:
         counted = "none"
-    others = [f"{summary['consequences']} consequence(s)"] if summary["consequences"] else []
-    others += [f"{summary['warnings']} warning(s)"] if summary["warnings"] else []
-    if others:
-        counted += f"; {summary['events']} events, of them {' and '.join(others)}"
+    parts = [f"{summary['consequences']} consequence(s)"] if summary["consequences"] else []
+    parts += [f"{summary['warnings']} warning(s)"] if summary["warnings"] else []
+    if parts:
+        counted += f"; {summary['events']} events, of them {' and '.join(parts)}"
     lines.append(f"  incidents:  {counted}")
     lines.append(f"  ranks:      {', '.join(map(str, summary['ranks']))}")
 
