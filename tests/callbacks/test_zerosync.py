@@ -9,7 +9,7 @@ import torch
 
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.core.syncs import SyncCounter
-from lightning_numguard.errors import NumGuardConfigError
+from lightning_numguard.errors import NumGuardConfigError, NumGuardWarning
 from tests.helpers import FaultData, FaultModel, SyncWindow, all_finite, loader, trainer
 
 
@@ -153,3 +153,29 @@ def test_a_nan_gradient_skipped_on_the_device_is_a_skip_not_a_rollback(tmp_path)
     assert guard.events and {e["step"] for e in guard.events} == {3}
     assert {e["action"] for e in guard.events} == {"skip"}
     assert (guard.counters["rollbacks"], guard.counters["skipped_steps"], guard.counters["incidents"]) == (0, 1, 1)
+
+
+class _WithSentinel(torch.utils.data.Dataset):
+    """FaultData with a field holding 1e25 in every sample: a convention of the data, not a fault."""
+
+    def __init__(self) -> None:
+        self.data = FaultData()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {**self.data[i], "extra": torch.tensor([1e25, 0.0])}
+
+
+def test_deferred_mode_stops_acting_on_a_field_flagged_step_after_step(tmp_path):
+    """Issue 20: the device skips the flagged steps until the field is declared a convention, then trains."""
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), sync_mode="deferred")
+    model = FusedModel()
+    with pytest.warns(NumGuardWarning, match=r"convention of this data.*max_abs_input=None"):
+        trainer(tmp_path, [guard], max_steps=8).fit(model, loader(_WithSentinel()))
+    declared = [e for e in guard.events if e["details"].get("convention")]
+    assert [(e["step"], e["action"], e["where"]) for e in declared] == [(2, "none", ["batch['extra']"])]
+    # read one step late: step 3 was already skipped on the device when step 2's flags declared the field
+    assert max(e["step"] for e in guard.events) == 3
+    assert guard.counters["skipped_steps"] == 4 and guard.counters["rollbacks"] == 0
