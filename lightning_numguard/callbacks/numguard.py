@@ -593,7 +593,7 @@ class NumGuardCallback(Callback):
             where = f"is in {ckpt}" if ckpt is not None else "was restored in memory (no file is written in this run)"
             raise NonFiniteError(
                 f"NumGuard halted training at step {rec.step}: "
-                + (rec.events[0]["message"] if rec.events else "non-finite values")
+                + next((e["message"] for e in rec.events if e["action"] == "halt"), "non-finite values")
                 + f". The last finite state {where}."
             )
 
