@@ -191,7 +191,7 @@ def action_message(
     elif action == "rollback":
         text = f"NumGuard rolled back at step {step}{restored} because of {cause}"
     elif action == "halt":
-        text = f"NumGuard halted training at step {step}" + (f", having restored{restored[1:]}," if restored else "")
+        text = f"NumGuard halted training at step {step}" + (f", having gone back{restored}" if restored else "")
         text += f" because of {cause}"
     else:
         text = f"NumGuard took action {action!r} at step {step} because of {cause}"

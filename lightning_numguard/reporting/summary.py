@@ -99,7 +99,8 @@ def _totals(s: FitSummary) -> str:
     if s.rollbacks and s.steps_lost_to_rollbacks:
         parts[-1] += f" ({_plural(s.steps_lost_to_rollbacks, 'step')} lost to rollbacks)"
     elif s.rollbacks:  # every rollback went back to the start of its own bad step
-        parts[-1] += " (to the start of the bad step: no earlier step lost)"
+        to = "each to the start of its" if s.rollbacks > 1 else "to the start of the"
+        parts[-1] += f" ({to} bad step: no earlier step lost)"
     if s.amp_overflow_steps:
         parts.append(_plural(s.amp_overflow_steps, "AMP overflow step") + " (the GradScaler's, not incidents)")
     return ", ".join(parts)
