@@ -28,6 +28,7 @@ from lightning_numguard import _compat
 from lightning_numguard.callbacks import _config, _nofiles
 from lightning_numguard.callbacks._amp import AmpCounters
 from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action, Check
+from lightning_numguard.callbacks._conventions import InputConventions
 from lightning_numguard.callbacks._coverage import CoverageCheck
 from lightning_numguard.callbacks._diagnosis import diagnose
 from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
@@ -83,7 +84,10 @@ class NumGuardCallback(Callback):
             Adam moment before the step it would ruin).
         max_abs_input: finite batch values with ``|x|`` at or above this are ``suspicious_input``
             (numpy's masked-array fill value 1e20 and netCDF's 9.96921e36 are caught by the
-            default); ``None`` turns this off.
+            default; a value equal to its dtype's own finite extreme, ``torch.finfo(dtype).min`` in
+            an additive attention mask, is a mask and does not count); ``None`` turns this off. A
+            batch field flagged on 3 consecutive steps is taken for a convention of the data: said
+            once, then no longer checked in the fit.
         watch_modules: glob patterns of module names whose outputs are watched.
         ignore_modules: glob patterns of module names not watched.
         watch_depth: which modules the ``outputs`` check watches: those at most this many levels
@@ -237,6 +241,8 @@ class NumGuardCallback(Callback):
     def _fresh_run(self, dirpath: Path | None = None) -> None:
         """New collaborators for a fit (run in ``setup``, before Lightning loads this callback's state)."""
         self._inspector = self._new_inspector()
+        self._conventions = InputConventions()  # batch fields flagged step after step: no longer checked
+        self._inspector.ignored_inputs = self._conventions.ignored
         self._reporter = Reporter(dirpath, warn=self.emit_warnings)
         self._ledger = Ledger(self._reporter)
         self._recovery = Recovery(
@@ -425,6 +431,7 @@ class NumGuardCallback(Callback):
         end = self._recovery.at_train_end(trainer, pl_module, self._inspector, self.action == "warn")
         if end is not None:
             bad, action, details = end
+            self.counters["rollbacks"] += action == "rollback"  # the repair restored from the snapshot: counted
             finding = Finding("nonfinite_param", bad, details)
             self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, action)])
 
@@ -487,8 +494,10 @@ class NumGuardCallback(Callback):
             self._skip_quietly(trainer, pl_module, optimizer, rec, reading)
         elif reading.flags.any:
             self._on_hit(trainer, pl_module, optimizer, rec, reading, due)
-        elif due:
-            self._recovery.take(trainer, pl_module, rec)
+        else:
+            self._conventions.clean_step()
+            if due:
+                self._recovery.take(trainer, pl_module, rec)
         self._recovery.settle()
 
     def _skip_quietly(
@@ -519,7 +528,10 @@ class NumGuardCallback(Callback):
             collapsed = self._amp.after_overflow(trainer)
             if collapsed is not None and self._reporter is not None:
                 self._reporter.say_once(trainer, "loss_scale_collapse", collapsed)
-        if not found.findings:
+        findings, declared = self._conventions.sort(found.findings)  # a field flagged step after step: not a fault
+        conventions = self._conventions_declared(trainer, declared, rec.step, rec.epoch, rec.batch_idx)
+        if not findings:
+            rec.events = conventions
             if due:
                 self._recovery.take(trainer, pl_module, rec)
             return
@@ -531,10 +543,19 @@ class NumGuardCallback(Callback):
             self.counters["skipped_steps"] += 1
             if not found.state_bad:  # the state before this step is verified finite: a rollback undoes exactly it
                 self._recovery.take(trainer, pl_module, rec)
-        rec.events = [
-            self._ledger.event(trainer, f, rec.step, rec.action, rec.epoch, rec.batch_idx) for f in found.findings
+        rec.events = conventions + [
+            self._ledger.event(trainer, f, rec.step, rec.action, rec.epoch, rec.batch_idx) for f in findings
         ]
         self._recovery.quarantine.count_failure(position_key(rec.batch, rec.batch_idx))
+
+    def _conventions_declared(
+        self, trainer: pl.Trainer, declared: list[Finding], step: int, epoch: int | None, batch_idx: int
+    ) -> list[dict[str, Any]]:
+        """The events (action ``"none"``) of batch fields declared conventions at this step, each said once."""
+        events = [self._ledger.event(trainer, f, step, "none", epoch, batch_idx) for f in declared]
+        for event in events:
+            self._reporter.say_once(trainer, f"convention {event['where']}", event["message"])
+        return events
 
     def _decide(self, state_bad: bool, has_incident: bool) -> str:
         return policy.decide(
@@ -564,7 +585,7 @@ class NumGuardCallback(Callback):
             where = f"is in {ckpt}" if ckpt is not None else "was restored in memory (no file is written in this run)"
             raise NonFiniteError(
                 f"NumGuard halted training at step {rec.step}: "
-                + (rec.events[0]["message"] if rec.events else "non-finite values")
+                + next((e["message"] for e in rec.events if e["action"] == "halt"), "non-finite values")
                 + f". The last finite state {where}."
             )
 

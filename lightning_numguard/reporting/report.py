@@ -84,7 +84,12 @@ class Reporter:
         for event in events:
             key = (event["kind"], event["where"][0] if event["where"] else "")
             # a consequence (root_cause: False) is the same incident: recorded and logged, not warned again
-            if self.warn and event.get("root_cause", True) and key not in self._warned:
+            if (
+                self.warn
+                and event.get("root_cause", True)
+                and key not in self._warned
+                and not (event.get("details") or {}).get("convention")
+            ):
                 self._warned.add(key)
                 if trainer.is_global_zero:
                     warn_at_user_code(f"NumGuard: {event['message']}")

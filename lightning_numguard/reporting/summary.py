@@ -96,8 +96,11 @@ def _plural(n: int, word: str) -> str:
 
 def _totals(s: FitSummary) -> str:
     parts = [_plural(s.skipped_steps, "step") + " skipped", _plural(s.rollbacks, "rollback")]
-    if s.rollbacks:
+    if s.rollbacks and s.steps_lost_to_rollbacks:
         parts[-1] += f" ({_plural(s.steps_lost_to_rollbacks, 'step')} lost to rollbacks)"
+    elif s.rollbacks:  # every rollback went back to the start of its own bad step
+        to = "each to the start of its" if s.rollbacks > 1 else "to the start of the"
+        parts[-1] += f" ({to} bad step: no earlier step lost)"
     if s.amp_overflow_steps:
         parts.append(_plural(s.amp_overflow_steps, "AMP overflow step") + " (the GradScaler's, not incidents)")
     return ", ".join(parts)
