@@ -28,7 +28,6 @@ import logging
 import math
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 
 from lightning_numguard.core import spike
@@ -230,26 +229,22 @@ class SpikeGuard:
         self.spike_steps = [s for s in self.spike_steps if s > step - self.window.window] + [step]
         return action
 
-    def log(self, trainer: pl.Trainer, counters: dict[str, int]) -> None:
-        """``numguard/grad_norm``, the z-scores and ``numguard/spikes`` every ``log_every_n_steps`` (rank 0)."""
-        if self.last is None or not trainer.loggers or not trainer.is_global_zero:
-            return
-        step, values = self.last
-        every = int(getattr(trainer, "log_every_n_steps", 50) or 0)  # set from Trainer(log_every_n_steps=...)
-        if every <= 0 or step % every:
-            return
+    def scalars(self) -> dict[str, float]:
+        """``numguard/grad_norm`` and the z-scores of the latest host read, once (no device read).
+
+        The caller hands them to :meth:`Reporter.series` with the counters, every ``log_every_n_steps``.
+        """
+        if self.last is None:
+            return {}
+        _, values = self.last
         self.last = None
-        metrics: dict[str, float] = {"numguard/spikes": float(counters.get("spikes", 0))}
+        metrics: dict[str, float] = {}
         if math.isfinite(values[1]) and values[1] > NOT_JUDGED:
             metrics["numguard/grad_norm"] = float(values[1])
         for i, tag in ((2, "numguard/loss_zscore"), (3, "numguard/grad_norm_zscore")):
             if values[i] > NOT_JUDGED:
                 metrics[tag] = float(values[i])
-        for lg in trainer.loggers:
-            try:
-                lg.log_metrics(metrics, step=step)
-            except Exception as err:  # a broken logger must not kill training
-                log.warning("numguard could not write to logger %s: %s", type(lg).__name__, err)
+        return metrics
 
     # ------------------------------------------------------------------ state
 
