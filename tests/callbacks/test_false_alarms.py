@@ -94,7 +94,7 @@ def test_hugging_face_additive_mask_raises_nothing_and_trains(tmp_path, dtype):
     t = trainer(tmp_path, [guard], max_steps=10)
     t.fit(model, DataLoader(PaddedTokens(dtype=dtype), batch_size=8))
     assert guard.events == []
-    assert guard.counters == {"incidents": 0, "skipped_steps": 0, "rollbacks": 0, "amp_overflow_steps": 0}
+    assert guard.counters == {"incidents": 0, "skipped_steps": 0, "rollbacks": 0, "amp_overflow_steps": 0, "spikes": 0}
     assert t.global_step == 10 and len(model.snapshots) == 10
     assert all(_moved_every_step(model, start))
 
