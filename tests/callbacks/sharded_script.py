@@ -11,7 +11,7 @@ weights are finite, and sha256 digests of the full weights and of the full AdamW
 ``DTensor.full_tensor()``: the harness only; the guard never gathers). A fit that raises writes its traceback
 instead (every rank that raised), and the launch goes on with the next scenario.
 
-Faults (on global rank 1, at global step 3, written in the LightningModule's ``on_train_batch_start``):
+Faults (on global rank 1, at global step 2, written in the LightningModule's ``on_train_batch_start``):
 ``shard``: NaN into row 0 of rank 1's local shard of ``fc1.weight`` (``p.to_local()[0] = nan`` under ``no_grad``);
 ``output``: the activation between the linears multiplies its (local) output by NaN on rank 1;
 ``input``: the batch 2 of data-parallel rank 1 holds NaN (its step 2).
@@ -43,17 +43,20 @@ from lightning_numguard import NumGuardCallback
 #: layout: (data_parallel_size, tensor_parallel_size)
 LAYOUTS = {"fsdp2": (2, 1), "tp": (1, 2), "2d": (2, 2)}
 STEPS = 6  # optimizer steps of a fit
-FAULT_STEP, FAULT_RANK, BAD_BATCH = 3, 1, 2
-#: scenario: guard settings (None: no guard), fault, max_steps, the batch every data-parallel rank leaves out
+FAULT_STEP = BAD_BATCH = 2  # the step of every fault, and the batch an ``input`` fault poisons (its step 2)
+FAULT_RANK = 1
+EVERY_STEP = {"snapshot_every_n_steps": 1}  # a rollback at step 2 restores the state after step 1
+#: scenario: guard settings (None: no guard), fault, max_steps, the batch every data-parallel rank leaves out.
+#: A rollback of step 2 (snapshots every step) or a skip of it ends where ``omit`` ends: batch 2 left out everywhere.
 SCENARIOS: dict[str, dict[str, Any]] = {
     "plain": {"guard": None},
-    "clean": {"guard": {}},
-    "shard": {"guard": {}, "fault": "shard"},
+    "clean": {"guard": {}},  # the defaults
+    "shard": {"guard": EVERY_STEP, "fault": "shard"},
     "warn": {"guard": {"action": "warn"}, "fault": "shard"},
-    "output": {"guard": {}, "fault": "output"},
+    "output": {"guard": EVERY_STEP, "fault": "output"},
     "skip": {"guard": {"action": "skip"}, "fault": "input"},
     "omit": {"guard": None, "omit": BAD_BATCH, "steps": STEPS - 1},
-    "halt": {"guard": {"action": "halt"}, "fault": "shard"},
+    "halt": {"guard": {"action": "halt", **EVERY_STEP}, "fault": "shard"},
     "resume": {"guard": {}, "resume": "halt"},  # fits from OUT_DIR/halt/ng/last_finite.ckpt, no fault
 }
 
