@@ -25,6 +25,7 @@ import torch
 from lightning_numguard import _compat
 from lightning_numguard.callbacks import _distributed, _micro
 from lightning_numguard.core import checks, flags
+from lightning_numguard.core.dtensor import local
 from lightning_numguard.core.findings import AFTER_FORWARD, Finding
 from lightning_numguard.core.opguard import OpGuard
 from lightning_numguard.core.snapshot import rng_state
@@ -238,7 +239,7 @@ class StepInspector:
     def record_loss(self, loss: torch.Tensor) -> None:
         """Keep the loss of this micro-batch for the step's read."""
         if "loss" in self.check and self.record is not None:
-            self.record.losses.append(loss.detach())
+            self.record.losses.append(local(loss.detach()))  # a DTensor loss (loss parallel): this rank's part
             if self.record.micro:
                 self.record.micro[-1].loss = self.record.losses[-1]
 

@@ -342,7 +342,7 @@ class NumGuardCallback(Callback):
             return
         self._inspector.detach()
         _compat.require_accumulation_api(trainer)
-        check_strategy(trainer.strategy, self.action)
+        check_strategy(trainer.strategy, self.action, self.sync_mode)
         root = Path(trainer.log_dir or trainer.default_root_dir)
         dirpath = Path(self.dirpath) if self.dirpath else root / "numguard"
         self._fresh_run(dirpath if _nofiles.writes_files(trainer, self.dirpath) else None)  # None: no files
@@ -453,7 +453,7 @@ class NumGuardCallback(Callback):
             return
         assert self._recovery.snapshot is not None
         details = {"when": "while saving a checkpoint", "snapshot_step": self._recovery.snapshot.step}
-        finding = Finding("nonfinite_param", ["checkpoint"], details)
+        finding = Finding("nonfinite_param", ["checkpoint"], details, self._recovery.swap_rank)
         self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, "none")])
 
     @override

@@ -1,0 +1,94 @@
+"""ModelParallelStrategy with real processes (gloo, CPU): FSDP2, tensor parallel and 2-D, through local shards.
+
+The library's own checks of issue 17 (the acceptance tests are test_sharded.py). Each launch runs several fits in
+the same process group (``sharded_lib_script.py``); a NaN is written into one rank's local shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("sharded_lib_script.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(tmp_path: Path, layout: str, scenarios: list[str]) -> dict[str, list[dict]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
+    env["MASTER_PORT"] = str(_free_port())
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), layout, ",".join(scenarios)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    world = 4 if layout == "2d" else 2
+    return {s: [json.loads((tmp_path / s / f"rank{r}.json").read_text()) for r in range(world)] for s in scenarios}
+
+
+def weights(tmp_path: Path, scenario: str) -> dict[str, torch.Tensor]:
+    return torch.load(tmp_path / scenario / "weights.pt")
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def in_step(ranks: list[dict], steps: int) -> None:
+    for r in ranks:
+        assert r["finite"] and r["same_as_rank0"] and r["global_step"] == steps, r
+    assert all(r["events"] == ranks[0]["events"] for r in ranks)  # every rank recorded the same
+
+
+@pytest.mark.ddp
+def test_fsdp2_every_action_on_local_shards(tmp_path):
+    scenarios = ["plain", "clean", "param", "twice", "opt_state", "skip", "omit", "halt", "resume"]
+    out = launch(tmp_path, "fsdp", scenarios)
+    # a clean run with the defaults ends bitwise where the guard-free run does
+    assert not out["clean"][0]["events"] and same(weights(tmp_path, "plain"), weights(tmp_path, "clean"))
+    # a NaN written into rank 1's shard of body.0.weight: named with its original name and rank 1, rolled back
+    ranks = out["param"]
+    in_step(ranks, 5)
+    first = ranks[0]["events"][0]
+    assert first["kind"] == "nonfinite_param" and first["where"] == ["body.0.weight"]
+    assert first["rank"] == 1 and first["step"] == 2 and first["action"] == "rollback"
+    assert ranks[0]["counters"]["rollbacks"] == 1
+    # the snapshot holds this rank's shards only: the parameters' local bytes, about half of the whole
+    for r in ranks:
+        assert r["snapshot_nbytes"] == r["local_param_nbytes"] < 0.6 * r["full_param_nbytes"]
+    # two rollbacks: last_finite.ckpt (a folder) replaced in place, nothing left under a temporary name
+    ranks = out["twice"]
+    in_step(ranks, 5)
+    assert ranks[0]["counters"]["rollbacks"] == 2
+    assert ranks[0]["ng_files"] == ["events.jsonl", "last_finite.ckpt"] and ranks[0]["checkpoints"]["last_finite.ckpt"]
+    # AdamW state of rank 1 poisoned after the guard's check: the checkpoint saved meanwhile holds the snapshot
+    ranks = out["opt_state"]
+    in_step(ranks, 5)
+    kinds = [(e["kind"], e["where"], e["rank"]) for e in ranks[0]["events"]]
+    assert ("nonfinite_param", ["optimizer[0].state[body.2.weight].exp_avg_sq"], 1) in kinds
+    assert len(ranks[0]["checkpoints"]) == 6 and all(ranks[0]["checkpoints"].values()), ranks[0]["checkpoints"]
+    # a skip ends bitwise where a run that left the batch out does
+    in_step(out["skip"], 5)
+    assert out["skip"][0]["counters"]["skipped_steps"] == 1
+    assert out["skip"][0]["events"][0]["rank"] == 1
+    assert same(weights(tmp_path, "skip"), weights(tmp_path, "omit"))
+    # halt: every rank stops at the same step with a finite last_finite.ckpt folder; a resume from it continues
+    in_step(out["halt"], 3)
+    assert out["halt"][0]["events"][0]["kind"] == "nonfinite_loss" and out["halt"][0]["checkpoints"]["last_finite.ckpt"]
+    in_step(out["resume"], 5)
+    assert out["resume"][0]["counters"]["skipped_steps"] == 1  # the guard's own state came back from the folder
