@@ -46,8 +46,11 @@ STEPS = 6  # optimizer steps of a fit
 FAULT_STEP = BAD_BATCH = 2  # the step of every fault, and the batch an ``input`` fault poisons (its step 2)
 FAULT_RANK = 1
 EVERY_STEP = {"snapshot_every_n_steps": 1}  # a rollback at step 2 restores the state after step 1
-#: scenario: guard settings (None: no guard), fault, max_steps, the batch every data-parallel rank leaves out.
-#: A rollback of step 2 (snapshots every step) or a skip of it ends where ``omit`` ends: batch 2 left out everywhere.
+#: scenario: guard settings (None: no guard), fault, max_steps, the batches every data-parallel rank leaves out.
+#: A skip of step 2, or a rollback of it to the snapshot taken at its own read (an output fault: the state at the
+#: start of step 2 was verified finite there), ends where ``omit`` ends: batch 2 left out everywhere. A shard fault
+#: poisons the state at the start of step 2, so its read takes no snapshot: the rollback restores the one of step 1
+#: (the state after batch 0) and ends where ``omit12`` ends: batches 1 and 2 left out everywhere.
 SCENARIOS: dict[str, dict[str, Any]] = {
     "plain": {"guard": None},
     "clean": {"guard": {}},  # the defaults
@@ -55,7 +58,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "warn": {"guard": {"action": "warn"}, "fault": "shard"},
     "output": {"guard": EVERY_STEP, "fault": "output"},
     "skip": {"guard": {"action": "skip"}, "fault": "input"},
-    "omit": {"guard": None, "omit": BAD_BATCH, "steps": STEPS - 1},
+    "omit": {"guard": None, "omit": (BAD_BATCH,), "steps": STEPS - 1},
+    "omit12": {"guard": None, "omit": (1, 2), "steps": STEPS - 2},
     "halt": {"guard": {"action": "halt", **EVERY_STEP}, "fault": "shard"},
     "resume": {"guard": {}, "resume": "halt"},  # fits from OUT_DIR/halt/ng/last_finite.ckpt, no fault
 }
@@ -75,11 +79,11 @@ class ShardedMLP(pl.LightningModule):
     """``fc1`` (8 -> 32), ``act``, ``fc2`` (32 -> 8); AdamW; parallelised in ``configure_model`` by ``layout``.
 
     Its own ``train_dataloader``: data-parallel rank d trains on samples [32 d, 32 d + 32) of one seeded set, in
-    order, 4 a batch; ``omit`` leaves that batch out on every data-parallel rank; the ``input`` fault makes
+    order, 4 a batch; ``omit`` leaves those batches out on every data-parallel rank; the ``input`` fault makes
     batch ``BAD_BATCH`` of data-parallel rank 1 NaN.
     """
 
-    def __init__(self, layout: str, fault: str | None = None, omit: int | None = None) -> None:
+    def __init__(self, layout: str, fault: str | None = None, omit: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.layout, self.fault, self.omit = layout, fault, omit
         self.fc1 = nn.Linear(8, 32)
@@ -130,7 +134,7 @@ class ShardedMLP(pl.LightningModule):
         x, y = x[32 * dp : 32 * dp + 32], y[32 * dp : 32 * dp + 32]
         if self.fault == "input" and dp == 1:
             x[4 * BAD_BATCH : 4 * BAD_BATCH + 4, 0] = float("nan")
-        keep = [i for i in range(32) if self.omit is None or i // 4 != self.omit]
+        keep = [i for i in range(32) if i // 4 not in self.omit]
         return DataLoader(TensorDataset(x[keep], y[keep]), batch_size=4, shuffle=False)
 
 
@@ -198,7 +202,7 @@ def fit(root: Path, layout: str, name: str) -> None:
         use_distributed_sampler=False,
         callbacks=[c for c in (guard, report) if c is not None],
     )
-    model = ShardedMLP(layout, spec.get("fault"), spec.get("omit"))
+    model = ShardedMLP(layout, spec.get("fault"), spec.get("omit", ()))
     ckpt = root / spec["resume"] / "ng" / "last_finite.ckpt" if "resume" in spec else None
     result: dict[str, Any] = {"scenario": name, "layout": layout}
     try:
