@@ -9,7 +9,8 @@ rotated by r, from the same initial weights on the same per-rank data):
   baseline          a plain ``pl.Trainer``
   numguard_default  ``NumGuardCallback()`` (its defaults)
   baseline_again    a second plain run: the noise floor of the day
-  numguard_snapshot_every_step  (optional) the defaults with ``snapshot_every_n_steps=1``
+  numguard_snapshot_every_step  the defaults with ``snapshot_every_n_steps=1`` (a snapshot's cost paid every
+                    step; its snapshot holds the AdamW state too)
 
 Each rank times its own steps with the step clock of ``benchmarks.harness`` (``perf_counter``, from the first
 callback's ``on_train_batch_start`` to the last one's ``on_train_batch_end``, the first ``--warmup`` steps of
@@ -104,13 +105,20 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     """Bytes of the parameters and optimizer state tensors: of the whole model, and of this rank's shards."""
     from torch.distributed.tensor import DTensor
 
-    tensors = [p for p in module.parameters()]
-    tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    full = sum(t.numel() * t.element_size() for t in tensors)  # a DTensor's numel is the global one
-    local = sum(
-        (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors
-    )  # the shards this rank holds
-    return {"full_state_bytes": full, "local_state_bytes": local}
+    params = list(module.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+    def whole(ts: list[torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in ts)  # a DTensor's numel is the global one
+
+    def mine(ts: list[torch.Tensor]) -> int:
+        return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in ts)
+
+    return {
+        "full_param_bytes": whole(params),
+        "full_state_bytes": whole(params) + whole(state),
+        "local_state_bytes": mine(params) + mine(state),
+    }
 
 
 def snapshot_bytes(guard: NumGuardCallback) -> int | None:
@@ -172,7 +180,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=64, help="batch size per rank")
-    p.add_argument("--variants", default="baseline,numguard_default,baseline_again")
+    p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", help="write DIR/fsdp2.json and DIR/fsdp2.md (rank 0)")
     args = p.parse_args(argv)
     args.variant_list = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
@@ -241,7 +249,7 @@ def summarise(rounds: dict[str, list[dict[str, Any]]], variants: list[str]) -> d
             "ratio_max": max(ratios),
             "errors": [x["error"] for x in rounds[v] if x["error"]],
             "incidents": sum(x.get("incidents", 0) for x in rounds[v]),
-            **{k: last[k] for k in ("snapshot_bytes", "full_state_bytes", "local_state_bytes") if k in last},
+            **{k: v for k, v in last.items() if k.endswith("_bytes")},
         }
     return out
 
@@ -280,21 +288,29 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"| `{v}` | " + " | ".join(cells) + f" | {'; '.join(errors)[:200] or '-'} |")
     lines += [
         "",
-        "Snapshot memory per rank (the guard's last snapshot, `Snapshot.nbytes`) against the parameters and AdamW",
-        "state of the whole model, and against the shards this rank holds:",
+        "Snapshot memory per rank: the guard's last snapshot (`Snapshot.nbytes`: this rank's shards of the parameters",
+        "and AdamW state, plus buffers and RNG) against the whole model's parameters, and its parameters and AdamW",
+        "state (after the fit), and against the shards of those this rank holds. Under the defaults the one snapshot",
+        "of a short fit is the one taken at train start, before AdamW has state: compare it with the parameters;",
+        "`numguard_snapshot_every_step` holds the AdamW state too.",
         "",
-        "| variant | rank | full state | this rank's shards | snapshot | snapshot / full state |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| variant | rank | full parameters | full parameters + AdamW | this rank's shards of both | snapshot "
+        "| snapshot / full parameters | snapshot / full parameters + AdamW |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v in cfg["variants"]:
         for r in ranks:
             x = r["variants"][v]
             if "snapshot_bytes" not in x:
                 continue
-            share = "-" if not x.get("snapshot_bytes") else f"{x['snapshot_bytes'] / x['full_state_bytes']:.3f}"
+            snap = x.get("snapshot_bytes")
+            shares = [
+                "-" if not snap or not x.get(k) else f"{snap / x[k]:.3f}"
+                for k in ("full_param_bytes", "full_state_bytes")
+            ]
             lines.append(
-                f"| `{v}` | {r['rank']} | {_mb(x.get('full_state_bytes'))} | {_mb(x.get('local_state_bytes'))} "
-                f"| {_mb(x.get('snapshot_bytes'))} | {share} |"
+                f"| `{v}` | {r['rank']} | {_mb(x.get('full_param_bytes'))} | {_mb(x.get('full_state_bytes'))} "
+                f"| {_mb(x.get('local_state_bytes'))} | {_mb(snap)} | {shares[0]} | {shares[1]} |"
             )
     lines += ["", f"Wall time {result['wall_s']:.0f} s. Raw per-step times: `fsdp2.json`."]
     return "\n".join(lines)
