@@ -38,11 +38,17 @@ Results = Callable[[str, str], list[dict[str, Any]]]
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> Results:
     """``sharded(layout, scenario)``: every rank's result of that scenario; each layout is launched once."""
     done: dict[str, Path] = {}
+    failed: dict[str, str] = {}  # a launch that failed fails every test of its layout, without a second launch
 
     def results(layout: str, scenario: str) -> list[dict[str, Any]]:
+        assert layout not in failed, failed[layout]
         if layout not in done:
             root = tmp_path_factory.mktemp(layout)
-            launch(root, layout, LAUNCHES[layout])
+            try:
+                launch(root, layout, LAUNCHES[layout])
+            except (AssertionError, subprocess.TimeoutExpired) as err:
+                failed[layout] = f"the {layout} launch failed: {err}"
+                raise
             done[layout] = root
         root = done[layout]
         ranks = []
