@@ -57,7 +57,20 @@ def in_step(ranks: list[dict], steps: int) -> None:
 
 #: fits per launch: FSDP2 runs every scenario; tensor parallel and 2-D the main ones (4 ranks on 2 cores are slow)
 SCENARIOS = {
-    "fsdp": ["plain", "clean", "param", "twice", "opt_state", "skip", "omit", "halt", "resume"],
+    "fsdp": [
+        "plain",
+        "clean",
+        "param",
+        "twice",
+        "opt_state",
+        "skip",
+        "omit",
+        "halt",
+        "resume",
+        "retry",
+        "accumulate",
+        "async",
+    ],
     "tp": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
     "2d": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
 }
@@ -109,3 +122,19 @@ def test_every_action_on_local_shards(tmp_path, layout):
     assert ("nonfinite_param", ["optimizer[0].state[body.2.weight].exp_avg_sq"], 1) in kinds
     assert ("nonfinite_param", ["checkpoint"], 1) in kinds
     assert len(ranks[0]["checkpoints"]) == 6 and all(ranks[0]["checkpoints"].values()), ranks[0]["checkpoints"]
+    # retry (every rank re-runs the batch: FSDP2's backward is collective; before, the ranks hung), back-off, skip
+    ranks = out["retry"]
+    in_step(ranks, 5)
+    first = ranks[0]["events"][0]
+    assert first["kind"] == "nonfinite_input" and first["rank"] == 1 and first["details"]["quarantined"]
+    assert first["details"]["retry"] == "persistent: non-finite again" and first["details"]["lr_after_backoff"]
+    assert ranks[0]["counters"]["skipped_steps"] == 2 and "bad_batches" in ranks[0]["ng_files"]
+    # accumulation: the window's second micro-batch (batch 3) on rank 1, named on every rank
+    ranks = out["accumulate"]
+    in_step(ranks, 3)
+    first = ranks[0]["events"][0]
+    assert (first["kind"], first["rank"], first["step"], first["batch_idx"]) == ("nonfinite_input", 1, 1, 3)
+    # asynchronous snapshots (a worker thread copies the local shards) roll back as the synchronous ones
+    in_step(out["async"], 5)
+    assert out["async"][0]["events"] == out["param"][0]["events"]
+    assert same(weights(tmp_path, "async"), weights(tmp_path, "param"))
