@@ -126,8 +126,9 @@ class NumGuardCallback(Callback):
             stay whole and per rank), and a rollback, a halt, the end-of-fit repair and the checkpoint
             swap gather them back from every rank (one all-gather, only on those events). ``"off"``
             keeps a full copy on every rank; use it when the ranks do not hold the same parameters
-            and optimizer state. FSDP and DeepSpeed always keep full copies; ``sync_mode="deferred"`` shards its
-            ring of snapshots the same way.
+            and optimizer state. Under ``ModelParallelStrategy`` (FSDP2, tensor parallel) the state is
+            already sharded: each rank copies only its local shards, never re-sharded, restored in place with
+            no collective. ``sync_mode="deferred"`` shards its ring of snapshots the same way (under DDP).
         snapshot_async: take snapshots asynchronously: from the start of a step whose snapshot is due, the
             parameters and optimizer state are copied on a CUDA side stream (on the CPU: a worker thread),
             overlapped with the forward and backward passes, into a second snapshot buffer; the copy becomes

@@ -9,7 +9,10 @@ SCENARIOS: comma-separated, run one after another in the same processes, each un
 * ``opt_state``: rank 1's local shard of AdamW's ``exp_avg_sq`` of ``body.2.weight`` NaN at step 2 (rollback);
 * ``skip``: batch 2 of data-parallel rank 1 is NaN (action ``skip``); ``omit``: no guard, batch 2 left out on
   every rank (``skip`` and ``omit`` have no LR scheduler);
-* ``halt``: the loss of rank 0 NaN at step 2 (action ``halt``), then ``resume``: a new fit from its
+* ``retry``: batch 2 of data-parallel rank 1 is NaN, rolled back with ``retry_transient``, ``lr_backoff=0.5`` and
+  one batch skipped after the rollback; ``accumulate``: ``accumulate_grad_batches=2``, batch 3 of data-parallel
+  rank 1 NaN (rollback); ``async``: as ``param``, with ``snapshot_async=True`` (a worker thread on the CPU);
+* ``halt``: the loss of rank 1 NaN at step 2 (action ``halt``), then ``resume``: a new fit from its
   ``last_finite.ckpt`` to ``max_steps`` 5.
 
 Each rank writes OUT_DIR/SCENARIO/rank{r}.json (events, counters, global step, whether the gathered weights are
@@ -36,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_numguard import NumGuardCallback
 
 STEPS = 5
-FAULTS = {"param": "param", "twice": "param", "opt_state": "opt_state", "halt": "loss"}
+FAULTS = {"param": "param", "twice": "param", "opt_state": "opt_state", "halt": "loss", "async": "param"}
 
 
 class Data(Dataset):
@@ -154,8 +157,13 @@ def run(out: Path, layout: str, scenario: str) -> None:
     action = {"skip": "skip", "halt": "halt"}.get(scenario, "rollback")
     guard = None
     if scenario not in ("plain", "omit"):
+        extra: dict[str, Any] = {}
+        if scenario == "retry":
+            extra = {"retry_transient": True, "lr_backoff": 0.5, "skip_batches_after_rollback": 1}
+        if scenario == "async":
+            extra = {"snapshot_async": True}
         guard = NumGuardCallback(
-            action=action, dirpath=str(out.parent / "halt" / "ng" if scenario == "resume" else out / "ng")
+            action=action, dirpath=str(out.parent / "halt" / "ng" if scenario == "resume" else out / "ng"), **extra
         )
     world = 4 if layout == "2d" else 2
     savers: list[Any] = []
@@ -174,6 +182,7 @@ def run(out: Path, layout: str, scenario: str) -> None:
         callbacks=([guard] if guard is not None else []) + savers,
         default_root_dir=str(out),
         use_distributed_sampler=False,
+        accumulate_grad_batches=2 if scenario == "accumulate" else 1,
     )
     steps = (1, 3) if scenario == "twice" else 2
     model = Model(layout, site=FAULTS.get(scenario), step=steps, scheduler=scenario not in ("skip", "omit"))
@@ -181,7 +190,9 @@ def run(out: Path, layout: str, scenario: str) -> None:
     dp_rank = trainer.global_rank // tp  # the mesh is (data_parallel, tensor_parallel), row-major
     # each data-parallel rank trains on its own 40 samples, in batches of 8; batch 2 of dp rank 1 is the bad one
     bad = set(range(40 + 16, 40 + 24)) if layout != "tp" else set(range(16, 24))
-    data = Data(bad=bad if scenario == "skip" else None)
+    if scenario == "accumulate":  # batch 3: the second micro-batch of the second window
+        bad = {i + 8 for i in bad}
+    data = Data(bad=bad if scenario in ("skip", "retry", "accumulate") else None)
     own = [
         i for i in range(dp_rank * 40, dp_rank * 40 + 40) if scenario != "omit" or i - dp_rank * 40 not in range(16, 24)
     ]
