@@ -1,12 +1,13 @@
 """Run by test_sharded.py in a subprocess: real ``ModelParallelStrategy`` runs (gloo, CPU processes).
 
-Usage: python sharded_script.py OUT_DIR LAYOUT SCENARIOS
+Usage: python sharded_script.py OUT_DIR LAYOUT/SCENARIO[,LAYOUT/SCENARIO...]
 
 LAYOUT: ``fsdp2`` (2 ranks, ``fully_shard`` on each linear and the root over the data-parallel mesh), ``tp`` (2 ranks,
 ``fc1`` column-wise and ``fc2`` row-wise over the tensor-parallel mesh) or ``2d`` (4 ranks, 2 data-parallel x 2
-tensor-parallel: tensor parallel first, then ``fully_shard``).
-SCENARIOS: comma-separated names from ``SCENARIOS`` below; one fit each, in sequence in the same processes (a launch
-costs seconds), each rank writing OUT_DIR/SCENARIO/rank{r}.json: events, counters, ``global_step``, whether the
+tensor-parallel: tensor parallel first, then ``fully_shard``); the layouts of one launch have the same world size.
+SCENARIO: a name from ``SCENARIOS`` below. One fit each, in sequence in the same processes (a launch costs seconds
+of imports per process; a fit of this model about one), each rank writing OUT_DIR/LAYOUT/SCENARIO/rank{r}.json:
+events, counters, ``global_step``, whether the
 weights are finite, and sha256 digests of the full weights and of the full AdamW state (gathered with
 ``DTensor.full_tensor()``: the harness only; the guard never gathers). A fit that raises writes its traceback
 instead (every rank that raised), and the launch goes on with the next scenario.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import traceback
@@ -183,6 +185,7 @@ class Report(pl.Callback):
 
 def fit(root: Path, layout: str, name: str) -> None:
     spec = SCENARIOS[name]
+    root = root / layout
     out = root / name
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0, verbose=False)
@@ -224,11 +227,13 @@ def fit(root: Path, layout: str, name: str) -> None:
 
 
 def main() -> None:
-    root, layout, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
+    root, runs = Path(sys.argv[1]), [run.split("/") for run in sys.argv[2].split(",")]
+    if len({math.prod(LAYOUTS[layout]) for layout, _ in runs}) != 1:
+        raise SystemExit(f"the layouts of one launch must have the same world size: {sys.argv[2]}")
     warnings.simplefilter("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    for name in names:
+    for layout, name in runs:
         fit(root, layout, name)
 
 

@@ -1,6 +1,6 @@
 """Real ``ModelParallelStrategy`` runs: FSDP2 (2 ranks), tensor parallel (2 ranks) and 2-D (4 ranks), gloo on the CPU.
 
-One launch per layout runs all of its scenarios in sequence (``sharded_script.py``); each test reads the per-rank
+One launch per world size (2: FSDP2 and tensor parallel; 4: 2-D) runs all of its scenarios in sequence (``sharded_script.py``); each test reads the per-rank
 results of the scenarios it compares. Faults are on global rank 1 at global step 2 (see the script's docstring):
 a NaN in rank 1's local shard of ``fc1.weight``, a NaN output of ``act`` on rank 1, NaN inputs in data-parallel
 rank 1's batch 2. ``omit`` is a guard-free run whose data left batch 2 out on every data-parallel rank (``omit12``:
@@ -25,10 +25,12 @@ from tests.callbacks.test_ddp import _free_port
 
 SCRIPT = Path(__file__).with_name("sharded_script.py")
 WORLD = {"fsdp2": 2, "tp": 2, "2d": 4}
-LAUNCHES = {
+#: the scenarios of each layout; the layouts of one world size run in one launch (a process costs seconds of
+#: imports, a fit of the tiny model about one)
+SCENARIOS = {
     "fsdp2": "plain,clean,shard,warn,output,skip,omit,omit12,halt,resume",
     "tp": "plain,clean,shard,output,omit,omit12",
-    "2d": "plain,clean,shard,omit12",
+    "2d": "plain,clean,shard,output,omit,omit12,halt,resume",
 }
 
 Results = Callable[[str, str], list[dict[str, Any]]]
@@ -36,23 +38,25 @@ Results = Callable[[str, str], list[dict[str, Any]]]
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> Results:
-    """``sharded(layout, scenario)``: every rank's result of that scenario; each layout is launched once."""
-    done: dict[str, Path] = {}
-    failed: dict[str, str] = {}  # a launch that failed fails every test of its layout, without a second launch
+    """``sharded(layout, scenario)``: every rank's result of that scenario; each world size is launched once."""
+    done: dict[int, Path] = {}
+    failed: dict[int, str] = {}  # a launch that failed fails every test of its world size, without a second launch
 
     def results(layout: str, scenario: str) -> list[dict[str, Any]]:
-        assert layout not in failed, failed[layout]
-        if layout not in done:
-            root = tmp_path_factory.mktemp(layout)
+        world = WORLD[layout]
+        assert world not in failed, failed[world]
+        if world not in done:
+            root = tmp_path_factory.mktemp(f"world{world}")
+            runs = [f"{name}/{s}" for name, w in WORLD.items() if w == world for s in SCENARIOS[name].split(",")]
             try:
-                launch(root, layout, LAUNCHES[layout])
+                launch(root, ",".join(runs))
             except (AssertionError, subprocess.TimeoutExpired) as err:
-                failed[layout] = f"the {layout} launch failed: {err}"
+                failed[world] = f"the launch of {world} ranks failed: {err}"
                 raise
-            done[layout] = root
-        root = done[layout]
+            done[world] = root
+        root = done[world] / layout
         ranks = []
-        for r in range(WORLD[layout]):
+        for r in range(world):
             path = root / scenario / f"rank{r}.json"
             assert path.exists(), f"{layout}/{scenario}: rank {r} wrote no result"
             result = json.loads(path.read_text())
@@ -63,11 +67,11 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Results:
     return results
 
 
-def launch(root: Path, layout: str, scenarios: str) -> None:
+def launch(root: Path, runs: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
     env["MASTER_PORT"] = str(_free_port())
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(root), layout, scenarios],
+        [sys.executable, str(SCRIPT), str(root), runs],
         cwd=root,
         env=env,
         capture_output=True,
@@ -127,6 +131,24 @@ def assert_output_named_and_replayed(sharded: Results, layout: str) -> None:
     assert_bitwise(ranks, sharded(layout, "omit"))
 
 
+def assert_halted_and_resumed(sharded: Results, layout: str) -> None:
+    """action="halt" on the shard fault: every rank stops at the same step with the snapshot of step 1 restored and
+    saved as last_finite.ckpt (ModelParallelStrategy writes a distributed-checkpoint folder); a new fit under the
+    same strategy with ``ckpt_path`` starts from exactly that state with the guard's counters and runs to the end."""
+    halt, resume = sharded(layout, "halt"), sharded(layout, "resume")
+    for h in halt:
+        assert h["global_step"] < 6 and h["finite"]
+        assert any(e["action"] == "halt" for e in h["events"]), h["events"]
+    assert_same_on_every_rank(halt, "global_step", "digest", "opt_digest", "events", "counters")
+    for h, r in zip(halt, resume):
+        start = r["start"]
+        assert (start["digest"], start["opt_digest"]) == (h["digest"], h["opt_digest"])
+        assert start["counters"] == h["counters"] and start["counters"]["incidents"] >= 1
+        assert 0 < start["global_step"] <= h["global_step"]
+        assert r["global_step"] == 6 and r["finite"] and r["events"] == []
+    assert_same_on_every_rank(resume, "digest", "opt_digest")
+
+
 # ---------------------------------------------------------------------------------------------------- FSDP2
 
 
@@ -180,21 +202,7 @@ def test_fsdp2_the_replay_runs_on_every_rank_and_names_the_op(sharded):
 @pytest.mark.ddp
 @pytest.mark.timeout(600)
 def test_fsdp2_halt_saves_last_finite_through_the_strategy_and_fit_resumes_from_it(sharded):
-    """action="halt" on the shard fault: every rank stops at the same step with the snapshot of step 1 restored and
-    saved as last_finite.ckpt (ModelParallelStrategy writes a distributed-checkpoint folder); a new fit under the
-    same strategy with ``ckpt_path`` starts from exactly that state with the guard's counters and runs to the end."""
-    halt, resume = sharded("fsdp2", "halt"), sharded("fsdp2", "resume")
-    for h in halt:
-        assert h["global_step"] < 6 and h["finite"]
-        assert any(e["action"] == "halt" for e in h["events"]), h["events"]
-    assert_same_on_every_rank(halt, "global_step", "digest", "opt_digest", "events", "counters")
-    for h, r in zip(halt, resume):
-        start = r["start"]
-        assert (start["digest"], start["opt_digest"]) == (h["digest"], h["opt_digest"])
-        assert start["counters"] == h["counters"] and start["counters"]["incidents"] >= 1
-        assert 0 < start["global_step"] <= h["global_step"]
-        assert r["global_step"] == 6 and r["finite"] and r["events"] == []
-    assert_same_on_every_rank(resume, "digest", "opt_digest")
+    assert_halted_and_resumed(sharded, "fsdp2")
 
 
 # ---------------------------------------------------------------------------------------------------- tensor parallel
@@ -231,3 +239,15 @@ def test_2d_a_clean_run_under_the_defaults_is_bitwise_the_guard_free_run(sharded
 @pytest.mark.timeout(600)
 def test_2d_a_nan_in_one_ranks_shard_is_rolled_back_on_every_rank_and_named_with_that_rank(sharded):
     assert_shard_rolled_back(sharded, "2d")
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_2d_the_replay_runs_on_every_rank_and_names_the_op(sharded):
+    assert_output_named_and_replayed(sharded, "2d")
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_2d_halt_saves_last_finite_through_the_strategy_and_fit_resumes_from_it(sharded):
+    assert_halted_and_resumed(sharded, "2d")
