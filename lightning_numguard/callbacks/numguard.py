@@ -434,7 +434,7 @@ class NumGuardCallback(Callback):
         end = self._recovery.at_train_end(trainer, pl_module, self._inspector, self.action == "warn")
         if end is not None:
             bad, action, details = end
-            finding = Finding("nonfinite_param", bad, details)
+            finding = Finding("nonfinite_param", bad, details, self._recovery.bad_rank)
             self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, action)])
 
     @override
@@ -454,7 +454,7 @@ class NumGuardCallback(Callback):
             return
         assert self._recovery.snapshot is not None
         details = {"when": "while saving a checkpoint", "snapshot_step": self._recovery.snapshot.step}
-        finding = Finding("nonfinite_param", ["checkpoint"], details, self._recovery.swap_rank)
+        finding = Finding("nonfinite_param", ["checkpoint"], details, self._recovery.bad_rank)
         self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, "none")])
 
     @override

@@ -12,6 +12,7 @@ SCENARIOS: comma-separated, run one after another in the same processes, each un
 * ``retry``: batch 2 of data-parallel rank 1 is NaN, rolled back with ``retry_transient``, ``lr_backoff=0.5`` and
   one batch skipped after the rollback; ``accumulate``: ``accumulate_grad_batches=2``, batch 3 of data-parallel
   rank 1 NaN (rollback); ``async``: as ``param``, with ``snapshot_async=True`` (a worker thread on the CPU);
+* ``end``: rank 1's shard of ``body.2.weight`` NaN after the last step (rolled back by the end-of-fit check);
 * ``halt``: the loss of rank 1 NaN at step 2 (action ``halt``), then ``resume``: a new fit from its
   ``last_finite.ckpt`` to ``max_steps`` 5.
 
@@ -22,6 +23,7 @@ finite and equal on every rank, the snapshot's bytes) and rank 0 OUT_DIR/SCENARI
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_numguard import NumGuardCallback
 
 STEPS = 5
-FAULTS = {"param": "param", "twice": "param", "opt_state": "opt_state", "halt": "loss", "async": "param"}
+FAULTS = {"end": "end", "param": "param", "twice": "param", "opt_state": "opt_state", "halt": "loss", "async": "param"}
 
 
 class Data(Dataset):
@@ -71,6 +73,9 @@ class Model(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+        # FSDP2: buffers, whole on every rank, restored by a skip as they were (under tensor parallelism the
+        # replicated BatchNorm parameters drift apart across ranks even without the guard: left out there)
+        self.norm = nn.BatchNorm1d(16) if layout == "fsdp" else nn.Identity()
         self.head = nn.Linear(16, 1)
         self.layout, self.site, self.fault_step, self.fault_rank = layout, site, step, rank
         self.scheduler = scheduler
@@ -90,7 +95,7 @@ class Model(pl.LightningModule):
             fully_shard(self, mesh=mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
+        return self.head(self.norm(self.body(x)))
 
     def _armed(self) -> bool:
         steps = self.fault_step if isinstance(self.fault_step, tuple) else (self.fault_step,)
@@ -107,6 +112,14 @@ class Model(pl.LightningModule):
             elif self.site == "opt_state":
                 state = self.trainer.optimizers[0].state[self.body[2].weight]
                 local(state["exp_avg_sq"]).view(-1)[0] = float("nan")
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # after the guard's own hook: the last step's update is only seen by the end-of-fit check
+        if self.site == "end" and self.global_step == STEPS and self.global_rank == self.fault_rank:
+            from lightning_numguard.core.dtensor import local
+
+            with torch.no_grad():
+                local(self.body[2].weight).view(-1)[0] = float("nan")
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = nn.functional.mse_loss(self(batch["x"]), batch["y"])
@@ -214,6 +227,7 @@ def run(out: Path, layout: str, scenario: str) -> None:
             (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters()
         ),
         "full_param_nbytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "buffer_nbytes": sum(b.numel() * b.element_size() for b in model.buffers()),
     }
     trainer.strategy.barrier()
     if rank == 0:
@@ -223,6 +237,8 @@ def run(out: Path, layout: str, scenario: str) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
         torch.save(weights, out / "weights.pt")
+    if os.environ.get("NG_DEBUG_WEIGHTS"):
+        torch.save(weights, out / f"weights{rank}.pt")
 
 
 def main() -> None:

@@ -70,6 +70,7 @@ SCENARIOS = {
         "retry",
         "accumulate",
         "async",
+        "end",
     ],
     "tp": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
     "2d": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
@@ -89,13 +90,16 @@ def test_every_action_on_local_shards(tmp_path, layout):
     assert first["kind"] == "nonfinite_param" and first["where"] == ["body.0.weight"]
     assert first["rank"] == 1 and first["step"] == 2 and first["action"] == "rollback"
     assert ranks[0]["counters"]["rollbacks"] == 1
-    for event in ranks[0]["events"][1:]:  # the replay blames no op: the weights were bad (or came from rank 1)
-        assert event["consequence_of"] == "nonfinite_param" and event["op"] is None, event
-        assert event["details"]["replay"]["stage"] == "inputs", event
-    # the snapshot holds this rank's shards only: the parameters' local bytes (1/2 or 1/4 of the whole, padded)
+    replayed = [e for e in ranks[0]["events"][1:] if "replay" in e["details"]]
+    assert replayed and all(e["consequence_of"] == "nonfinite_param" for e in ranks[0]["events"][1:])
+    for event in replayed:  # the replay blames no op: the weights were bad (or came from rank 1)
+        assert event["op"] is None and event["details"]["replay"]["stage"] == "inputs", event
+    # the snapshot (of step 0: no optimizer state yet) holds this rank's shards of the parameters (1/2 or 1/4 of
+    # the whole, padded) and the BatchNorm buffers, which are whole on every rank
     world = len(ranks)
     for r in ranks:
-        assert r["snapshot_nbytes"] == r["local_param_nbytes"] < 1.2 * r["full_param_nbytes"] / world
+        assert r["snapshot_nbytes"] == r["local_param_nbytes"] + r["buffer_nbytes"]
+        assert r["local_param_nbytes"] < 1.2 * r["full_param_nbytes"] / world
     # a skip ends bitwise where a run that left the batch out does
     in_step(out["skip"], 5)
     assert out["skip"][0]["counters"]["skipped_steps"] == 1
@@ -138,3 +142,14 @@ def test_every_action_on_local_shards(tmp_path, layout):
     in_step(out["async"], 5)
     assert out["async"][0]["events"] == out["param"][0]["events"]
     assert same(weights(tmp_path, "async"), weights(tmp_path, "param"))
+    # the last step's update, poisoned on rank 1's shard after the guard's hook: the end-of-fit check rolls back
+    ranks = out["end"]
+    in_step(ranks, 5)
+    (event,) = ranks[0]["events"]
+    assert (event["kind"], event["where"], event["rank"], event["action"]) == (
+        "nonfinite_param",
+        ["body.2.weight"],
+        1,
+        "rollback",
+    )
+    assert event["details"]["when"].startswith("at the end of training")
