@@ -14,7 +14,9 @@ SCENARIOS: comma-separated, run one after another in the same processes, each un
   rank 1 NaN (rollback); ``async``: as ``param``, with ``snapshot_async=True`` (a worker thread on the CPU);
 * ``end``: rank 1's shard of ``body.2.weight`` NaN after the last step (rolled back by the end-of-fit check);
 * ``halt``: the loss of rank 1 NaN at step 2 (action ``halt``), then ``resume``: a new fit from its
-  ``last_finite.ckpt`` to ``max_steps`` 5.
+  ``last_finite.ckpt`` to ``max_steps`` 5;
+* a name ending in ``_file`` (``halt_file``, ``resume_file``, ``opt_state_file``): that scenario with checkpoints
+  written as one file (``save_distributed_checkpoint=False``).
 
 Each rank writes OUT_DIR/SCENARIO/rank{r}.json (events, counters, global step, whether the gathered weights are
 finite and equal on every rank, the snapshot's bytes) and rank 0 OUT_DIR/SCENARIO/weights.pt (the gathered weights).
@@ -145,28 +147,30 @@ def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def all_finite(folder: Path, tmp: Path) -> bool:
-    """Whether every floating tensor of a distributed-checkpoint folder is finite (read back on one rank)."""
+    """Whether every floating tensor of a checkpoint (a distributed-checkpoint folder, or a file) is finite."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from lightning_numguard.core.tree import tensors
 
-    dcp_to_torch_save(folder, tmp)
-    state = torch.load(tmp, weights_only=False)
+    if folder.is_dir():
+        dcp_to_torch_save(folder, tmp)
+    state = torch.load(tmp if folder.is_dir() else folder, weights_only=False)
+    if not folder.is_dir():  # the model's and optimizers' states (callback states hold inf on purpose: kth_value)
+        state = {k: state[k] for k in ("state_dict", "optimizer_states") if k in state}
     found = [t for t in tensors(state) if t.is_floating_point()]
     return bool(found) and all(bool(torch.isfinite(t).all()) for t in found)
 
 
-def strategy(layout: str) -> ModelParallelStrategy:
-    if layout == "fsdp":
-        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    if layout == "tp":
-        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
-    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+def strategy(layout: str, folder: bool = True) -> ModelParallelStrategy:
+    dp, tp = {"fsdp": (2, 1), "tp": (1, 2), "2d": (2, 2)}[layout]
+    return ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, save_distributed_checkpoint=folder)
 
 
-def run(out: Path, layout: str, scenario: str) -> None:
+def run(out: Path, layout: str, name: str) -> None:
     pl.seed_everything(0, verbose=False)
     out.mkdir(parents=True, exist_ok=True)
+    scenario = name.removesuffix("_file")  # ..._file: checkpoints as one file (save_distributed_checkpoint=False)
+    folder = scenario == name
     action = {"skip": "skip", "halt": "halt"}.get(scenario, "rollback")
     guard = None
     if scenario not in ("plain", "omit"):
@@ -176,7 +180,9 @@ def run(out: Path, layout: str, scenario: str) -> None:
         if scenario == "async":
             extra = {"snapshot_async": True}
         guard = NumGuardCallback(
-            action=action, dirpath=str(out.parent / "halt" / "ng" if scenario == "resume" else out / "ng"), **extra
+            action=action,
+            dirpath=str(out.parent / name.replace("resume", "halt") / "ng" if scenario == "resume" else out / "ng"),
+            **extra,
         )
     world = 4 if layout == "2d" else 2
     savers: list[Any] = []
@@ -185,7 +191,7 @@ def run(out: Path, layout: str, scenario: str) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=strategy(layout),
+        strategy=strategy(layout, folder),
         max_steps=STEPS,
         max_epochs=1,
         logger=False,
@@ -210,7 +216,9 @@ def run(out: Path, layout: str, scenario: str) -> None:
         i for i in range(dp_rank * 40, dp_rank * 40 + 40) if scenario != "omit" or i - dp_rank * 40 not in range(16, 24)
     ]
     data = torch.utils.data.Subset(data, own)
-    ckpt = str(out.parent / "halt" / "ng" / "last_finite.ckpt") if scenario == "resume" else None
+    ckpt = (
+        str(out.parent / name.replace("resume", "halt") / "ng" / "last_finite.ckpt") if scenario == "resume" else None
+    )
     trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False), ckpt_path=ckpt)
     weights = gathered(model)
     flat = torch.cat([w.reshape(-1) for w in weights.values()])

@@ -71,6 +71,9 @@ SCENARIOS = {
         "accumulate",
         "async",
         "end",
+        "opt_state_file",
+        "halt_file",
+        "resume_file",
     ],
     "tp": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
     "2d": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
@@ -153,3 +156,15 @@ def test_every_action_on_local_shards(tmp_path, layout):
         "rollback",
     )
     assert event["details"]["when"].startswith("at the end of training")
+    # save_distributed_checkpoint=False: checkpoints are one file, whole tensors gathered by the strategy; the swap
+    # and last_finite.ckpt go through the same state-dict calls, and a resume from the file continues
+    ranks = out["opt_state_file"]
+    in_step(ranks, 5)
+    # (rank 0 holds the whole checkpoint here, so it is the rank named)
+    assert ("nonfinite_param", ["checkpoint"], 0) in [(e["kind"], e["where"], e["rank"]) for e in ranks[0]["events"]]
+    assert len(ranks[0]["checkpoints"]) == 6 and all(ranks[0]["checkpoints"].values()), ranks[0]["checkpoints"]
+    in_step(out["halt_file"], 3)
+    assert out["halt_file"][0]["checkpoints"] == {"last_finite.ckpt": True}
+    assert (tmp_path / "halt_file" / "ng" / "last_finite.ckpt").is_file()
+    in_step(out["resume_file"], 5)
+    assert out["resume_file"][0]["counters"]["skipped_steps"] == 1
