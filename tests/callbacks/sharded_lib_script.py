@@ -15,6 +15,8 @@ SCENARIOS: comma-separated, run one after another in the same processes, each un
 * ``end``: rank 1's shard of ``body.2.weight`` NaN after the last step (rolled back by the end-of-fit check);
 * ``halt``: the loss of rank 1 NaN at step 2 (action ``halt``), then ``resume``: a new fit from its
   ``last_finite.ckpt`` to ``max_steps`` 5;
+* ``fused``: no guard, a fused AdamW; ``deferred_clean``, ``deferred`` (as ``param``), ``deferred_halt`` (as
+  ``halt``): ``sync_mode="deferred"`` with a fused AdamW;
 * a name ending in ``_file`` (``halt_file``, ``resume_file``, ``opt_state_file``): that scenario with checkpoints
   written as one file (``save_distributed_checkpoint=False``).
 
@@ -43,7 +45,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_numguard import NumGuardCallback
 
 STEPS = 5
-FAULTS = {"end": "end", "param": "param", "twice": "param", "opt_state": "opt_state", "halt": "loss", "async": "param"}
+FAULTS = {
+    "deferred": "param",
+    "deferred_halt": "loss",
+    "end": "end",
+    "param": "param",
+    "twice": "param",
+    "opt_state": "opt_state",
+    "halt": "loss",
+    "async": "param",
+}
 
 
 class Data(Dataset):
@@ -130,7 +141,7 @@ class Model(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01, fused=getattr(self, "fused", False))
         if not self.scheduler:
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
@@ -171,14 +182,16 @@ def run(out: Path, layout: str, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     scenario = name.removesuffix("_file")  # ..._file: checkpoints as one file (save_distributed_checkpoint=False)
     folder = scenario == name
-    action = {"skip": "skip", "halt": "halt"}.get(scenario, "rollback")
+    action = {"skip": "skip", "halt": "halt", "deferred_halt": "halt"}.get(scenario, "rollback")
     guard = None
-    if scenario not in ("plain", "omit"):
+    if scenario not in ("plain", "omit", "fused"):
         extra: dict[str, Any] = {}
         if scenario == "retry":
             extra = {"retry_transient": True, "lr_backoff": 0.5, "skip_batches_after_rollback": 1}
         if scenario == "async":
             extra = {"snapshot_async": True}
+        if scenario.startswith("deferred"):
+            extra = {"sync_mode": "deferred"}
         guard = NumGuardCallback(
             action=action,
             dirpath=str(out.parent / name.replace("resume", "halt") / "ng" if scenario == "resume" else out / "ng"),
@@ -205,6 +218,7 @@ def run(out: Path, layout: str, name: str) -> None:
     )
     steps = (1, 3) if scenario == "twice" else 2
     model = Model(layout, site=FAULTS.get(scenario), step=steps, scheduler=scenario not in ("skip", "omit"))
+    model.fused = scenario.startswith("deferred") or scenario == "fused"  # the deferred mode skips through found_inf
     tp = 2 if layout in ("tp", "2d") else 1
     dp_rank = trainer.global_rank // tp  # the mesh is (data_parallel, tensor_parallel), row-major
     # each data-parallel rank trains on its own 40 samples, in batches of 8; batch 2 of dp rank 1 is the bad one

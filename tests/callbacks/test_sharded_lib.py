@@ -74,6 +74,10 @@ SCENARIOS = {
         "opt_state_file",
         "halt_file",
         "resume_file",
+        "fused",
+        "deferred_clean",
+        "deferred",
+        "deferred_halt",
     ],
     "tp": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
     "2d": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
@@ -168,3 +172,16 @@ def test_every_action_on_local_shards(tmp_path, layout):
     assert (tmp_path / "halt_file" / "ng" / "last_finite.ckpt").is_file()
     in_step(out["resume_file"], 5)
     assert out["resume_file"][0]["counters"]["skipped_steps"] == 1
+    # sync_mode="deferred" (a fused AdamW skips on the device): clean, bitwise the guard-free run; a NaN in rank 1's
+    # shard is read a step late and rolled back; a halt stops every rank at the same (late) step
+    assert not out["deferred_clean"][0]["events"] and same(
+        weights(tmp_path, "fused"), weights(tmp_path, "deferred_clean")
+    )
+    ranks = out["deferred"]
+    in_step(ranks, 5)
+    first = ranks[0]["events"][0]
+    assert (first["kind"], first["where"], first["rank"], first["step"]) == ("nonfinite_param", ["body.0.weight"], 1, 2)
+    assert ranks[0]["counters"]["rollbacks"] == 1
+    in_step(out["deferred_halt"], 4)
+    assert out["deferred_halt"][0]["events"][0]["kind"] == "nonfinite_loss"
+    assert out["deferred_halt"][0]["checkpoints"]["last_finite.ckpt"]
