@@ -99,7 +99,7 @@ class Recovery:
         self.stateful: dict[str, Stateful] = {}
         self.skip_remaining = 0
         self.rollbacks_this_fit = 0
-        self.swap_rank = -1  # the rank whose checkpoint state the last swap found non-finite first
+        self.bad_rank = -1  # the lowest rank whose state the last checkpoint swap or end-of-fit check found bad
 
     @property
     def ckpt_path(self) -> Path | None:
@@ -184,11 +184,12 @@ class Recovery:
     ) -> tuple[list[str], str, dict[str, Any]] | None:
         """Check the last step's update once (one sync per fit); repair what is bad unless ``warn_only``.
 
-        Returns ``None`` when all is finite, else the bad names, the action taken and the event's details.
+        Returns ``None`` when all is finite, else the bad names, the action taken and the event's details
+        (:attr:`bad_rank` is then the lowest rank where they were non-finite: one rank's shard, under sharding).
         """
         named = inspector.state(trainer, with_optimizer=False)
         flags = checks.confirm_nonfinite([t for _, t in named])
-        bad = _distributed.any_rank(trainer, [n for (n, _), b in zip(named, flags) if b])
+        bad, self.bad_rank = _distributed.first_rank(trainer, [n for (n, _), b in zip(named, flags) if b])
         if not bad:
             return None
         if warn_only or self.snapshot is None:
@@ -344,7 +345,7 @@ class Recovery:
     def swap_checkpoint(self, trainer: pl.Trainer, checkpoint: dict[str, Any], unchecked: set[str]) -> bool:
         """Replace a checkpoint's non-finite model and optimizer states by the snapshot's (collective).
 
-        Returns whether it did (then :attr:`swap_rank` is the lowest rank whose checkpoint state was non-finite).
+        Returns whether it did (then :attr:`bad_rank` is the lowest rank whose checkpoint state was non-finite).
         Costs one sync per checkpoint, nothing per step.
         """
         if self.snapshot is None:
@@ -353,15 +354,15 @@ class Recovery:
         found = tensors(model_state) + tensors(checkpoint.get("optimizer_states", []))
         if self.snapshot.specs:  # DTensor local shards: a checkpoint may hold this rank's shards, or nothing here
             bad = bool(found) and any(checks.confirm_nonfinite(found))
-            self.swap_rank = _distributed.first_rank(trainer, ["bad"] if bad else [])[1]  # every rank calls it
-            if self.swap_rank < 0:
+            self.bad_rank = _distributed.first_rank(trainer, ["bad"] if bad else [])[1]  # every rank calls it
+            if self.bad_rank < 0:
                 return False
             _sharded.swap_local_shards(trainer, trainer.lightning_module, self.snapshot.ready(), checkpoint)
             return True
         if not found:
             return False
-        self.swap_rank = _distributed.first_rank(trainer, ["bad"] if any(checks.confirm_nonfinite(found)) else [])[1]
-        if self.swap_rank < 0:
+        self.bad_rank = _distributed.first_rank(trainer, ["bad"] if any(checks.confirm_nonfinite(found)) else [])[1]
+        if self.bad_rank < 0:
             return False
         snapshot = self.full(trainer)
         checkpoint["state_dict"] = clone_tree(snapshot.model, "cpu")

@@ -7,8 +7,8 @@ single device, DDP (``ddp``,              everything: checks, one all-reduced re
 ``ddp_spawn``, ``ddp_notebook``)          halt, ``last_finite.ckpt``
 ``ModelParallelStrategy`` (FSDP2          everything, on each rank's local shards (``core/dtensor.py``):
 ``fully_shard``, tensor parallel, 2-D)    checks, the one all-reduced read, per-rank snapshots restored
-                                          in place, ``last_finite.ckpt`` as a distributed-checkpoint
-                                          folder; ``sync_mode="deferred"`` is refused
+                                          in place, ``last_finite.ckpt`` through the strategy (a
+                                          distributed-checkpoint folder by default); both sync modes
 ``FSDPStrategy`` (FSDP1), DeepSpeed       refused (``NumGuardError``) unless ``action="warn"``: never run
                                           with the guard (Lightning 2.6 runs FSDP1 on a GPU only, and
                                           DeepSpeed is not installed); under ``"warn"`` the per-rank
@@ -24,7 +24,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from lightning_numguard.errors import NumGuardConfigError, NumGuardError, NumGuardWarning
+from lightning_numguard.errors import NumGuardError, NumGuardWarning
 
 __all__ = ["LOCAL_SHARDS", "SHARDED", "SUPPORTED", "UNTESTED_SHARDED", "check_strategy", "holds_local_shards"]
 
@@ -48,7 +48,7 @@ UNTESTED_SHARDED = {
 SUPPORTED = ("SingleDeviceStrategy", "DDPStrategy", *LOCAL_SHARDS)
 
 
-def check_strategy(strategy: Any, action: str, sync_mode: str = "every_step") -> None:
+def check_strategy(strategy: Any, action: str) -> None:
     """Raise for an untested sharded strategy under an acting ``action``; warn for a strategy never tested.
 
     Matched by class name in the MRO so that optional packages (DeepSpeed) need not be importable.
@@ -72,12 +72,6 @@ def check_strategy(strategy: Any, action: str, sync_mode: str = "every_step") ->
             stacklevel=2,
         )
         return
-    if any(s in mro for s in LOCAL_SHARDS) and sync_mode == "deferred":
-        raise NumGuardConfigError(
-            f"NumGuard: sync_mode='deferred' is not supported under {name}: its device-side skip and its ring "
-            "of unverified snapshots have not been built for DTensor shards. Use sync_mode='every_step' (the "
-            "default: one host read per step, every action on the local shards)."
-        )
     if not any(s in mro for s in SUPPORTED):
         warnings.warn(
             f"NumGuard has not been tested under {name}: the checks run, but skip, rollback and halt assume "

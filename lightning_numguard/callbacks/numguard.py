@@ -128,7 +128,7 @@ class NumGuardCallback(Callback):
             keeps a full copy on every rank; use it when the ranks do not hold the same parameters
             and optimizer state. Under ``ModelParallelStrategy`` (FSDP2, tensor parallel) the state is
             already sharded: each rank copies only its local shards, never re-sharded, restored in place with
-            no collective. ``sync_mode="deferred"`` shards its ring of snapshots the same way (under DDP).
+            no collective. ``sync_mode="deferred"`` shards its ring of snapshots the same way.
         snapshot_async: take snapshots asynchronously: from the start of a step whose snapshot is due, the
             parameters and optimizer state are copied on a CUDA side stream (on the CPU: a worker thread),
             overlapped with the forward and backward passes, into a second snapshot buffer; the copy becomes
@@ -343,7 +343,7 @@ class NumGuardCallback(Callback):
             return
         self._inspector.detach()
         _compat.require_accumulation_api(trainer)
-        check_strategy(trainer.strategy, self.action, self.sync_mode)
+        check_strategy(trainer.strategy, self.action)
         root = Path(trainer.log_dir or trainer.default_root_dir)
         dirpath = Path(self.dirpath) if self.dirpath else root / "numguard"
         self._fresh_run(dirpath if _nofiles.writes_files(trainer, self.dirpath) else None)  # None: no files
@@ -434,7 +434,7 @@ class NumGuardCallback(Callback):
         end = self._recovery.at_train_end(trainer, pl_module, self._inspector, self.action == "warn")
         if end is not None:
             bad, action, details = end
-            finding = Finding("nonfinite_param", bad, details)
+            finding = Finding("nonfinite_param", bad, details, self._recovery.bad_rank)
             self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, action)])
 
     @override
@@ -454,7 +454,7 @@ class NumGuardCallback(Callback):
             return
         assert self._recovery.snapshot is not None
         details = {"when": "while saving a checkpoint", "snapshot_step": self._recovery.snapshot.step}
-        finding = Finding("nonfinite_param", ["checkpoint"], details, self._recovery.swap_rank)
+        finding = Finding("nonfinite_param", ["checkpoint"], details, self._recovery.bad_rank)
         self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, "none")])
 
     @override

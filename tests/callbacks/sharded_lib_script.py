@@ -12,8 +12,13 @@ SCENARIOS: comma-separated, run one after another in the same processes, each un
 * ``retry``: batch 2 of data-parallel rank 1 is NaN, rolled back with ``retry_transient``, ``lr_backoff=0.5`` and
   one batch skipped after the rollback; ``accumulate``: ``accumulate_grad_batches=2``, batch 3 of data-parallel
   rank 1 NaN (rollback); ``async``: as ``param``, with ``snapshot_async=True`` (a worker thread on the CPU);
+* ``end``: rank 1's shard of ``body.2.weight`` NaN after the last step (rolled back by the end-of-fit check);
 * ``halt``: the loss of rank 1 NaN at step 2 (action ``halt``), then ``resume``: a new fit from its
-  ``last_finite.ckpt`` to ``max_steps`` 5.
+  ``last_finite.ckpt`` to ``max_steps`` 5;
+* ``fused``: no guard, a fused AdamW; ``deferred_clean``, ``deferred`` (as ``param``), ``deferred_halt`` (as
+  ``halt``): ``sync_mode="deferred"`` with a fused AdamW;
+* a name ending in ``_file`` (``halt_file``, ``resume_file``, ``opt_state_file``): that scenario with checkpoints
+  written as one file (``save_distributed_checkpoint=False``).
 
 Each rank writes OUT_DIR/SCENARIO/rank{r}.json (events, counters, global step, whether the gathered weights are
 finite and equal on every rank, the snapshot's bytes) and rank 0 OUT_DIR/SCENARIO/weights.pt (the gathered weights).
@@ -22,6 +27,7 @@ finite and equal on every rank, the snapshot's bytes) and rank 0 OUT_DIR/SCENARI
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -39,7 +45,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_numguard import NumGuardCallback
 
 STEPS = 5
-FAULTS = {"param": "param", "twice": "param", "opt_state": "opt_state", "halt": "loss", "async": "param"}
+FAULTS = {
+    "deferred": "param",
+    "deferred_halt": "loss",
+    "end": "end",
+    "param": "param",
+    "twice": "param",
+    "opt_state": "opt_state",
+    "halt": "loss",
+    "async": "param",
+}
 
 
 class Data(Dataset):
@@ -71,6 +86,9 @@ class Model(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+        # FSDP2: buffers, whole on every rank, restored by a skip as they were (under tensor parallelism the
+        # replicated BatchNorm parameters drift apart across ranks even without the guard: left out there)
+        self.norm = nn.BatchNorm1d(16) if layout == "fsdp" else nn.Identity()
         self.head = nn.Linear(16, 1)
         self.layout, self.site, self.fault_step, self.fault_rank = layout, site, step, rank
         self.scheduler = scheduler
@@ -90,7 +108,7 @@ class Model(pl.LightningModule):
             fully_shard(self, mesh=mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
+        return self.head(self.norm(self.body(x)))
 
     def _armed(self) -> bool:
         steps = self.fault_step if isinstance(self.fault_step, tuple) else (self.fault_step,)
@@ -108,6 +126,14 @@ class Model(pl.LightningModule):
                 state = self.trainer.optimizers[0].state[self.body[2].weight]
                 local(state["exp_avg_sq"]).view(-1)[0] = float("nan")
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # after the guard's own hook: the last step's update is only seen by the end-of-fit check
+        if self.site == "end" and self.global_step == STEPS and self.global_rank == self.fault_rank:
+            from lightning_numguard.core.dtensor import local
+
+            with torch.no_grad():
+                local(self.body[2].weight).view(-1)[0] = float("nan")
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = nn.functional.mse_loss(self(batch["x"]), batch["y"])
         if self.site == "loss" and self._armed():
@@ -115,7 +141,7 @@ class Model(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01, fused=getattr(self, "fused", False))
         if not self.scheduler:
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
@@ -132,38 +158,44 @@ def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def all_finite(folder: Path, tmp: Path) -> bool:
-    """Whether every floating tensor of a distributed-checkpoint folder is finite (read back on one rank)."""
+    """Whether every floating tensor of a checkpoint (a distributed-checkpoint folder, or a file) is finite."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from lightning_numguard.core.tree import tensors
 
-    dcp_to_torch_save(folder, tmp)
-    state = torch.load(tmp, weights_only=False)
+    if folder.is_dir():
+        dcp_to_torch_save(folder, tmp)
+    state = torch.load(tmp if folder.is_dir() else folder, weights_only=False)
+    if not folder.is_dir():  # the model's and optimizers' states (callback states hold inf on purpose: kth_value)
+        state = {k: state[k] for k in ("state_dict", "optimizer_states") if k in state}
     found = [t for t in tensors(state) if t.is_floating_point()]
     return bool(found) and all(bool(torch.isfinite(t).all()) for t in found)
 
 
-def strategy(layout: str) -> ModelParallelStrategy:
-    if layout == "fsdp":
-        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    if layout == "tp":
-        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
-    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+def strategy(layout: str, folder: bool = True) -> ModelParallelStrategy:
+    dp, tp = {"fsdp": (2, 1), "tp": (1, 2), "2d": (2, 2)}[layout]
+    return ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, save_distributed_checkpoint=folder)
 
 
-def run(out: Path, layout: str, scenario: str) -> None:
+def run(out: Path, layout: str, name: str) -> None:
     pl.seed_everything(0, verbose=False)
     out.mkdir(parents=True, exist_ok=True)
-    action = {"skip": "skip", "halt": "halt"}.get(scenario, "rollback")
+    scenario = name.removesuffix("_file")  # ..._file: checkpoints as one file (save_distributed_checkpoint=False)
+    folder = scenario == name
+    action = {"skip": "skip", "halt": "halt", "deferred_halt": "halt"}.get(scenario, "rollback")
     guard = None
-    if scenario not in ("plain", "omit"):
+    if scenario not in ("plain", "omit", "fused"):
         extra: dict[str, Any] = {}
         if scenario == "retry":
             extra = {"retry_transient": True, "lr_backoff": 0.5, "skip_batches_after_rollback": 1}
         if scenario == "async":
             extra = {"snapshot_async": True}
+        if scenario.startswith("deferred"):
+            extra = {"sync_mode": "deferred"}
         guard = NumGuardCallback(
-            action=action, dirpath=str(out.parent / "halt" / "ng" if scenario == "resume" else out / "ng"), **extra
+            action=action,
+            dirpath=str(out.parent / name.replace("resume", "halt") / "ng" if scenario == "resume" else out / "ng"),
+            **extra,
         )
     world = 4 if layout == "2d" else 2
     savers: list[Any] = []
@@ -172,7 +204,7 @@ def run(out: Path, layout: str, scenario: str) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=strategy(layout),
+        strategy=strategy(layout, folder),
         max_steps=STEPS,
         max_epochs=1,
         logger=False,
@@ -186,6 +218,7 @@ def run(out: Path, layout: str, scenario: str) -> None:
     )
     steps = (1, 3) if scenario == "twice" else 2
     model = Model(layout, site=FAULTS.get(scenario), step=steps, scheduler=scenario not in ("skip", "omit"))
+    model.fused = scenario.startswith("deferred") or scenario == "fused"  # the deferred mode skips through found_inf
     tp = 2 if layout in ("tp", "2d") else 1
     dp_rank = trainer.global_rank // tp  # the mesh is (data_parallel, tensor_parallel), row-major
     # each data-parallel rank trains on its own 40 samples, in batches of 8; batch 2 of dp rank 1 is the bad one
@@ -197,7 +230,9 @@ def run(out: Path, layout: str, scenario: str) -> None:
         i for i in range(dp_rank * 40, dp_rank * 40 + 40) if scenario != "omit" or i - dp_rank * 40 not in range(16, 24)
     ]
     data = torch.utils.data.Subset(data, own)
-    ckpt = str(out.parent / "halt" / "ng" / "last_finite.ckpt") if scenario == "resume" else None
+    ckpt = (
+        str(out.parent / name.replace("resume", "halt") / "ng" / "last_finite.ckpt") if scenario == "resume" else None
+    )
     trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False), ckpt_path=ckpt)
     weights = gathered(model)
     flat = torch.cat([w.reshape(-1) for w in weights.values()])
@@ -214,6 +249,7 @@ def run(out: Path, layout: str, scenario: str) -> None:
             (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters()
         ),
         "full_param_nbytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "buffer_nbytes": sum(b.numel() * b.element_size() for b in model.buffers()),
     }
     trainer.strategy.barrier()
     if rank == 0:
@@ -223,6 +259,8 @@ def run(out: Path, layout: str, scenario: str) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
         torch.save(weights, out / "weights.pt")
+    if os.environ.get("NG_DEBUG_WEIGHTS"):
+        torch.save(weights, out / f"weights{rank}.pt")
 
 
 def main() -> None:

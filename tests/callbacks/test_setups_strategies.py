@@ -8,7 +8,7 @@ from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy, Sin
 
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.callbacks._strategies import check_strategy
-from lightning_numguard.errors import NumGuardConfigError, NumGuardError, NumGuardWarning
+from lightning_numguard.errors import NumGuardError, NumGuardWarning
 from tests.helpers import FaultData, FaultModel, loader, trainer
 
 
@@ -25,15 +25,6 @@ def test_model_parallel_strategy_is_guarded_with_every_action(tmp_path, recwarn)
     assert guard.counters["rollbacks"] == 1 and t.global_step == 4
     assert guard.events[0]["kind"] == "nonfinite_param" and guard.events[0]["where"] == ["body.0.weight"]
     assert not [w for w in recwarn if "ModelParallelStrategy" in str(w.message)]  # neither refused nor warned about
-
-
-def test_deferred_sync_is_refused_under_model_parallel_with_what_to_use(tmp_path):
-    guard = NumGuardCallback(sync_mode="deferred", dirpath=str(tmp_path / "ng"))
-    t = trainer(tmp_path, [guard], strategy=ModelParallelStrategy(), max_steps=1)
-    with pytest.raises(
-        NumGuardConfigError, match=r"sync_mode='deferred' is not supported under ModelParallel.*every_step"
-    ):
-        t.fit(ShardedModel(), loader(FaultData()))
 
 
 def test_fsdp1_is_refused_naming_what_is_untested():

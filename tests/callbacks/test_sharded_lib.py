@@ -70,6 +70,14 @@ SCENARIOS = {
         "retry",
         "accumulate",
         "async",
+        "end",
+        "opt_state_file",
+        "halt_file",
+        "resume_file",
+        "fused",
+        "deferred_clean",
+        "deferred",
+        "deferred_halt",
     ],
     "tp": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
     "2d": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
@@ -89,13 +97,16 @@ def test_every_action_on_local_shards(tmp_path, layout):
     assert first["kind"] == "nonfinite_param" and first["where"] == ["body.0.weight"]
     assert first["rank"] == 1 and first["step"] == 2 and first["action"] == "rollback"
     assert ranks[0]["counters"]["rollbacks"] == 1
-    for event in ranks[0]["events"][1:]:  # the replay blames no op: the weights were bad (or came from rank 1)
-        assert event["consequence_of"] == "nonfinite_param" and event["op"] is None, event
-        assert event["details"]["replay"]["stage"] == "inputs", event
-    # the snapshot holds this rank's shards only: the parameters' local bytes (1/2 or 1/4 of the whole, padded)
+    replayed = [e for e in ranks[0]["events"][1:] if "replay" in e["details"]]
+    assert replayed and all(e["consequence_of"] == "nonfinite_param" for e in ranks[0]["events"][1:])
+    for event in replayed:  # the replay blames no op: the weights were bad (or came from rank 1)
+        assert event["op"] is None and event["details"]["replay"]["stage"] == "inputs", event
+    # the snapshot (of step 0: no optimizer state yet) holds this rank's shards of the parameters (1/2 or 1/4 of
+    # the whole, padded) and the BatchNorm buffers, which are whole on every rank
     world = len(ranks)
     for r in ranks:
-        assert r["snapshot_nbytes"] == r["local_param_nbytes"] < 1.2 * r["full_param_nbytes"] / world
+        assert r["snapshot_nbytes"] == r["local_param_nbytes"] + r["buffer_nbytes"]
+        assert r["local_param_nbytes"] < 1.2 * r["full_param_nbytes"] / world
     # a skip ends bitwise where a run that left the batch out does
     in_step(out["skip"], 5)
     assert out["skip"][0]["counters"]["skipped_steps"] == 1
@@ -138,3 +149,39 @@ def test_every_action_on_local_shards(tmp_path, layout):
     in_step(out["async"], 5)
     assert out["async"][0]["events"] == out["param"][0]["events"]
     assert same(weights(tmp_path, "async"), weights(tmp_path, "param"))
+    # the last step's update, poisoned on rank 1's shard after the guard's hook: the end-of-fit check rolls back
+    ranks = out["end"]
+    in_step(ranks, 5)
+    (event,) = ranks[0]["events"]
+    assert (event["kind"], event["where"], event["rank"], event["action"]) == (
+        "nonfinite_param",
+        ["body.2.weight"],
+        1,
+        "rollback",
+    )
+    assert event["details"]["when"].startswith("at the end of training")
+    # save_distributed_checkpoint=False: checkpoints are one file, whole tensors gathered by the strategy; the swap
+    # and last_finite.ckpt go through the same state-dict calls, and a resume from the file continues
+    ranks = out["opt_state_file"]
+    in_step(ranks, 5)
+    # (rank 0 holds the whole checkpoint here, so it is the rank named)
+    assert ("nonfinite_param", ["checkpoint"], 0) in [(e["kind"], e["where"], e["rank"]) for e in ranks[0]["events"]]
+    assert len(ranks[0]["checkpoints"]) == 6 and all(ranks[0]["checkpoints"].values()), ranks[0]["checkpoints"]
+    in_step(out["halt_file"], 3)
+    assert out["halt_file"][0]["checkpoints"] == {"last_finite.ckpt": True}
+    assert (tmp_path / "halt_file" / "ng" / "last_finite.ckpt").is_file()
+    in_step(out["resume_file"], 5)
+    assert out["resume_file"][0]["counters"]["skipped_steps"] == 1
+    # sync_mode="deferred" (a fused AdamW skips on the device): clean, bitwise the guard-free run; a NaN in rank 1's
+    # shard is read a step late and rolled back; a halt stops every rank at the same (late) step
+    assert not out["deferred_clean"][0]["events"] and same(
+        weights(tmp_path, "fused"), weights(tmp_path, "deferred_clean")
+    )
+    ranks = out["deferred"]
+    in_step(ranks, 5)
+    first = ranks[0]["events"][0]
+    assert (first["kind"], first["where"], first["rank"], first["step"]) == ("nonfinite_param", ["body.0.weight"], 1, 2)
+    assert ranks[0]["counters"]["rollbacks"] == 1
+    in_step(out["deferred_halt"], 4)
+    assert out["deferred_halt"][0]["events"][0]["kind"] == "nonfinite_loss"
+    assert out["deferred_halt"][0]["checkpoints"]["last_finite.ckpt"]
