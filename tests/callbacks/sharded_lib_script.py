@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_numguard import NumGuardCallback
+from lightning_numguard.core.syncs import SyncCounter
 
 STEPS = 5
 FAULTS = {
@@ -157,6 +158,19 @@ def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+class StepWindow(pl.Callback):
+    """A ``SyncCounter`` step window around each training batch."""
+
+    def __init__(self, counter: SyncCounter) -> None:
+        self.counter = counter
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.counter.step_started()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.counter.step_ended()
+
+
 def all_finite(folder: Path, tmp: Path) -> bool:
     """Whether every floating tensor of a checkpoint (a distributed-checkpoint folder, or a file) is finite."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -233,7 +247,11 @@ def run(out: Path, layout: str, name: str) -> None:
     ckpt = (
         str(out.parent / name.replace("resume", "halt") / "ng" / "last_finite.ckpt") if scenario == "resume" else None
     )
-    trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False), ckpt_path=ckpt)
+    counter = SyncCounter(package="lightning_numguard")
+    if scenario in ("clean", "deferred_clean"):  # the guard's host reads in each training batch
+        trainer.callbacks.append(StepWindow(counter))
+    with counter:
+        trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False), ckpt_path=ckpt)
     weights = gathered(model)
     flat = torch.cat([w.reshape(-1) for w in weights.values()])
     every = trainer.strategy.all_gather(flat)
@@ -250,6 +268,7 @@ def run(out: Path, layout: str, name: str) -> None:
         ),
         "full_param_nbytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "buffer_nbytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+        "reads_per_step": counter.step_caused,
     }
     trainer.strategy.barrier()
     if rank == 0:
