@@ -100,7 +100,10 @@ class Model(pl.LightningModule):
 
         if self.layout in ("tp", "2d"):
             parallelize_module(
-                self.body, self.device_mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()}
+                self.body,
+                self.device_mesh["tensor_parallel"],
+                # body.0's output stays a DTensor (sharded on its last dim): the guard watches its local shard
+                {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel()},
             )
         if self.layout in ("fsdp", "2d"):
             mesh = self.device_mesh["data_parallel"]
