@@ -12,6 +12,7 @@ SCENARIOS: comma-separated, run one after another in the same processes, each un
 * ``retry``: batch 2 of data-parallel rank 1 is NaN, rolled back with ``retry_transient``, ``lr_backoff=0.5`` and
   one batch skipped after the rollback; ``accumulate``: ``accumulate_grad_batches=2``, batch 3 of data-parallel
   rank 1 NaN (rollback); ``async``: as ``param``, with ``snapshot_async=True`` (a worker thread on the CPU);
+* ``warn``: as ``param`` under ``action="warn"`` (recorded, nothing restored);
 * ``end``: rank 1's shard of ``body.2.weight`` NaN after the last step (rolled back by the end-of-fit check);
 * ``halt``: the loss of rank 1 NaN at step 2 (action ``halt``), then ``resume``: a new fit from its
   ``last_finite.ckpt`` to ``max_steps`` 5;
@@ -47,6 +48,7 @@ from lightning_numguard.core.syncs import SyncCounter
 
 STEPS = 5
 FAULTS = {
+    "warn": "param",
     "deferred": "param",
     "deferred_halt": "loss",
     "end": "end",
@@ -199,7 +201,7 @@ def run(out: Path, layout: str, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     scenario = name.removesuffix("_file")  # ..._file: checkpoints as one file (save_distributed_checkpoint=False)
     folder = scenario == name
-    action = {"skip": "skip", "halt": "halt", "deferred_halt": "halt"}.get(scenario, "rollback")
+    action = {"skip": "skip", "halt": "halt", "deferred_halt": "halt", "warn": "warn"}.get(scenario, "rollback")
     guard = None
     if scenario not in ("plain", "omit", "fused"):
         extra: dict[str, Any] = {}

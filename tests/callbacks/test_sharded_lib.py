@@ -78,6 +78,7 @@ SCENARIOS = {
         "deferred_clean",
         "deferred",
         "deferred_halt",
+        "warn",
     ],
     "tp": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
     "2d": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
@@ -188,3 +189,14 @@ def test_every_action_on_local_shards(tmp_path, layout):
     in_step(out["deferred_halt"], 4)
     assert out["deferred_halt"][0]["events"][0]["kind"] == "nonfinite_loss"
     assert out["deferred_halt"][0]["checkpoints"]["last_finite.ckpt"]
+    # action="warn" (before: both ranks crashed in on_train_start, `.tolist()` on a DTensor): recorded, not restored
+    ranks = out["warn"]
+    assert all(r["global_step"] == 5 and not r["finite"] for r in ranks)  # the NaN spread: nothing was restored
+    first = ranks[0]["events"][0]
+    assert (first["kind"], first["where"], first["rank"], first["action"]) == (
+        "nonfinite_param",
+        ["body.0.weight"],
+        1,
+        "warn",
+    )
+    assert ranks[0]["counters"]["rollbacks"] == 0 and ranks[0]["events"] == ranks[1]["events"]
