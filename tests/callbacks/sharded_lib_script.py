@@ -12,6 +12,7 @@ SCENARIOS: comma-separated, run one after another in the same processes, each un
 * ``retry``: batch 2 of data-parallel rank 1 is NaN, rolled back with ``retry_transient``, ``lr_backoff=0.5`` and
   one batch skipped after the rollback; ``accumulate``: ``accumulate_grad_batches=2``, batch 3 of data-parallel
   rank 1 NaN (rollback); ``async``: as ``param``, with ``snapshot_async=True`` (a worker thread on the CPU);
+* ``warn``: as ``param`` under ``action="warn"`` (recorded, nothing restored);
 * ``end``: rank 1's shard of ``body.2.weight`` NaN after the last step (rolled back by the end-of-fit check);
 * ``halt``: the loss of rank 1 NaN at step 2 (action ``halt``), then ``resume``: a new fit from its
   ``last_finite.ckpt`` to ``max_steps`` 5;
@@ -43,9 +44,11 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_numguard import NumGuardCallback
+from lightning_numguard.core.syncs import SyncCounter
 
 STEPS = 5
 FAULTS = {
+    "warn": "param",
     "deferred": "param",
     "deferred_halt": "loss",
     "end": "end",
@@ -99,7 +102,10 @@ class Model(pl.LightningModule):
 
         if self.layout in ("tp", "2d"):
             parallelize_module(
-                self.body, self.device_mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()}
+                self.body,
+                self.device_mesh["tensor_parallel"],
+                # body.0's output stays a DTensor (sharded on its last dim): the guard watches its local shard
+                {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel()},
             )
         if self.layout in ("fsdp", "2d"):
             mesh = self.device_mesh["data_parallel"]
@@ -157,6 +163,19 @@ def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+class StepWindow(pl.Callback):
+    """A ``SyncCounter`` step window around each training batch."""
+
+    def __init__(self, counter: SyncCounter) -> None:
+        self.counter = counter
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.counter.step_started()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.counter.step_ended()
+
+
 def all_finite(folder: Path, tmp: Path) -> bool:
     """Whether every floating tensor of a checkpoint (a distributed-checkpoint folder, or a file) is finite."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -182,7 +201,7 @@ def run(out: Path, layout: str, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     scenario = name.removesuffix("_file")  # ..._file: checkpoints as one file (save_distributed_checkpoint=False)
     folder = scenario == name
-    action = {"skip": "skip", "halt": "halt", "deferred_halt": "halt"}.get(scenario, "rollback")
+    action = {"skip": "skip", "halt": "halt", "deferred_halt": "halt", "warn": "warn"}.get(scenario, "rollback")
     guard = None
     if scenario not in ("plain", "omit", "fused"):
         extra: dict[str, Any] = {}
@@ -233,7 +252,11 @@ def run(out: Path, layout: str, name: str) -> None:
     ckpt = (
         str(out.parent / name.replace("resume", "halt") / "ng" / "last_finite.ckpt") if scenario == "resume" else None
     )
-    trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False), ckpt_path=ckpt)
+    counter = SyncCounter(package="lightning_numguard")
+    if scenario in ("clean", "deferred_clean"):  # the guard's host reads in each training batch
+        trainer.callbacks.append(StepWindow(counter))
+    with counter:
+        trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False), ckpt_path=ckpt)
     weights = gathered(model)
     flat = torch.cat([w.reshape(-1) for w in weights.values()])
     every = trainer.strategy.all_gather(flat)
@@ -250,6 +273,7 @@ def run(out: Path, layout: str, name: str) -> None:
         ),
         "full_param_nbytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "buffer_nbytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+        "reads_per_step": counter.step_caused,
     }
     trainer.strategy.barrier()
     if rank == 0:

@@ -78,6 +78,7 @@ SCENARIOS = {
         "deferred_clean",
         "deferred",
         "deferred_halt",
+        "warn",
     ],
     "tp": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
     "2d": ["plain", "clean", "param", "skip", "omit", "halt", "resume"],
@@ -90,6 +91,8 @@ def test_every_action_on_local_shards(tmp_path, layout):
     out = launch(tmp_path, layout, SCENARIOS[layout])
     # a clean run with the defaults ends bitwise where the guard-free run does
     assert not out["clean"][0]["events"] and same(weights(tmp_path, "plain"), weights(tmp_path, "clean"))
+    # with the flags of the local shards in the one all-reduced read: one host read per step on every rank
+    assert all(r["reads_per_step"] == [1] * 5 for r in out["clean"]), [r["reads_per_step"] for r in out["clean"]]
     # a NaN written into rank 1's shard of body.0.weight: named with its original name and rank 1, rolled back
     ranks = out["param"]
     in_step(ranks, 5)
@@ -177,6 +180,7 @@ def test_every_action_on_local_shards(tmp_path, layout):
     assert not out["deferred_clean"][0]["events"] and same(
         weights(tmp_path, "fused"), weights(tmp_path, "deferred_clean")
     )
+    assert all(r["reads_per_step"] == [0] * 5 for r in out["deferred_clean"])  # no host read on any step
     ranks = out["deferred"]
     in_step(ranks, 5)
     first = ranks[0]["events"][0]
@@ -185,3 +189,14 @@ def test_every_action_on_local_shards(tmp_path, layout):
     in_step(out["deferred_halt"], 4)
     assert out["deferred_halt"][0]["events"][0]["kind"] == "nonfinite_loss"
     assert out["deferred_halt"][0]["checkpoints"]["last_finite.ckpt"]
+    # action="warn" (before: both ranks crashed in on_train_start, `.tolist()` on a DTensor): recorded, not restored
+    ranks = out["warn"]
+    assert all(r["global_step"] == 5 and not r["finite"] for r in ranks)  # the NaN spread: nothing was restored
+    first = ranks[0]["events"][0]
+    assert (first["kind"], first["where"], first["rank"], first["action"]) == (
+        "nonfinite_param",
+        ["body.0.weight"],
+        1,
+        "warn",
+    )
+    assert ranks[0]["counters"]["rollbacks"] == 0 and ranks[0]["events"] == ranks[1]["events"]

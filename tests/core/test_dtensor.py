@@ -132,3 +132,33 @@ def test_a_snapshot_holds_local_shards_and_restores_them_in_place_bitwise(mesh):
         assert all(is_dtensor(s["exp_avg"]) for s in opt.state.values() if s["exp_avg"].dim())
         _step(model, opt)  # it trains on from there
     assert all(torch.isfinite(local(p)).all() for p in params)
+
+
+class _DTensorOut(nn.Module):
+    """Returns its input as a replicated DTensor (tensor parallelism with ``use_local_output=False``)."""
+
+    def __init__(self, mesh, poison: bool) -> None:
+        super().__init__()
+        self.mesh, self.poison = mesh, poison
+
+    def forward(self, x: torch.Tensor):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        out = DTensor.from_local(x * 2, self.mesh, [Replicate()])
+        return out * float("nan") if self.poison else out
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_the_output_watch_records_a_dtensor_output_by_its_local_tensor(mesh, poison):
+    from lightning_numguard.core.watch import OutputWatch
+
+    model = nn.Sequential(nn.Linear(3, 3), _DTensorOut(mesh, poison))
+    watch = OutputWatch(model, depth=None)
+    watch.attach()
+    try:
+        model(torch.randn(2, 3))
+        total = watch.total(torch.device("cpu"))
+        assert not is_dtensor(total) and bool(torch.isfinite(total)) == (not poison)
+        assert [name for name, _, _ in watch.first_bad()] == (["1"] if poison else [])
+    finally:
+        watch.detach()
