@@ -158,9 +158,12 @@ def one_fit(variant: str, args: argparse.Namespace, init: dict[str, torch.Tensor
         except Exception as err:  # report, don't hide
             error = f"{type(err).__name__}: {err}"
         steps = clock.step_ms()[args.warmup :]
+        cpu = clock.cpu_step_ms()[args.warmup :]
         info: dict[str, Any] = {
             "step_ms": steps,
             "median_step_ms": statistics.median(steps) if steps else float("nan"),
+            "cpu_step_ms": cpu,
+            "median_cpu_step_ms": statistics.median(cpu) if cpu else float("nan"),
             "error": error,
             "steps_run": trainer.global_step,
         }
@@ -239,6 +242,7 @@ def summarise(rounds: dict[str, list[dict[str, Any]]], variants: list[str]) -> d
     out: dict[str, Any] = {}
     for v in variants:
         ratios = [x["median_step_ms"] / b["median_step_ms"] for x, b in zip(rounds[v], rounds["baseline"])]
+        cpu = [x["median_cpu_step_ms"] / b["median_cpu_step_ms"] for x, b in zip(rounds[v], rounds["baseline"])]
         last = rounds[v][-1]
         out[v] = {
             "rounds": rounds[v],
@@ -247,6 +251,8 @@ def summarise(rounds: dict[str, list[dict[str, Any]]], variants: list[str]) -> d
             "ratio_median": statistics.median(ratios),
             "ratio_min": min(ratios),
             "ratio_max": max(ratios),
+            "cpu_ratio_per_round": cpu,
+            "cpu_ratio_median": statistics.median(cpu),
             "errors": [x["error"] for x in rounds[v] if x["error"]],
             "incidents": sum(x.get("incidents", 0) for x in rounds[v]),
             **{k: v for k, v in last.items() if k.endswith("_bytes")},
@@ -274,8 +280,10 @@ def render(result: dict[str, Any]) -> str:
         + " | ".join(f"rank {r['rank']}: median step" for r in ranks)
         + " | "
         + " | ".join(f"rank {r['rank']}: ratio to baseline (min-max)" for r in ranks)
+        + " | "
+        + " | ".join(f"rank {r['rank']}: thread-CPU-time ratio" for r in ranks)
         + " | errors |",
-        "|---|" + "---:|" * (2 * len(ranks)) + "---|",
+        "|---|" + "---:|" * (3 * len(ranks)) + "---|",
     ]
     for v in cfg["variants"]:
         cells = [f"{r['variants'][v]['median_step_ms']:.1f} ms" for r in ranks]
@@ -284,8 +292,15 @@ def render(result: dict[str, Any]) -> str:
             f"{r['variants'][v]['ratio_max']:.3f})"
             for r in ranks
         ]
+        cells += [f"{r['variants'][v]['cpu_ratio_median']:.3f}x" for r in ranks]
         errors = sorted({e for r in ranks for e in r["variants"][v]["errors"]})
         lines.append(f"| `{v}` | " + " | ".join(cells) + f" | {'; '.join(errors)[:200] or '-'} |")
+    lines += [
+        "",
+        "Ratios: the median over rounds of `median step(variant) / median step(baseline)` of the same round. The step",
+        "clock is the verdict; the training thread's CPU time over the same window is information only (it leaves",
+        "out the time other processes took the cores, and the time a rank waits for the other in a collective).",
+    ]
     lines += [
         "",
         "Snapshot memory per rank: the guard's last snapshot (`Snapshot.nbytes`: this rank's shards of the parameters",
