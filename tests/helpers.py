@@ -20,13 +20,18 @@ site           what goes non-finite
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import pytorch_lightning as pl
 import torch
 import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from lightning_numguard.errors import NumGuardWarning
 
 SITES = ("input", "masked", "output", "loss", "grad", "param", "buffer", "opt_state", "op")
 #: Text that the guard's warning about a fault at each site contains (for ``guard_warning``).
@@ -41,6 +46,10 @@ SITE_CULPRIT = {
     "opt_state": ".exp_avg_sq",
     "op": "binary_cross_entropy",
 }
+#: Text of the guard's one warning about a fault at each site: it names the root cause. A poisoned Adam moment
+#: is found a step later with the weight its update ruined; the weight comes first and the moment is recorded as
+#: its consequence (an event whose message holds ``SITE_CULPRIT["opt_state"]``, not a warning).
+SITE_WARNING = {**SITE_CULPRIT, "opt_state": "head.weight"}
 
 
 class FaultData(Dataset):
@@ -203,6 +212,17 @@ def all_finite(state: dict[str, Any]) -> bool:
 
 #: Every per-step check, forward hooks on module outputs included (not a default: replay names the module).
 EVERY_CHECK = ["inputs", "outputs", "ops", "loss", "grads", "params", "optimizer_state"]
+
+
+@contextmanager
+def guard_warns(pattern: str) -> Iterator[Any]:
+    """``pytest.warns(NumGuardWarning, match=pattern)`` for a run whose guard also warns of other root causes
+    (later steps, other places): every ``NumGuardWarning`` is caught, none re-emitted into the suite's warnings
+    summary, and one of them must match ``pattern``."""
+    with pytest.warns(NumGuardWarning) as records:
+        yield records
+    messages = [str(r.message) for r in records if issubclass(r.category, NumGuardWarning)]
+    assert any(re.search(pattern, m) for m in messages), (pattern, messages)
 
 
 def guard_warning(culprit: str, step: int | None = None) -> str:

@@ -92,7 +92,7 @@ def test_explain_events_file(events_file: Path, capsys: pytest.CaptureFixture[st
     assert "  incidents:  3 in 2 step(s) (steps 4-9)" in out
     assert "First culprit: nonfinite_input at batch['image']" in out
     assert "line 2: not valid JSON" in out
-    assert "Actions taken: warn 1, skip 0, rollback 2, halt 0" in out
+    assert "Actions taken: warn 1, skip 0, rollback 1, halt 0 (per step; 1 step(s) skipped)" in out  # one per step
 
 
 def test_explain_folder(events_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -109,7 +109,8 @@ def test_explain_json_for_events(events_file: Path, capsys: pytest.CaptureFixtur
     assert summary["events_file"] == str(events_file)
     assert summary["incidents"] == 3
     assert summary["ranks"] == [0, 1]
-    assert summary["actions"] == {"warn": 1, "skip": 0, "rollback": 2, "halt": 0}
+    assert summary["actions"] == {"warn": 1, "skip": 0, "rollback": 1, "halt": 0}  # step 4's two events: one rollback
+    assert (summary["skipped_steps"], summary["rollbacks"]) == (1, 1)
     assert summary["first_culprit"]["kind"] == "nonfinite_input"
     assert summary["first_culprit"]["details"] == {"count": 12}
     assert summary["skipped_lines"] == ["line 2: not valid JSON (Expecting property name enclosed in double quotes)"]
@@ -318,4 +319,7 @@ def test_explain_json_counts_root_causes_not_consequences(tmp_path: Path, capsys
     summary = json.loads(capsys.readouterr().out)
     assert (summary["incidents"], summary["events"], summary["consequences"]) == (2, 5, 2)
     assert main(["explain", str(path)]) == 0
-    assert "  incidents:  2 in 3 step(s) (steps 0-9); 5 events, 2 of them consequences" in capsys.readouterr().out
+    # the step-0 coverage warning is no incident: neither a step with one nor the first culprit (issue 20)
+    out = capsys.readouterr().out
+    assert "  incidents:  2 in 2 step(s) (steps 4-9); 5 events, of them 2 consequence(s) and 1 warning(s)" in out
+    assert "First culprit: nonfinite_input at batch['image']" in out

@@ -7,6 +7,7 @@ environment; a first test proves it is this interpreter, so the notebooks see th
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -36,12 +37,25 @@ def test_kernel_runs_this_interpreter(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs(path: Path, tmp_path: Path) -> None:
+def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each notebook runs, writes only under ``tempfile.mkdtemp()`` and removes that folder at its end.
+
+    The kernel's temporary folder is one of this test's own (``TMPDIR``), so the suite never leaves a
+    ``numguard-*`` folder in the machine's ``/tmp``, even when a notebook fails half-way.
+    """
+    cwd, kernel_tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    kernel_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(kernel_tmp))  # the kernel is a child process: it inherits the environment
     nb = nbformat.read(path, as_version=4)
-    _execute(nb, tmp_path)  # raises CellExecutionError, naming the cell, when any cell fails
+    _execute(nb, cwd)  # raises CellExecutionError, naming the cell, when any cell fails
     errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
     assert errors == []
-    assert list(tmp_path.iterdir()) == [], "notebooks write under tempfile.mkdtemp(), not the working directory"
+    printed = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
+    assert f"writing under {kernel_tmp}{os.sep}numguard-" in printed  # control: the kernel used this folder
+    assert list(cwd.iterdir()) == [], "notebooks write under tempfile.mkdtemp(), not the working directory"
+    left = [p.name for p in kernel_tmp.iterdir() if p.name.startswith("numguard-")]  # torch may cache there too
+    assert left == [], "a notebook removes its temporary folder at its end"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

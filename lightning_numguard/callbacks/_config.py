@@ -30,7 +30,7 @@ __all__ = [
 Check = Literal["inputs", "outputs", "ops", "loss", "grads", "buffers", "params", "optimizer_state"]
 ACTIONS: tuple[str, ...] = get_args(Action)
 CHECKS: tuple[str, ...] = get_args(Check)
-DEFAULT_CHECKS: tuple[str, ...] = ("inputs", "outputs", "ops", "loss", "grads", "buffers")
+DEFAULT_CHECKS: tuple[Check, ...] = ("inputs", "outputs", "ops", "loss", "grads", "buffers")
 
 
 def choice(name: str, value: Any, allowed: Sequence[str]) -> None:

@@ -83,6 +83,11 @@ def diagnose(
         # the per-step watch names a block; the replay, watching every module, names the exact one
         output.details["block"] = output.where[0]
         output.where[0] = result["forward_module"]
+    if output is not None and forward_culprit and result["op_module"] != output.where[0]:
+        # the module that ran the culprit op, not the first one its bad value reached (a fully masked softmax
+        # row in `attn` is seen first at the output of `attn.proj`)
+        output.details["first_bad_output"] = output.where[0]
+        output.where[0] = result["op_module"]
     if output is not None:
         output.details["replay"] = result
         if forward_culprit:

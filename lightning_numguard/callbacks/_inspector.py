@@ -49,6 +49,8 @@ class StepRecord:
     batch: Any = None
     # per micro-batch: the floating leaves of the batch and their max-|x| (0-d, NaN propagates)
     inputs: list[tuple[Named, torch.Tensor]] = field(default_factory=list)
+    # per micro-batch: the max-|x| the suspicious-input check reads (dtype extremes, i.e. masks, left out)
+    input_unmasked: list[torch.Tensor] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
     start_buffers: dict[str, torch.Tensor] | None = None
     start_states: dict[str, Any] | None = None
@@ -126,6 +128,8 @@ class StepInspector:
         # Whether parameters, buffers and optimizer state may go through the CPU's fused check, which writes the
         # same bits back: not while a snapshot copies them on another thread (set at train start)
         self.state_rewritable = False
+        # batch fields no longer checked: flagged on step after step, a convention of the data (callbacks/_conventions)
+        self.ignored_inputs: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -210,9 +214,13 @@ class StepInspector:
         rec.micro.append(micro)
         if "inputs" in self.check:
             leaves = floating_leaves(batch)
+            if self.ignored_inputs:
+                leaves = [(p, t) for p, t in leaves if p not in self.ignored_inputs]
             if leaves:
-                rec.inputs.append((leaves, checks.max_abs_total([t for _, t in leaves], pl_module.device)))
-                micro.input_max = rec.inputs[-1][1]
+                total, unmasked = checks.input_maxima([t for _, t in leaves], pl_module.device)
+                rec.inputs.append((leaves, total))
+                rec.input_unmasked.append(unmasked)
+                micro.input_max = total
         return rec
 
     def enter_ops(self) -> None:
@@ -256,7 +264,8 @@ class StepInspector:
         """Drop what the forward pass recorded (a further optimizer of the same batch reads its gradients only)."""
         assert self.record is not None
         n_losses, n_outputs = self.record.seen_at_read  # keep what came after the last read (manual optimization)
-        self.record.inputs, self.record.losses = [], self.record.losses[n_losses:]
+        self.record.inputs, self.record.input_unmasked = [], []
+        self.record.losses = self.record.losses[n_losses:]
         if self.watch is not None:
             self.watch.records[:n_outputs] = []
         if self.opguard is not None:
@@ -305,9 +314,10 @@ class StepInspector:
         if every_buffer:  # buffers after the forward pass (BatchNorm running stats)
             segments["live_buffers"] = self.checked_buffers
         zero = torch.zeros((), dtype=torch.float32, device=device)
-        input_max = zero
+        input_max = unmasked = zero
         if rec.inputs:
             input_max = rec.inputs[0][1] if len(rec.inputs) == 1 else torch.stack([v for _, v in rec.inputs]).amax()
+            unmasked = rec.input_unmasked[0] if len(rec.inputs) == 1 else torch.stack(rec.input_unmasked).amax()
         watch = self.watch if self.watch is not None and self.watch.enabled else None
         losses = [x.to(device, torch.float32) for x in rec.losses]
         loss_total = zero
@@ -318,7 +328,7 @@ class StepInspector:
             "norm_total": self._norm_total(segments, device, zero),
             "output_total": watch.total(device) if watch is not None else zero,
             "loss_total": loss_total,
-            "suspicious": (input_max >= self.max_abs_input).float() if self.max_abs_input is not None else zero,
+            "suspicious": (unmasked >= self.max_abs_input).float() if self.max_abs_input is not None else zero,
             "op": self.opguard.flags(device).amax() if self.opguard is not None and self.opguard.records else zero,
             "quarantine": rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
         }
@@ -401,7 +411,8 @@ class StepInspector:
                 stats = checks.tensor_stats(dict(leaves)[nonfinite[0]])
                 out.append(Finding("nonfinite_input", nonfinite, {"stats": stats}, rank))
             if self.max_abs_input is not None:
-                huge = [(p, v) for p, v in zip(paths, values) if math.isfinite(v) and v >= self.max_abs_input]
+                unmasked = checks.max_abs([t for _, t in leaves], masks_as_zero=True).tolist()  # finfo.min: a mask
+                huge = [(p, v) for p, v in zip(paths, unmasked) if math.isfinite(v) and v >= self.max_abs_input]
                 if huge:
                     details = {"max_abs": huge[0][1], "threshold": self.max_abs_input}
                     out.append(Finding("suspicious_input", [p for p, _ in huge], details, rank))

@@ -94,7 +94,8 @@ class Ledger:
         """
         if rec.action not in ("skip", "rollback", "halt") or not rec.events or not trainer.is_global_zero:
             return
-        root = next((e for e in rec.events if e.get("root_cause", True)), rec.events[0])
+        acted = [e for e in rec.events if e["action"] == rec.action] or rec.events  # not a field declared a convention
+        root = next((e for e in acted if e.get("root_cause", True)), acted[0])
         escalation = None
         if rec.action != configured:
             if recovery.snapshot is None:

@@ -1,15 +1,19 @@
 """What the guard shows while training and after it: progress-bar counts and the end-of-fit summary.
 
-Progress bar: once something has happened, ``numguard/incidents`` and ``numguard/rollbacks`` (each
-from its first non-zero value on) go to Lightning's progress bar through ``pl_module.log(...,
-prog_bar=True, logger=False)``, which both ``TQDMProgressBar`` and ``RichProgressBar`` display. The
-counters are host integers logged as CPU tensors: reading them back for the bar costs no device
-synchronisation, and nothing is logged before the first incident or without a progress bar.
+Progress bar: once something has happened, ``nan_incidents`` and ``rollbacks`` (each from its first
+non-zero value on) go to Lightning's progress bar through ``pl_module.log(..., prog_bar=True,
+logger=False)``, which both ``TQDMProgressBar`` and ``RichProgressBar`` display. The keys are short so
+that Rich does not crop them in an 80-column terminal (it cuts a word wider than its metrics column with
+"…"); the loggers keep the ``numguard/<counter>`` tags. The counters are host integers logged as float
+CPU tensors: reading them back for the bar costs no device synchronisation, Lightning reduces them without
+a warning, and nothing is logged before the first incident or without a progress bar.
 
-Summary: at the end of ``fit`` (or when it raises), one report through the ``lightning_numguard``
-logger (WARNING when something happened, INFO otherwise) and, under a ``RichProgressBar``, a table
-printed through Rich's console (the one the bar draws on). Text and table come from
-:mod:`lightning_numguard.reporting.summary`; only global rank 0 reports.
+Summary: at the end of ``fit`` (or when it raises), shown once. Without a Rich bar: one report through
+the ``lightning_numguard`` logger (WARNING when something happened, INFO otherwise). Under a
+``RichProgressBar``: a table printed through Rich's console (the one the bar draws on), with the path to
+``events.jsonl`` on a line of its own (never folded by the table's width), and the text report at INFO
+for log files. Text and table come from :mod:`lightning_numguard.reporting.summary`; only global rank 0
+reports.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ __all__ = ["PROGRESS_BAR_KEYS", "FitProgress"]
 
 log = logging.getLogger(__name__)
 
-#: Counters shown in the progress bar, each once it is non-zero (the key is ``numguard/<counter>``).
-PROGRESS_BAR_KEYS: tuple[str, ...] = ("incidents", "rollbacks")
+#: Counters shown in the progress bar, each once it is non-zero: counter -> progress-bar key.
+PROGRESS_BAR_KEYS: dict[str, str] = {"incidents": "nan_incidents", "rollbacks": "rollbacks"}
 
 
 def _uses_rich_bar(trainer: Any) -> bool:
@@ -47,12 +51,12 @@ class FitProgress:
             self.steps_lost_to_rollbacks += max(0, int(rec.step) - int(snapshot.step))
         if getattr(trainer, "progress_bar_callback", None) is None:
             return
-        for key in PROGRESS_BAR_KEYS:
-            if counters.get(key, 0) > 0:
-                value = torch.tensor(counters[key])  # on the host: the bar reads it without a device sync
-                pl_module.log(
-                    f"numguard/{key}", value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1
-                )
+        for counter, key in PROGRESS_BAR_KEYS.items():
+            if counters.get(counter, 0) > 0:
+                # a float on the host: the bar reads it without a device sync, and Lightning reduces it without
+                # warning that the value "needs to be floating"
+                value = torch.tensor(float(counters[counter]))
+                pl_module.log(key, value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
 
     def report(
         self,
@@ -62,7 +66,7 @@ class FitProgress:
         events_path: Any,
         ended: str = "finished",
     ) -> FitSummary | None:
-        """Log the end-of-fit summary once per fit (global rank 0), and print it as a table under a Rich bar."""
+        """The end-of-fit summary once per fit (global rank 0): logged, or printed as a table under a Rich bar."""
         if self.reported:
             return None
         self.reported = True
@@ -70,9 +74,13 @@ class FitProgress:
             return None
         path = str(events_path) if events_path is not None and events_path.exists() else None
         summary = summarize(events, counters, self.steps_lost_to_rollbacks, trainer.global_step, path, ended)
-        log.log(logging.WARNING if summary.eventful else logging.INFO, "%s", summary_text(summary))
-        if summary.eventful and _uses_rich_bar(trainer):
+        table = summary.eventful and _uses_rich_bar(trainer)
+        level = logging.WARNING if summary.eventful and not table else logging.INFO  # the table shows it already
+        log.log(level, "%s", summary_text(summary))
+        if table:
             from rich import get_console  # RichProgressBar draws on Rich's global console (reconfigured by it)
 
-            get_console().print(rich_table(summary))
+            # one print (one redraw of a live bar); soft_wrap: the path is never folded mid-word at the console's width
+            where = [f"events: {summary.events_path}"] if summary.events_path else []
+            get_console().print(rich_table(summary), *where, sep="\n", soft_wrap=True, markup=False, highlight=False)
         return summary

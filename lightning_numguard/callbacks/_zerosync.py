@@ -210,6 +210,8 @@ class DeferredSync:
         if quiet and rec is not None and rec.forced_skip is None:
             guard.counters["skipped_steps"] += 1
         if not seen.any or quiet or (rec is not None and rec.forced_skip is not None):
+            if not seen.any:
+                guard._conventions.clean_step()
             if seen.seen(flags.NORMS):  # gradients or state non-finite: its snapshot is not verified
                 self.snapshots.discard_from(step)
             else:
@@ -237,16 +239,20 @@ class DeferredSync:
             rollbacks_used=guard._recovery.rollbacks_this_fit,
             max_rollbacks=guard.max_rollbacks,
         )
+        if action == "rollback" and not state_bad:  # the device skip undid the step: nothing is restored, say skip
+            action = "skip"
         findings = describe(seen, rec, state_bad, state_rank, trainer.global_rank, guard.max_abs_input)
         placed = located(guard, kept_records, trainer.global_rank) if seen.any_local() else {}
         findings = [placed.get(f.kind, [f])[0] if f.where[0] in _PLACEHOLDERS else f for f in findings]
         findings = merge([findings, placed.get("op_domain", [])])  # in causal order, without duplicates
         findings = _across_ranks(trainer, findings)  # every rank is here together: the flags were reduced
         mark_consequences(findings)
-        events = []
+        epoch, batch_idx = (rec.epoch, rec.batch_idx) if rec is not None else (None, -1)
+        # a field flagged step after step: the device already skipped this step; later steps leave the field out
+        _, declared = guard._conventions.sort(findings)
+        events = guard._conventions_declared(trainer, declared, step, epoch, batch_idx)
         for f in findings:
             f.details.update({"deferred": True, "read_at_step": trainer.global_step})
-            epoch, batch_idx = (rec.epoch, rec.batch_idx) if rec is not None else (None, -1)
             events.append(guard._ledger.event(trainer, f, step, action, epoch, batch_idx))
         if action != "warn":
             guard.counters["skipped_steps"] += 1  # the device skipped it
@@ -259,7 +265,7 @@ class DeferredSync:
             for opt, lrs in zip(trainer.optimizers, schedule[1]):
                 for group, lr in zip(opt.param_groups, lrs):
                     group["lr"] = lr
-        restored = bool(state_bad and action == "rollback") or action == "halt"
+        restored = action in ("rollback", "halt")  # a rollback only when the state itself went bad
         if restored:  # every rank is here together (the flags and state_bad were merged across ranks)
             assert self.snapshots.last is not None
             guard._recovery.snapshot = self.snapshots.last[1]
@@ -344,8 +350,9 @@ def describe(
     if rec is not None and (seen.seen(flags.INPUT) or seen.seen(flags.SUSPICIOUS)):
         for leaves, _ in rec.inputs:
             values = checks.max_abs([t for _, t in leaves]).tolist()
+            unmasked = checks.max_abs([t for _, t in leaves], masks_as_zero=True).tolist()  # finfo.min: a mask
             bad = [p for (p, _), v in zip(leaves, values) if v != v or v in (float("inf"), float("-inf"))]
-            huge = [p for (p, _), v in zip(leaves, values) if max_abs is not None and p not in bad and v >= max_abs]
+            huge = [p for (p, _), v in zip(leaves, unmasked) if max_abs is not None and p not in bad and v >= max_abs]
             if bad:
                 out.append(Finding("nonfinite_input", bad, {}, rank))
             elif huge:

@@ -16,7 +16,6 @@ contract, the ``--help`` text of LightningCLI and the documentation of every arg
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,7 +27,8 @@ from typing_extensions import override
 from lightning_numguard import _compat
 from lightning_numguard.callbacks import _config, _nofiles
 from lightning_numguard.callbacks._amp import AmpCounters
-from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action
+from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action, Check
+from lightning_numguard.callbacks._conventions import InputConventions
 from lightning_numguard.callbacks._coverage import CoverageCheck
 from lightning_numguard.callbacks._diagnosis import diagnose
 from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
@@ -38,13 +38,14 @@ from lightning_numguard.callbacks._progress import FitProgress
 from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
 from lightning_numguard.callbacks._sharded import SHARDING
 from lightning_numguard.callbacks._strategies import check_strategy
+from lightning_numguard.callbacks._types import Backoff, NonNegativeInt, PositiveFloat, PositiveInt, plain_args
 from lightning_numguard.callbacks._zerosync import SYNC_MODES, DeferredSync
 from lightning_numguard.core import flags as slots
 from lightning_numguard.core import policy
 from lightning_numguard.core.findings import Finding
 from lightning_numguard.core.quarantine import parse_state, position_key
 from lightning_numguard.errors import NonFiniteError, NumGuardError
-from lightning_numguard.reporting.report import Reporter
+from lightning_numguard.reporting.report import Reporter, counter_scalars
 
 __all__ = ["CHECKS", "DEFAULT_CHECKS", "NumGuardCallback"]
 
@@ -83,7 +84,10 @@ class NumGuardCallback(Callback):
             Adam moment before the step it would ruin).
         max_abs_input: finite batch values with ``|x|`` at or above this are ``suspicious_input``
             (numpy's masked-array fill value 1e20 and netCDF's 9.96921e36 are caught by the
-            default); ``None`` turns this off.
+            default; a value equal to its dtype's own finite extreme, ``torch.finfo(dtype).min`` in
+            an additive attention mask, is a mask and does not count); ``None`` turns this off. A
+            batch field flagged on 3 consecutive steps is taken for a convention of the data: said
+            once, then no longer checked in the fit.
         watch_modules: glob patterns of module names whose outputs are watched.
         ignore_modules: glob patterns of module names not watched.
         watch_depth: which modules the ``outputs`` check watches: those at most this many levels
@@ -108,9 +112,8 @@ class NumGuardCallback(Callback):
             after a resume, and save them under ``<dirpath>/bad_batches/``.
         replay: after an incident under ``skip``/``rollback``/``halt``, replay the batch with anomaly
             mode and backward hooks to name the first autograd op and module that went non-finite.
-        emit_warnings: emit one ``NumGuardWarning`` per incident kind and place (events, log lines
-            and loggers are written either way).
-        warn: deprecated alias of ``emit_warnings`` (its name clashed with ``action="warn"``).
+        emit_warnings: emit one ``NumGuardWarning`` per root cause's kind and place (its consequences in
+            the same step are recorded, not warned; events, log lines and loggers are written either way).
         sync_mode: ``"every_step"`` reads the step's flags on the host before the optimizer step
             (one host read per step). ``"deferred"`` reads nothing on the step: a bad step is
             skipped on the device through the optimizer's ``found_inf`` (needs one fused optimizer,
@@ -147,9 +150,10 @@ class NumGuardCallback(Callback):
     Logged (TensorBoard tags; other loggers get the scalars):
 
     ==============================  =====================================================
-    ``numguard/incidents``          incidents recorded so far (scalar)
-    ``numguard/skipped_steps``      optimizer steps turned into no-ops (scalar)
-    ``numguard/rollbacks``          rollbacks so far (scalar)
+    ``numguard/incidents``          incidents recorded so far (scalar; every ``log_every_n_steps``
+                                    from step 0, and at each incident's step)
+    ``numguard/skipped_steps``      optimizer steps turned into no-ops (scalar; the same steps)
+    ``numguard/rollbacks``          rollbacks so far (scalar; the same steps)
     ``numguard/amp_overflow_steps`` steps the AMP GradScaler skipped itself (scalar; under a
                                     GradScaler also every ``log_every_n_steps``, with your metrics)
     ``numguard/loss_scale``         the GradScaler's loss scale (scalar, every ``log_every_n_steps``)
@@ -172,22 +176,21 @@ class NumGuardCallback(Callback):
         self,
         action: Action = "rollback",
         dirpath: str | None = None,
-        check: list[str] = list(DEFAULT_CHECKS),  # noqa: B006 - shown as the default in --help
-        max_abs_input: float | None = 1e18,
+        check: list[Check] = list(DEFAULT_CHECKS),  # noqa: B006 - shown as the default in --help
+        max_abs_input: PositiveFloat | None = 1e18,
         watch_modules: list[str] = ["*"],  # noqa: B006
         ignore_modules: list[str] = [],  # noqa: B006
-        watch_depth: int | None = 1,
+        watch_depth: PositiveInt | None = 1,
         check_optimizer_coverage: Literal["off", "warn", "error"] = "warn",
-        snapshot_every_n_steps: int = 50,
+        snapshot_every_n_steps: PositiveInt = 50,
         snapshot_device: Literal["host", "device"] = "host",
-        max_rollbacks: int = 10,
-        skip_batches_after_rollback: int = 0,
-        lr_backoff: float = 1.0,
+        max_rollbacks: NonNegativeInt = 10,
+        skip_batches_after_rollback: NonNegativeInt = 0,
+        lr_backoff: Backoff = 1.0,
         retry_transient: bool = False,
         quarantine: bool = True,
         replay: bool = True,
         emit_warnings: bool = True,
-        warn: bool | None = None,
         sync_mode: Literal["every_step", "deferred"] = "every_step",
         snapshot_sharding: Literal["auto", "off"] = "auto",
         snapshot_async: bool | None = None,
@@ -211,7 +214,7 @@ class NumGuardCallback(Callback):
         self.ignore_modules = _config.patterns("ignore_modules", ignore_modules)
         if watch_depth is not None:
             _config.integer("watch_depth", watch_depth, 1)
-        self.watch_depth = watch_depth
+        self.watch_depth = None if watch_depth is None else int(watch_depth)  # plain, from a CLI's restricted int
         self.max_abs_input = _config.positive_or_none("max_abs_input", max_abs_input)
         for name, value, minimum in (
             ("snapshot_every_n_steps", snapshot_every_n_steps, 1),
@@ -223,21 +226,13 @@ class NumGuardCallback(Callback):
         for name, value in (("retry_transient", retry_transient), ("quarantine", quarantine), ("replay", replay)):
             _config.flag(name, value)
         _config.flag("emit_warnings", emit_warnings)
-        if warn is not None:
-            _config.flag("warn", warn)
-            warnings.warn(
-                "NumGuardCallback(warn=...) is deprecated and will be removed in 0.3: use emit_warnings=...",
-                FutureWarning,
-                stacklevel=2,
-            )
-            emit_warnings = warn
         self.dirpath = _config.path_or_none("dirpath", dirpath)
         self.action = action
         self.check_optimizer_coverage = check_optimizer_coverage
-        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.snapshot_every_n_steps = int(snapshot_every_n_steps)
         self.snapshot_device = snapshot_device
-        self.max_rollbacks = max_rollbacks
-        self.skip_batches_after_rollback = skip_batches_after_rollback
+        self.max_rollbacks = int(max_rollbacks)
+        self.skip_batches_after_rollback = int(skip_batches_after_rollback)
         self.retry_transient = retry_transient
         self.quarantine = quarantine
         self.replay = replay
@@ -247,6 +242,8 @@ class NumGuardCallback(Callback):
     def _fresh_run(self, dirpath: Path | None = None) -> None:
         """New collaborators for a fit (run in ``setup``, before Lightning loads this callback's state)."""
         self._inspector = self._new_inspector()
+        self._conventions = InputConventions()  # batch fields flagged step after step: no longer checked
+        self._inspector.ignored_inputs = self._conventions.ignored
         self._reporter = Reporter(dirpath, warn=self.emit_warnings)
         self._ledger = Ledger(self._reporter)
         self._recovery = Recovery(
@@ -425,6 +422,7 @@ class NumGuardCallback(Callback):
         self._finish(trainer, pl_module, rec)
         self._progress.after_step(trainer, pl_module, rec, self._recovery.snapshot, self.counters)
         self._amp.log(trainer, pl_module, self.counters["amp_overflow_steps"])
+        self._reporter.series(trainer, rec.step, counter_scalars(self.counters))  # host ints: no device read
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -434,6 +432,7 @@ class NumGuardCallback(Callback):
         end = self._recovery.at_train_end(trainer, pl_module, self._inspector, self.action == "warn")
         if end is not None:
             bad, action, details = end
+            self.counters["rollbacks"] += action == "rollback"  # the repair restored from the snapshot: counted
             finding = Finding("nonfinite_param", bad, details, self._recovery.bad_rank)
             self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, action)])
 
@@ -496,8 +495,10 @@ class NumGuardCallback(Callback):
             self._skip_quietly(trainer, pl_module, optimizer, rec, reading)
         elif reading.flags.any:
             self._on_hit(trainer, pl_module, optimizer, rec, reading, due)
-        elif due:
-            self._recovery.take(trainer, pl_module, rec)
+        else:
+            self._conventions.clean_step()
+            if due:
+                self._recovery.take(trainer, pl_module, rec)
         self._recovery.settle()
 
     def _skip_quietly(
@@ -528,7 +529,10 @@ class NumGuardCallback(Callback):
             collapsed = self._amp.after_overflow(trainer)
             if collapsed is not None and self._reporter is not None:
                 self._reporter.say_once(trainer, "loss_scale_collapse", collapsed)
-        if not found.findings:
+        findings, declared = self._conventions.sort(found.findings)  # a field flagged step after step: not a fault
+        conventions = self._conventions_declared(trainer, declared, rec.step, rec.epoch, rec.batch_idx)
+        if not findings:
+            rec.events = conventions
             if due:
                 self._recovery.take(trainer, pl_module, rec)
             return
@@ -540,10 +544,19 @@ class NumGuardCallback(Callback):
             self.counters["skipped_steps"] += 1
             if not found.state_bad:  # the state before this step is verified finite: a rollback undoes exactly it
                 self._recovery.take(trainer, pl_module, rec)
-        rec.events = [
-            self._ledger.event(trainer, f, rec.step, rec.action, rec.epoch, rec.batch_idx) for f in found.findings
+        rec.events = conventions + [
+            self._ledger.event(trainer, f, rec.step, rec.action, rec.epoch, rec.batch_idx) for f in findings
         ]
         self._recovery.quarantine.count_failure(position_key(rec.batch, rec.batch_idx))
+
+    def _conventions_declared(
+        self, trainer: pl.Trainer, declared: list[Finding], step: int, epoch: int | None, batch_idx: int
+    ) -> list[dict[str, Any]]:
+        """The events (action ``"none"``) of batch fields declared conventions at this step, each said once."""
+        events = [self._ledger.event(trainer, f, step, "none", epoch, batch_idx) for f in declared]
+        for event in events:
+            self._reporter.say_once(trainer, f"convention {event['where']}", event["message"])
+        return events
 
     def _decide(self, state_bad: bool, has_incident: bool) -> str:
         return policy.decide(
@@ -573,7 +586,7 @@ class NumGuardCallback(Callback):
             where = f"is in {ckpt}" if ckpt is not None else "was restored in memory (no file is written in this run)"
             raise NonFiniteError(
                 f"NumGuard halted training at step {rec.step}: "
-                + (rec.events[0]["message"] if rec.events else "non-finite values")
+                + next((e["message"] for e in rec.events if e["action"] == "halt"), "non-finite values")
                 + f". The last finite state {where}."
             )
 
@@ -585,3 +598,7 @@ class NumGuardCallback(Callback):
                 f"NumGuard: the weights or optimizer state are already non-finite at fit start ({bad[:3]}); "
                 "there is no finite state to protect. Resume from an earlier checkpoint."
             )
+
+
+# LightningCLI's --help prints the Args: entries: plain text there, RST in the source.
+NumGuardCallback.__doc__ = plain_args(NumGuardCallback.__doc__)

@@ -37,6 +37,7 @@ __all__ = [
     "TotalPlan",
     "as_f32",
     "confirm_nonfinite",
+    "input_maxima",
     "is_checkable",
     "max_abs",
     "max_abs_total",
@@ -191,10 +192,15 @@ def is_checkable(t: torch.Tensor) -> bool:
     return t.layout is torch.strided and t.is_floating_point() and t.numel() > 0
 
 
-def max_abs(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+def max_abs(
+    tensors: Sequence[torch.Tensor], device: torch.device | None = None, *, masks_as_zero: bool = False
+) -> torch.Tensor:
     """Exact per-tensor max-|x| as a float32 vector on ``device`` (NaN propagates); no sync.
 
     Finite float64 values beyond float32's range give float32's max (finite), never ``inf``.
+    ``masks_as_zero``: a tensor's minimum or maximum equal to its dtype's own finite extreme
+    (``torch.finfo(dtype).min``/``max``, the conventional fill of an additive attention mask) counts as 0,
+    as :func:`input_maxima` does.
 
     Uses ``torch.aminmax`` (one read of each tensor) rather than ``abs().amax()`` (which
     materialises a copy). Unchecked tensors (integer, empty) give 0.
@@ -207,8 +213,10 @@ def max_abs(tensors: Sequence[torch.Tensor], device: torch.device | None = None)
         if c is None:
             parts.append(torch.zeros(2, dtype=torch.float32, device=device))
             continue
-        lo, hi = torch.aminmax(c.detach())
-        parts.append(as_f32(torch.stack([lo, hi])).to(device=device, non_blocking=True))
+        ends = torch.stack(torch.aminmax(c.detach()))
+        if masks_as_zero:
+            ends = ends.masked_fill(ends.abs() == torch.finfo(ends.dtype).max, 0)
+        parts.append(as_f32(ends).to(device=device, non_blocking=True))
     if not parts:
         return torch.zeros(0, dtype=torch.float32, device=device)
     return torch.stack(parts).abs().amax(dim=1)
@@ -230,6 +238,35 @@ def max_abs_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     if any(p.device != device or p.dtype != torch.float32 for p in parts):
         parts = [as_f32(p).to(device=device, non_blocking=True) for p in parts]
     return torch.stack(parts).abs().amax()
+
+
+def input_maxima(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two 0-d float32 on ``device``: :func:`max_abs_total` of ``tensors``, and the same with each tensor's
+    minimum or maximum that equals its dtype's own finite extreme counted as 0; no sync.
+
+    ``torch.finfo(dtype).min`` is how an additive attention mask (the Hugging Face convention) says "never
+    attend": a mask, not a fill value, so the second value, which the suspicious-input check reads, leaves
+    it out. Numpy's ``1e20`` and netCDF's ``9.96921e36`` are no dtype's extreme and still count. Per tensor
+    only its extremes are judged: a tensor holding both ``finfo.min`` and ``-1e20`` (and nothing above
+    ``1e20``) counts as a mask. Three small ops per dtype more than :func:`max_abs_total`.
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        c = _checkable(t)
+        if c is not None:
+            by_dtype.setdefault(c.dtype, []).extend(torch.aminmax(c.detach()))
+    totals: list[torch.Tensor] = []
+    unmasked: list[torch.Tensor] = []
+    for dtype, parts in by_dtype.items():
+        ends = torch.stack([p.to(device=device, non_blocking=True) for p in parts]).abs()
+        totals.append(as_f32(ends.amax()))
+        unmasked.append(as_f32(ends.masked_fill(ends == torch.finfo(dtype).max, 0).amax()))
+    if not totals:
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        return zero, zero
+    if len(totals) == 1:
+        return totals[0], unmasked[0]
+    return torch.stack(totals).amax(), torch.stack(unmasked).amax()
 
 
 def confirm_nonfinite(tensors: Sequence[torch.Tensor]) -> list[bool]:

@@ -144,7 +144,8 @@ class JsonlWriter:
 
 
 def counts_as_incident(event: Mapping[str, Any]) -> bool:
-    """Whether ``event`` is counted as an incident: a root cause, not a consequence nor a coverage warning.
+    """Whether ``event`` is counted as an incident: a root cause, not a consequence, a coverage warning, nor a
+    batch field declared a convention of the data (``details["convention"]``).
 
     The one rule behind the ``numguard/incidents`` counter, the demo's summary and
     ``numguard explain``; an event without ``root_cause`` (older files) is a root cause.
@@ -153,7 +154,9 @@ def counts_as_incident(event: Mapping[str, Any]) -> bool:
         >>> counts_as_incident({"kind": "nonfinite_loss", "root_cause": False})
         False
     """
-    return event.get("kind") != "optimizer_coverage" and bool(event.get("root_cause", True))
+    details = event.get("details")
+    convention = isinstance(details, Mapping) and bool(details.get("convention"))  # a field declared a convention
+    return event.get("kind") != "optimizer_coverage" and bool(event.get("root_cause", True)) and not convention
 
 
 def validate_event(obj: Any) -> str | None:

@@ -111,6 +111,8 @@ def _overflow_facts(inputs: Any, out: Any) -> dict[str, Any]:
     peaks += [abs(v) for v in inputs[0] if isinstance(v, float) and math.isfinite(v)]
     if peaks:
         facts["max_abs_in"] = max(peaks)
+    if _has(inputs, torch.isinf):  # NaN from ±Inf (a fully masked softmax row): the inputs were not finite
+        facts["inf_in"] = True
     return facts
 
 
@@ -316,7 +318,8 @@ def replay(
             chosen = trace.culprit or (None if trace.inputs_bad else trace.constant)
             if chosen is not None:
                 result.update(stage="forward", op=chosen["op"], op_module=chosen["module"])
-                result.update({k: chosen[k] for k in ("file", "line", "code", "dtype", "max_abs_in") if k in chosen})
+                facts = ("file", "line", "code", "dtype", "max_abs_in", "inf_in")
+                result.update({k: chosen[k] for k in facts if k in chosen})
                 result["forward_op"], result["forward_op_module"] = chosen["op"], chosen["module"]
                 if "file" in chosen:
                     result["forward_trace"] = f"{chosen['file']}:{chosen['line']}: {chosen.get('code', '')}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["CATALOGUE", "Pattern"]
+__all__ = ["ASSERTION", "CATALOGUE", "DEVICE_ASSERT_OPS", "Pattern"]
 
 _GUARD = "NumGuardCallback"
 
@@ -36,6 +36,8 @@ class Pattern:
             failure, before it can crash the run.
         follow_on: the line only ever follows another failure (it is never the root cause
             when a cause is in the log too).
+        fix_without_assertion: the fix when the log holds no ``Assertion ... failed`` line (a
+            follow-on error whose usual fix points at that line); empty: ``fix`` always applies.
     """
 
     name: str
@@ -44,10 +46,34 @@ class Pattern:
     fix: str
     hint_kind: str
     follow_on: bool = False
+    fix_without_assertion: str = ""
 
 
-def _p(name: str, regex: str, cause: str, fix: str, hint_kind: str, *, follow_on: bool = False) -> Pattern:
-    return Pattern(name, re.compile(regex), cause, fix, hint_kind, follow_on)
+def _p(
+    name: str, regex: str, cause: str, fix: str, hint_kind: str, *, follow_on: bool = False, alone: str = ""
+) -> Pattern:
+    return Pattern(name, re.compile(regex), cause, fix, hint_kind, follow_on, alone)
+
+
+#: A CUDA kernel's own range check, as the kernel prints it (on the process's stderr).
+ASSERTION = re.compile(r"Assertion `.*` failed")
+
+#: Ops whose CUDA kernels assert on bad inputs, as a traceback line names them, and the entry of their assertion:
+#: a log with ``device-side assert triggered`` but no assertion line is explained by the op its traceback ends in.
+DEVICE_ASSERT_OPS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"\bbinary_cross_entropy\b|\bBCELoss\b"), "bce_input_range"),
+    (re.compile(r"\b(?:nll_loss\w*|cross_entropy)\b|\b(?:NLLLoss|CrossEntropyLoss)\b"), "class_index_out_of_bounds"),
+    (re.compile(r"\b(?:embedding|index_select)\b"), "embedding_index_out_of_range"),
+)
+
+_RERUN = (
+    "Rerun with CUDA_LAUNCH_BLOCKING=1 (or on CPU) for an accurate stack, or with "
+    f"{_GUARD}, which validates op inputs before the kernel runs and names the offending op and step."
+)
+_NO_ASSERTION = (
+    "This log holds no 'Assertion ... failed' line (CUDA kernels print it on the process's stderr, which "
+    "was not captured here)."
+)
 
 
 _LOCATE = f"{_GUARD} names the first batch field or module that went non-finite, and the step."
@@ -188,17 +214,19 @@ CATALOGUE: tuple[Pattern, ...] = (
         "before the kernel runs.",
         "op_domain",
         follow_on=True,
+        alone=f"{_NO_ASSERTION} {_RERUN}",
     ),
     _p(
         "cuda_device_assert",
         r"device-side assert triggered",
-        "a CUDA kernel assertion fired; the Python stack trace points at a later, unrelated call "
-        "because CUDA reports errors asynchronously.",
+        "a CUDA kernel assertion fired; the Python stack trace may point at a later call than the one that "
+        "failed, because CUDA reports errors asynchronously.",
         "An earlier 'Assertion ... failed' line in the log is the real cause. Rerun with "
         f"CUDA_LAUNCH_BLOCKING=1 (or on CPU) for an accurate stack, or with {_GUARD}, which validates "
         "op inputs before the kernel runs and names the offending op and step.",
         "op_domain",
         follow_on=True,
+        alone=f"{_NO_ASSERTION} {_RERUN}",
     ),
 )
 """Every known failure signature, most specific first."""

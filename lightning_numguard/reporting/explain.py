@@ -45,6 +45,7 @@ __all__ = [
     "first_culprit",
     "format_log_report",
     "format_report",
+    "step_actions",
     "summarize_events",
 ]
 
@@ -80,16 +81,49 @@ Event = dict[str, Any]
 # --------------------------------------------------------------------------- events.jsonl
 
 
+#: Actions that turn a step into a no-op (the summary's "steps skipped" counts them).
+_STEP_SKIPPED = ("skip", "rollback", "halt")
+
+
+def _is_note(event: Event) -> bool:
+    """A warning that is no incident: an optimizer coverage problem, a batch field declared a convention."""
+    details = event.get("details")
+    return event.get("kind") == "optimizer_coverage" or (
+        isinstance(details, Mapping) and bool(details.get("convention"))
+    )
+
+
 def first_culprit(events: Sequence[Event]) -> Event | None:
-    """The root cause: the first recorded event of the earliest step.
+    """The root cause: the first recorded incident event of the earliest step with one.
 
     Events of one step are recorded in causal order (inputs, parameters, module outputs, ops,
-    loss, gradients), so the first one of the earliest step is where the trouble began.
+    loss, gradients), so the first one of the earliest step is where the trouble began. A
+    warning that is no incident (an optimizer coverage problem found at step 0) is never the
+    culprit of a later NaN; it is the culprit only of a file that holds nothing else.
     """
     if not events:
         return None
-    earliest = min(event["step"] for event in events)
-    return next(event for event in events if event["step"] == earliest)
+    incidents = [event for event in events if not _is_note(event)] or list(events)
+    earliest = min(event["step"] for event in incidents)
+    return next(event for event in incidents if event["step"] == earliest)
+
+
+def step_actions(events: Sequence[Event]) -> dict[int, str]:
+    """The action taken at each step that had one (``warn``, ``skip``, ``rollback``, ``halt``, ...).
+
+    Every event of a step carries the step's one action, so actions are counted per step, as the
+    callback's counters count them, never per event. The end-of-fit repair (``details["when"] ==
+    "end of training"``) is keyed apart from the steps (as ``-1 - step``): it restores but skips nothing.
+    """
+    actions: dict[int, str] = {}
+    for event in events:
+        action = event.get("action")
+        if action == "none" or not isinstance(action, str):
+            continue
+        details = event.get("details")
+        at_end = isinstance(details, Mapping) and details.get("when") == "end of training"
+        actions.setdefault(-1 - int(event["step"]) if at_end else int(event["step"]), action)
+    return actions
 
 
 def summarize_events(
@@ -105,36 +139,42 @@ def summarize_events(
     Returns:
         A JSON-serialisable dict: ``events_file``, ``incidents`` (root causes, counted like the
         ``numguard/incidents`` counter: consequences and coverage warnings are listed, not counted),
-        ``events`` (every event), ``consequences``, ``steps`` (sorted distinct
-        steps), ``first_step``/``last_step``, ``ranks``, ``kinds`` and ``actions`` (counts),
+        ``events`` (every event), ``consequences``, ``warnings`` (coverage problems, fields declared
+        conventions), ``steps`` (sorted distinct steps with an incident), ``first_step``/``last_step``,
+        ``ranks``, ``kinds`` (events per kind), ``actions`` (steps per action, as the callback counts
+        them), ``skipped_steps`` and ``rollbacks`` (as the end-of-fit summary counts them),
         ``first_culprit`` (the event, with its ``hint``), ``hints`` (per kind present) and
         ``skipped_lines``.
     """
-    steps = sorted({event["step"] for event in events})
+    steps = sorted({event["step"] for event in events if not _is_note(event)})
     kinds = Counter(event["kind"] for event in events)
     culprit = first_culprit(events)
+    actions = step_actions(events)
     return {
         "input": "events",
         "events_file": str(source),
         "incidents": sum(1 for event in events if counts_as_incident(event)),
         "events": len(events),
         "consequences": sum(1 for event in events if event.get("root_cause", True) is False),
+        "warnings": sum(1 for event in events if _is_note(event)),
         "steps": steps,
         "first_step": steps[0] if steps else None,
         "last_step": steps[-1] if steps else None,
         "ranks": sorted({event["rank"] for event in events}),
         "kinds": dict(kinds),
-        "actions": _action_counts(events),
+        "actions": _action_counts(actions),
+        "skipped_steps": sum(1 for step, action in actions.items() if step >= 0 and action in _STEP_SKIPPED),
+        "rollbacks": sum(1 for action in actions.values() if action == "rollback"),
         "first_culprit": None if culprit is None else {**culprit, "hint": _event_hint(culprit)},
         "hints": {kind: kind_hint(kind) for kind in kinds},
         "skipped_lines": list(problems),
     }
 
 
-def _action_counts(events: Sequence[Event]) -> dict[str, int]:
-    counts = Counter(event["action"] for event in events)
-    # The four actions always appear (a zero says something too); "none" and unknown ones when used.
-    shown = [action for action in ACTIONS if action != "none" or counts[action]]
+def _action_counts(actions: Mapping[int, str]) -> dict[str, int]:
+    counts = Counter(actions.values())
+    # The four actions always appear (a zero says something too); unknown ones when used.
+    shown = [action for action in ACTIONS if action != "none"]
     shown += sorted(action for action in counts if action not in ACTIONS)
     return {action: counts[action] for action in shown}
 
@@ -197,22 +237,28 @@ def format_report(
 
     summary = summarize_events(events, source, problems)
     steps: list[int] = summary["steps"]
-    span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-    counted = f"{summary['incidents']} in {len(steps)} step(s) ({span})"
-    if summary["events"] != summary["incidents"]:
-        counted += f"; {summary['events']} events, {summary['consequences']} of them consequences"
+    if steps:
+        span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+        counted = f"{summary['incidents']} in {len(steps)} step(s) ({span})"
+    else:
+        counted = "none"
+    parts = [f"{summary['consequences']} consequence(s)"] if summary["consequences"] else []
+    parts += [f"{summary['warnings']} warning(s)"] if summary["warnings"] else []
+    if parts:
+        counted += f"; {summary['events']} events, of them {' and '.join(parts)}"
     lines.append(f"  incidents:  {counted}")
     lines.append(f"  ranks:      {', '.join(map(str, summary['ranks']))}")
 
     culprit = first_culprit(events)
     assert culprit is not None  # events is not empty
+    shown: set[str] = set()  # replay blocks already printed: the events of one step share theirs
     lines += [
         "",
         f"First culprit: {culprit['kind']} at {_where(culprit, limit=None)}",
         f"  step {culprit['step']}, epoch {culprit['epoch']}, batch {culprit['batch_idx']}, "
         f"rank {culprit['rank']}; action: {culprit['action']}",
         wrap("  message: ", culprit["message"]),
-        *_extras(culprit, indent="  "),
+        *_extras(culprit, indent="  ", shown=shown),
         wrap("  hint:    ", _event_hint(culprit)),
         "",
         "Timeline (in recorded order; '>' marks the first culprit)",
@@ -234,10 +280,11 @@ def format_report(
     for event, row in zip(events, rows, strict=True):
         marker = "  > " if event is culprit else "    "
         lines.append(marker + _columns(row, widths))
-        lines.extend(_extras(event, indent="        "))
+        lines.extend(_extras(event, indent="        ", shown=shown))
 
     counts = ", ".join(f"{action} {count}" for action, count in summary["actions"].items())
-    lines += ["", f"Actions taken: {counts}", "", "Hints"]
+    skipped = summary["skipped_steps"]
+    lines += ["", f"Actions taken: {counts} (per step; {skipped} step(s) skipped)", "", "Hints"]
     for kind, count in summary["kinds"].items():
         lines.append(wrap(f"  {kind} ({count}): ", kind_hint(kind), indent="    "))
     return "\n".join(lines)
@@ -254,8 +301,9 @@ def _where(event: Event, *, limit: int | None) -> str:
     return text
 
 
-def _extras(event: Event, *, indent: str) -> list[str]:
-    """Lines for the optional keys of an event: time, details, replay, then any unknown key."""
+def _extras(event: Event, *, indent: str, shown: set[str] | None = None) -> list[str]:
+    """Lines for the optional keys of an event that hold something: time, details, replay (once per run of
+    ``shown``), then any other key; a ``null`` field and the default ``root_cause: true`` are left out."""
     lines: list[str] = []
     if "time" in event:
         lines.append(f"{indent}time:    {_format_time(event['time'])}")
@@ -267,6 +315,11 @@ def _extras(event: Event, *, indent: str) -> list[str]:
         lines.append(f"{indent}details: {_key_values(details)}")
     elif details not in (None, {}):
         lines.append(f"{indent}details: {_scalar(details)}")
+    if isinstance(replay, Mapping) and replay and shown is not None:
+        key = json.dumps(replay, sort_keys=True, default=str)
+        if key in shown:
+            replay = None
+        shown.add(key)
     if isinstance(replay, Mapping) and replay:
         parts = [f"module {replay['module']}"] if "module" in replay else []
         parts += [f"op {replay['op']}"] if "op" in replay else []
@@ -276,6 +329,8 @@ def _extras(event: Event, *, indent: str) -> list[str]:
     elif replay not in (None, {}):
         lines.append(f"{indent}replay:  {_scalar(replay)}")
     for key in sorted(set(event) - set(REQUIRED_FIELDS) - set(_SHOWN_EXTRAS)):
+        if event[key] is None or (key == "root_cause" and event[key] is True):
+            continue
         lines.append(f"{indent}{key}: {_scalar(event[key])}")
     return lines
 
@@ -290,7 +345,7 @@ def _format_time(value: Any) -> str:
 
 
 def _key_values(mapping: Mapping[str, Any]) -> str:
-    return ", ".join(f"{key}={_scalar(value)}" for key, value in mapping.items())
+    return ", ".join(f"{key}={_scalar(value)}" for key, value in mapping.items() if value is not None)
 
 
 def _scalar(value: Any) -> str:

@@ -25,7 +25,9 @@ from typing import Any
 __all__ = [
     "COVERAGE_PROBLEMS",
     "FILL_VALUES",
+    "INPUTS_ALREADY_BAD_HINT",
     "KIND_HINTS",
+    "MASKED_ROW_HINT",
     "OP_DOMAIN_HINTS",
     "consequence_hint",
     "coverage_hint",
@@ -34,6 +36,7 @@ __all__ = [
     "fill_value_hint",
     "fill_value_name",
     "kind_hint",
+    "masked_row_hint",
     "op_domain_hint",
     "op_hint",
     "overflow_hint",
@@ -170,6 +173,42 @@ def overflow_hint(replay: Mapping[str, Any]) -> str | None:
             "step after step until they overflowed; the learning rate is probably too high: lower it, add "
             "warm-up, or clip gradients (Trainer(gradient_clip_val=1.0))"
         )
+    return None
+
+
+# --------------------------------------------------------------------------- masked rows, values made upstream
+
+#: Forward ops that turn a row with no allowed position (every score ``-inf``) into NaN.
+_MASKED_ROW_OPS = ("softmax", "log_softmax", "_softmax", "softmin", "scaled_dot_product_attention")
+
+MASKED_ROW_HINT = (
+    "a fully masked attention row: every score of a row was -inf, and softmax over it is 0/0 = NaN; fill "
+    "masked scores with a large finite negative (torch.finfo(scores.dtype).min) instead of -inf, or guard "
+    "rows with nothing to attend to (leave one position unmasked, or zero those rows' outputs)"
+)
+
+INPUTS_ALREADY_BAD_HINT = (
+    "the batch and the weights were finite when checked, so the NaN/Inf was made after the batch check and "
+    "before this module ran: look at what training_step does before calling it (an edit of the batch, a value "
+    "computed there) and fix it at its source"
+)
+_INPUTS_UNCHECKED_HINT = (
+    "the batch, the weights or code run before this module (in training_step) already held the NaN/Inf: add "
+    "'inputs' to NumGuardCallback(check=...) to tell the batch apart, and fix the value at its source"
+)
+
+
+def masked_row_hint(replay: Mapping[str, Any]) -> str | None:
+    """The hint for a forward op that made NaN of a fully masked row (softmax over all ``-inf``), else ``None``.
+
+    Example:
+        >>> masked_row_hint({"stage": "forward", "op": "softmax", "inf_in": True})[:26]
+        'a fully masked attention r'
+    """
+    if replay.get("stage") != "forward" or replay.get("op") not in _MASKED_ROW_OPS:
+        return None
+    if replay.get("inf_in") or replay.get("op") == "scaled_dot_product_attention":
+        return MASKED_ROW_HINT
     return None
 
 
@@ -335,9 +374,13 @@ def event_hint(kind: str, details: Mapping[str, Any]) -> str:
             return str(hint)
     elif kind in ("nonfinite_output", "nonfinite_loss"):
         replay = details.get("replay")
-        overflow = overflow_hint(replay) if isinstance(replay, Mapping) else None
-        if overflow:
-            return overflow
+        if isinstance(replay, Mapping):
+            specific = masked_row_hint(replay) or overflow_hint(replay)
+            if specific is None and replay.get("stage") == "inputs" and not replay.get("op"):
+                checked = details.get("checked") or ()
+                specific = INPUTS_ALREADY_BAD_HINT if "inputs" in checked else _INPUTS_UNCHECKED_HINT
+            if specific:
+                return specific
     elif kind == "nonfinite_grad":
         replay = details.get("replay")
         op = replay.get("op") if isinstance(replay, Mapping) else None

@@ -11,10 +11,10 @@ import string
 import textwrap
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_numguard.reporting.catalogue import CATALOGUE, Pattern
+from lightning_numguard.reporting.catalogue import ASSERTION, CATALOGUE, DEVICE_ASSERT_OPS, Pattern
 from lightning_numguard.reporting.hints import kind_hint, op_hint
 
 __all__ = ["Match", "explain_log", "format_log_report", "wrap"]
@@ -55,7 +55,13 @@ class Match:
     @property
     def cause(self) -> str:
         """The likely cause, with the matched details (op, parameter, ...) filled in."""
-        return _fill(self.pattern.cause, self.groups)
+        cause = _fill(self.pattern.cause, self.groups)
+        if self.groups.get("seen_in") == "traceback":
+            return (
+                "The device-side assert's traceback ends in this call, and its CUDA kernel asserts on bad inputs "
+                f"(the log holds no 'Assertion ... failed' line to say more): {cause}"
+            )
+        return cause
 
     @property
     def fix(self) -> str:
@@ -110,7 +116,16 @@ def explain_log(text: str | Iterable[str], catalogue: Sequence[Pattern] = CATALO
     lines = text.splitlines() if isinstance(text, str) else text
     first: dict[str, Match] = {}
     counts: Counter[str] = Counter()
+    assertion = False  # an "Assertion ... failed" line is in the log
+    op_line: tuple[int, str, str] | None = None  # the last line naming an op that device-asserts, before an assert
+    asserted = False  # a "device-side assert triggered" was seen
     for line_no, line in enumerate(lines, start=1):
+        assertion = assertion or ASSERTION.search(line) is not None
+        if "device-side assert triggered" in line:
+            asserted = True
+        elif not asserted:
+            named = next((name for regex, name in DEVICE_ASSERT_OPS if regex.search(line)), None)
+            op_line = (line_no, line, named) if named else op_line
         for pattern in catalogue:
             found = pattern.regex.search(line)
             if found is None:
@@ -120,6 +135,17 @@ def explain_log(text: str | Iterable[str], catalogue: Sequence[Pattern] = CATALO
                 groups = {key: value for key, value in found.groupdict().items() if value is not None}
                 first[pattern.name] = Match(pattern, line_no, _quote(line), 1, groups)
             break
+    if not assertion:  # no follow-on error may send the reader to a line that is not there
+        for name, match in first.items():
+            if match.pattern.fix_without_assertion:
+                pattern = replace(match.pattern, fix=match.pattern.fix_without_assertion)
+                first[name] = replace(match, pattern=pattern)
+        by_name = {pattern.name: pattern for pattern in catalogue}
+        if asserted and op_line is not None and op_line[2] in by_name and op_line[2] not in first:
+            # the traceback ends in an op whose kernel asserts on bad inputs: that op's entry is the likely cause
+            line_no, line, name = op_line
+            counts[name] = 1
+            first[name] = Match(by_name[name], line_no, _quote(line), 1, {"seen_in": "traceback"})
     matches = [
         Match(match.pattern, match.line_no, match.line, counts[name], match.groups) for name, match in first.items()
     ]

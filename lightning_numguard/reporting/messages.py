@@ -24,11 +24,14 @@ def _names(where: Sequence[str], limit: int = 3) -> str:
     return shown
 
 
-def _op_clause(op: str | None, module: str | None, source: str | None, backward: bool = False) -> str:
+def _op_clause(
+    op: str | None, module: str | None, source: str | None, backward: bool = False, inf_in: bool = False
+) -> str:
     if not op:
         return ""
     what = "autograd op" if backward else "op"
-    text = f"the first {what} to turn finite values into NaN/Inf was `{op}`"
+    values = "values holding ±Inf but no NaN into NaN" if inf_in else "finite values into NaN/Inf"
+    text = f"the first {what} to turn {values} was `{op}`"
     if module:
         text += f" in `{module}`"
     if source:
@@ -59,6 +62,9 @@ def incident_message(
     checked = set(details.get("checked") or ())
     replay = details.get("replay") or {}
     root = not details.get("after")
+    convention = details.get("convention")
+    if convention and kind in ("nonfinite_input", "suspicious_input"):
+        return _convention_message(kind, names, details, int(convention.get("steps", 0)), at)
     if kind == "nonfinite_input":
         text = f"non-finite value in {names} {at}"
         stats = details.get("stats") or {}
@@ -75,12 +81,12 @@ def incident_message(
             # kept word for word from earlier versions: "replay traced it to op `div` in `norm`"
             text += f"; replay traced it to op `{op}`" + (f" in `{module}`" if module else "")
             text += f" at {source}" if source else ""
-            text += " from finite inputs"
+            text += " from inputs holding ±Inf but no NaN" if replay.get("inf_in") else " from finite inputs"
         elif replay.get("from_another_rank"):
             via = replay.get("first_bad_op")
             text += f"; its values came from another rank through `{via}`, so no op on this rank is to blame"
         elif replay.get("stage") == "inputs":
-            text += "; its inputs were already non-finite (the batch or the weights), so no op is to blame"
+            text += "; the values entering it were already non-finite, so no op inside it is to blame"
         elif replay.get("error"):
             text += f"; the replay could not run ({replay['error']}), so the module is named from the step's flags"
     elif kind == "op_domain":
@@ -92,11 +98,15 @@ def incident_message(
         text += f" at {source}" if source else ""
         text += f" {at}"
         if details.get("count") is not None:
-            text += f": {details['count']} bad values, min {details.get('min')}, max {details.get('max')}"
+            text += f": {details['count']} bad values"
+            nan = details.get("nan_count") or 0
+            lo, hi = details.get("min"), details.get("max")
+            numbers = [f"min {lo:.6g}, max {hi:.6g}"] if lo is not None and hi is not None else []
+            text += f" ({', '.join(([f'{nan} NaN'] if nan else []) + numbers)})" if nan or numbers else ""
     elif kind == "nonfinite_loss":
         text = f"the loss is non-finite {at}"
         if op:
-            text += "; " + _op_clause(op, module, source)
+            text += "; " + _op_clause(op, module, source, inf_in=bool(replay.get("inf_in")))
         elif root and replay.get("stage") == "inputs":
             text += "; the replay found the forward pass's inputs already non-finite"
         elif root and {"inputs", "outputs"} <= checked:
@@ -122,6 +132,41 @@ def incident_message(
     return f"{text}; {hint}" if hint else text
 
 
+def _convention_message(kind: str, names: str, details: dict[str, Any], steps: int, at: str) -> str:
+    """A batch field flagged on ``steps`` consecutive steps: a convention of the data, no longer acted on."""
+    if kind == "suspicious_input":
+        value = details.get("max_abs")
+        above = f", or a threshold above {value:.6g}" if isinstance(value, (int, float)) else ""
+        setting = f"NumGuardCallback(max_abs_input=None{above})"
+        what = "held values above max_abs_input"
+    else:
+        setting = "NumGuardCallback(check=[...]) without 'inputs'"
+        what = "held NaN/Inf"
+    return (
+        f"{names} {what} on {steps} consecutive steps (the last {at}): that is a convention of this data, not "
+        f"a fault, so NumGuard no longer checks this field and no longer skips or rolls back steps for it in "
+        f"this fit (the module outputs, loss, gradients and weights are still checked every step); "
+        f"{setting} silences this"
+    )
+
+
+def _restored(step: int, snapshot_step: int | None) -> str:
+    """What a rollback put back and what it cost, in words that match what happened."""
+    if snapshot_step is None:
+        return ""
+    if snapshot_step >= step:  # the state before this step was verified finite by its own check
+        return (
+            " to the state at the start of this step (weights, optimizer and buffers, verified finite): only this "
+            "batch's update is dropped, no earlier step is lost,"
+        )
+    lost = step - snapshot_step
+    steps = f"step {snapshot_step}" if lost == 1 else f"steps {snapshot_step}-{step - 1}"
+    return (
+        f" to the last verified-finite snapshot, taken at the start of step {snapshot_step}: the updates of "
+        f"{steps} ({lost} step{'s' if lost != 1 else ''}) are lost,"
+    )
+
+
 def action_message(
     action: str,
     configured: str,
@@ -145,13 +190,14 @@ def action_message(
         events_file: ``events.jsonl``'s path, when one was written.
     """
     cause = f"{root['kind']} in {', '.join(root['where'][:3]) or '-'}" if root else "non-finite values"
-    restored = f" (restored the last finite state, from step {snapshot_step})" if snapshot_step is not None else ""
+    restored = _restored(step, snapshot_step)
     if action == "skip":
         text = f"NumGuard skipped the optimizer step at step {step} because of {cause}"
     elif action == "rollback":
         text = f"NumGuard rolled back at step {step}{restored} because of {cause}"
     elif action == "halt":
-        text = f"NumGuard halted training at step {step}{restored} because of {cause}"
+        text = f"NumGuard halted training at step {step}" + (f", having gone back{restored}" if restored else "")
+        text += f" because of {cause}"
     else:
         text = f"NumGuard took action {action!r} at step {step} because of {cause}"
     if action != configured:

@@ -1,6 +1,12 @@
 """Writes incidents to ``events.jsonl``, to every logger of the trainer, and as warnings.
 
 Only global rank 0 writes files and loggers; every rank keeps the same ``events`` list.
+
+Scalars reach the loggers two ways: at the step of each incident (with the text), and as a series every
+``trainer.log_every_n_steps`` steps from step 0 (:meth:`Reporter.series`), so that a clean run shows the
+guard at work. A step's scalar is written once, whichever way comes first. To add a scalar to the series,
+put it in the mapping the callback hands to :meth:`Reporter.series` at batch end: a host number (a device
+tensor would be read here, a host sync; read it in the step's one read instead).
 """
 
 from __future__ import annotations
@@ -8,6 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -18,9 +25,18 @@ from lightning_numguard.core.events import JsonlWriter
 from lightning_numguard.core.usercode import user_frame
 from lightning_numguard.errors import NumGuardWarning
 
-__all__ = ["Reporter", "is_tensorboard", "warn_at_user_code"]
+__all__ = ["SERIES_COUNTERS", "Reporter", "counter_scalars", "is_tensorboard", "warn_at_user_code"]
 
 log = logging.getLogger(__name__)
+
+
+#: The counters in the every-``log_every_n_steps`` series (``amp_overflow_steps`` is logged under a GradScaler only).
+SERIES_COUNTERS: tuple[str, ...] = ("incidents", "skipped_steps", "rollbacks")
+
+
+def counter_scalars(counters: Mapping[str, int], names: Sequence[str] = SERIES_COUNTERS) -> dict[str, float]:
+    """``numguard/<name>`` scalars of the host counters ``names`` (no device read)."""
+    return {f"numguard/{name}": float(counters.get(name, 0)) for name in names}
 
 
 def is_tensorboard(logger: Any) -> TypeGuard[TensorBoardLogger]:
@@ -47,7 +63,7 @@ def warn_at_user_code(message: str, category: type[Warning] = NumGuardWarning) -
 
 
 class Reporter:
-    """Fans events out to ``events.jsonl``, loggers and once-per-place warnings.
+    """Fans events out to ``events.jsonl``, loggers and warnings: one per root cause's kind and place.
 
     ``dirpath=None``: no file is written (``fast_dev_run``, or no logger, no checkpointing and no
     ``dirpath``); events stay in memory (``callback.events``), in the log and in the loggers.
@@ -58,6 +74,7 @@ class Reporter:
         self.writer = JsonlWriter(dirpath / "events.jsonl") if dirpath is not None else None
         self._warned: set[tuple[str, str]] = set()
         self._said: set[str] = set()
+        self._written: tuple[int, set[str]] = (-1, set())  # the last step scalars were written at, and their tags
         self.warn = warn
 
     def emit(self, trainer: pl.Trainer, events: list[dict[str, Any]], counters: dict[str, int]) -> None:
@@ -66,7 +83,13 @@ class Reporter:
             return
         for event in events:
             key = (event["kind"], event["where"][0] if event["where"] else "")
-            if self.warn and key not in self._warned:
+            # a consequence (root_cause: False) is the same incident: recorded and logged, not warned again
+            if (
+                self.warn
+                and event.get("root_cause", True)
+                and key not in self._warned
+                and not (event.get("details") or {}).get("convention")
+            ):
                 self._warned.add(key)
                 if trainer.is_global_zero:
                     warn_at_user_code(f"NumGuard: {event['message']}")
@@ -76,11 +99,12 @@ class Reporter:
         if self.writer is not None:
             self.writer.write(events)
         step = int(events[-1]["step"])
-        scalars = {f"numguard/{k}": float(v) for k, v in counters.items()}
+        scalars = counter_scalars(counters, list(counters))
         text = "\n\n".join(
             f"**{e['kind']}** (step {e['step']}, rank {e['rank']}, action `{e['action']}`): {e['message']}"
             for e in events
         )
+        self._note_written(step, scalars)
         for lg in trainer.loggers:
             try:
                 lg.log_metrics(scalars, step=step)
@@ -91,6 +115,30 @@ class Reporter:
                     lg.save()
             except Exception as err:  # a broken logger must not kill training
                 log.warning("numguard could not write to logger %s: %s", type(lg).__name__, err)
+
+    def series(self, trainer: pl.Trainer, step: int, scalars: Mapping[str, float]) -> None:
+        """``scalars`` to every logger at ``step`` when it is a multiple of ``trainer.log_every_n_steps`` (from 0).
+
+        Called at every batch end (global rank 0 writes); a tag already written at ``step`` (by an incident of
+        that step) is not written again. No flush: the loggers flush on their own schedule and at the end.
+        """
+        every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 1))
+        if step % every or not trainer.is_global_zero or not trainer.loggers:
+            return
+        last_step, tags = self._written
+        due = {k: v for k, v in scalars.items() if not (step == last_step and k in tags)}
+        if not due:
+            return
+        self._note_written(step, due)
+        for lg in trainer.loggers:
+            try:
+                lg.log_metrics(due, step=step)
+            except Exception as err:  # a broken logger must not kill training
+                log.warning("numguard could not write to logger %s: %s", type(lg).__name__, err)
+
+    def _note_written(self, step: int, scalars: Mapping[str, float]) -> None:
+        last_step, tags = self._written
+        self._written = (step, (tags if step == last_step else set()) | set(scalars))
 
     def say_once(self, trainer: pl.Trainer, key: str, message: str) -> None:
         """A condition that is not an incident (a collapsing fp16 loss scale): a log line and one warning per fit."""

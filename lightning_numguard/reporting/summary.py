@@ -96,8 +96,11 @@ def _plural(n: int, word: str) -> str:
 
 def _totals(s: FitSummary) -> str:
     parts = [_plural(s.skipped_steps, "step") + " skipped", _plural(s.rollbacks, "rollback")]
-    if s.rollbacks:
+    if s.rollbacks and s.steps_lost_to_rollbacks:
         parts[-1] += f" ({_plural(s.steps_lost_to_rollbacks, 'step')} lost to rollbacks)"
+    elif s.rollbacks:  # every rollback went back to the start of its own bad step
+        to = "each to the start of its" if s.rollbacks > 1 else "to the start of the"
+        parts[-1] += f" ({to} bad step: no earlier step lost)"
     if s.amp_overflow_steps:
         parts.append(_plural(s.amp_overflow_steps, "AMP overflow step") + " (the GradScaler's, not incidents)")
     return ", ".join(parts)
@@ -120,10 +123,14 @@ def summary_text(s: FitSummary) -> str:
 
 
 def rich_table(s: FitSummary) -> Any:
-    """The summary as a ``rich.table.Table`` (``rich`` is imported here, only when a Rich progress bar is used)."""
+    """The summary as a ``rich.table.Table`` (``rich`` is imported here, only when a Rich progress bar is used).
+
+    The path to ``events.jsonl`` is not in the table: a caption is folded at the table's width, mid-word; the
+    caller prints it on a line of its own.
+    """
     from rich.table import Table
 
-    table = Table(title="NumGuard", caption=_totals(s) + (f"\nevents: {s.events_path}" if s.events_path else ""))
+    table = Table(title="NumGuard", caption=_totals(s))
     table.add_column("kind")
     table.add_column("count", justify="right")
     table.add_column("first at step", justify="right")

@@ -1,7 +1,8 @@
-"""Arguments with a history: the deprecated ``warn=`` alias of ``emit_warnings``."""
+"""Arguments with a history: ``emit_warnings`` and the removed ``warn=`` alias."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -10,10 +11,11 @@ from lightning_numguard import NumGuardCallback, NumGuardConfigError
 from tests.helpers import FaultData, FaultModel, loader, trainer
 
 
-def test_warn_is_a_deprecated_alias_of_emit_warnings():
-    with pytest.warns(FutureWarning, match=r"warn=\.\.\.\) is deprecated .* use emit_warnings"):
-        guard = NumGuardCallback(warn=False)
-    assert guard.emit_warnings is False
+def test_the_removed_warn_alias_is_refused():
+    """``warn=`` (a deprecated alias of ``emit_warnings`` whose name clashed with ``action="warn"``) is gone."""
+    assert "warn" not in inspect.signature(NumGuardCallback).parameters
+    with pytest.raises(TypeError, match="'warn'"):
+        NumGuardCallback(warn=False)  # type: ignore[call-arg]
 
 
 def test_emit_warnings_false_keeps_events_but_warns_nothing(tmp_path):
@@ -25,6 +27,6 @@ def test_emit_warnings_false_keeps_events_but_warns_nothing(tmp_path):
     assert not [w for w in caught if "NumGuard:" in str(w.message)]
 
 
-def test_a_bad_warn_value_names_the_argument():
-    with pytest.raises(NumGuardConfigError, match=r"`warn` must be True or False, got 'yes'"):
-        NumGuardCallback(warn="yes")  # type: ignore[arg-type]
+def test_a_bad_emit_warnings_value_names_the_argument():
+    with pytest.raises(NumGuardConfigError, match=r"`emit_warnings` must be True or False, got 'yes'"):
+        NumGuardCallback(emit_warnings="yes")  # type: ignore[arg-type]

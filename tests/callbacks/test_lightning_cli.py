@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -183,14 +184,12 @@ def test_bad_type_fails_at_parse_time(
 @pytest.mark.parametrize(
     ("init_args", "match"),
     [
-        ("{snapshot_every_n_steps: 0}", r"`snapshot_every_n_steps` must be an integer >= 1, got 0"),
-        ("{lr_backoff: 2.0}", r"`lr_backoff` must be a number in \(0, 1\], got 2\.0"),
-        ("{check: [inputs, bogus]}", r"`check` must be one of \[.*'inputs'.*\], got 'bogus'"),
-        ("{max_rollbacks: -1}", r"`max_rollbacks` must be an integer >= 0, got -1"),
+        ("{sync_mode: deferred, retry_transient: true}", r"`retry_transient=True` re-runs a batch .* one or the other"),
     ],
 )
 def test_bad_value_of_right_type_fails_at_instantiation(tmp_path: Path, init_args: str, match: str) -> None:
-    """Well-typed but invalid values pass jsonargparse's type check and are refused by ``__init__``.
+    """Values each of the right type whose combination is invalid pass jsonargparse and are refused by ``__init__``
+    (a value out of its own range is refused while parsing: see the test below).
 
     jsonargparse tries each member of ``trainer.callbacks``' Union type and raises a plain
     ``ValueError`` that carries the ``NumGuardConfigError`` message naming argument and value.
@@ -225,3 +224,98 @@ def test_fit_subcommand_boring_model_clean_run(tmp_path: Path) -> None:
     (cb,) = _guards(cli.trainer)
     assert cb.counters == {"incidents": 0, "skipped_steps": 0, "rollbacks": 0, "amp_overflow_steps": 0}
     assert cb.events == []
+
+
+# ----------------------------------------------------------------------------- constraints in the types (issue 20)
+
+
+@pytest.mark.parametrize(
+    ("init_args", "argument", "allowed", "given"),
+    [
+        ("{snapshot_every_n_steps: -3}", "snapshot_every_n_steps", "PositiveInt", "-3"),
+        ("{max_rollbacks: -1}", "max_rollbacks", "NonNegativeInt", "-1"),
+        ("{skip_batches_after_rollback: -2}", "skip_batches_after_rollback", "NonNegativeInt", "-2"),
+        ("{lr_backoff: 2.0}", "lr_backoff", "float in (0, 1]", "2.0"),
+        ("{watch_depth: 0}", "watch_depth", "PositiveInt", "0"),
+        ("{max_abs_input: -1.0}", "max_abs_input", "PositiveFloat", "-1.0"),
+        ("{check: [inputs, bogus]}", "check", "'optimizer_state'", "bogus"),
+        ("{action: explode}", "action", "'warn', 'skip', 'rollback', 'halt'", "explode"),
+    ],
+)
+def test_a_bad_value_is_refused_at_parse_time_naming_argument_allowed_and_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], init_args: str, argument: str, allowed: str, given: str
+) -> None:
+    """No traceback: jsonargparse refuses the value while parsing, from the argument's type.
+
+    What jsonargparse wraps around the callback's part is not the callback's to shorten: the parser's usage
+    (LightningCLI's, tens of lines) and the list of ``trainer.callbacks``' Union members. The callback's part,
+    from ``Parser key "<argument>"`` on, is a few lines that say the argument, what is allowed and what was given.
+    """
+    cfg = _write_config(tmp_path, init_args)
+    with pytest.raises(SystemExit) as exc:
+        _cli(["--config", str(cfg)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    error = err[err.index("error:") :]
+    part = error[error.index(f'Parser key "{argument}"') : error.index("- Not a valid subclass of Callback")]
+    assert len(part.splitlines()) < 10, part
+    assert allowed in part, part
+    assert given in part, part
+
+
+def test_a_value_refused_by_its_type_is_refused_by_init_too() -> None:
+    """The types carry the constraints to the CLI; Python callers get the same checks from ``__init__``."""
+    with pytest.raises(ValueError, match=r"`snapshot_every_n_steps` must be an integer >= 1, got -3"):
+        NumGuardCallback(snapshot_every_n_steps=-3)
+    with pytest.raises(ValueError, match=r"`lr_backoff` must be a number in \(0, 1\], got 2\.0"):
+        NumGuardCallback(lr_backoff=2.0)
+
+
+def test_values_parsed_through_the_constrained_types_are_plain_numbers(tmp_path: Path) -> None:
+    cfg = _write_config(tmp_path, "{snapshot_every_n_steps: 7, max_rollbacks: 0, lr_backoff: 0.5, watch_depth: 2}")
+    (cb,) = _guards(_cli(["--config", str(cfg)]).trainer)
+    values = (cb.snapshot_every_n_steps, cb.max_rollbacks, cb.lr_backoff, cb.watch_depth)
+    assert values == (7, 0, 0.5, 2)
+    assert [type(v) for v in values] == [int, int, float, int]  # plain: picklable, YAML- and state-friendly
+
+
+def test_help_is_plain_text(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No reStructuredText markup (double backticks) in ``--help``; no deprecated alias either."""
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        _cli(["--trainer.callbacks.help", CLASS_PATH])
+    out = capsys.readouterr().out
+    assert "--trainer.callbacks.action" in out  # control
+    assert "``" not in out
+    assert "--trainer.callbacks.warn " not in out and "deprecated" not in out
+
+
+def test_the_package_imports_and_validates_without_jsonargparse() -> None:
+    """jsonargparse is the optional ``cli`` extra: without it the types are plain ``int``/``float``."""
+    code = (
+        "import sys; sys.modules['jsonargparse'] = None\n"
+        "from lightning_numguard import NumGuardCallback, NumGuardConfigError\n"
+        "from lightning_numguard.callbacks import _types\n"
+        "assert (_types.PositiveInt, _types.NonNegativeInt, _types.PositiveFloat, _types.Backoff) == (int, int, float, float)\n"
+        "assert NumGuardCallback(snapshot_every_n_steps=3).snapshot_every_n_steps == 3\n"
+        "try:\n"
+        "    NumGuardCallback(snapshot_every_n_steps=-3)\n"
+        "except NumGuardConfigError as err:\n"
+        "    print(err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "`snapshot_every_n_steps` must be an integer >= 1, got -3"
+
+
+def test_plain_args_changes_only_the_args_section() -> None:
+    from lightning_numguard.callbacks._types import plain_args
+
+    doc = 'Do ``x``.\n\n    Args:\n        a: ``"on"`` or ``None``.\n            More ``b``.\n\n    Raises:\n        E: ``c``.\n'
+    assert (
+        plain_args(doc)
+        == 'Do ``x``.\n\n    Args:\n        a: `"on"` or `None`.\n            More `b`.\n\n    Raises:\n        E: ``c``.\n'
+    )
+    assert plain_args("no sections ``x``") == "no sections ``x``"
+    assert plain_args(None) is None

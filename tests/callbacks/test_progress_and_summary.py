@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import rich
 from pytorch_lightning.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from rich.console import Console
 
@@ -19,7 +21,9 @@ from tests.helpers import FaultData, FaultModel, SyncWindow, loader, trainer
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The number of training batches .* logging interval", "ignore::lightning_numguard.errors.NumGuardWarning"
 )
-KEYS = ("numguard/incidents", "numguard/rollbacks")
+#: The progress-bar keys: short, as Rich crops a key wider than its metrics column (the loggers keep numguard/...).
+BAR_KEYS = ("nan_incidents", "rollbacks")
+COUNTER_TAGS = ("numguard/incidents", "numguard/rollbacks")
 
 
 class BarSpy(Callback):
@@ -30,7 +34,7 @@ class BarSpy(Callback):
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         bar_metrics = trainer.progress_bar_callback.get_metrics(trainer, pl_module)
-        self.seen.append({k: v for k, v in bar_metrics.items() if k.startswith("numguard/")})
+        self.seen.append({k: v for k, v in bar_metrics.items() if k in BAR_KEYS or k.startswith("numguard/")})
 
 
 def _fit(
@@ -39,9 +43,10 @@ def _fit(
     site: str | None = "loss",
     action: str = "rollback",
     trainer_kw: dict[str, Any] | None = None,
+    dirpath_override: str | None = None,
     **kw: Any,
 ) -> Any:
-    guard = NumGuardCallback(action=action, dirpath=str(tmp_path / "ng"), **kw)
+    guard = NumGuardCallback(action=action, dirpath=dirpath_override or str(tmp_path / "ng"), **kw)
     spy = BarSpy()
     callbacks: list[Callback] = [guard] + ([bar, spy] if bar is not None else [])
     t = trainer(tmp_path, callbacks, max_steps=6, enable_progress_bar=bar is not None, **(trainer_kw or {}))
@@ -55,15 +60,16 @@ def test_counts_appear_in_the_bar_only_once_something_happened(tmp_path: Path, b
     assert guard.counters["incidents"] == 1 and guard.counters["rollbacks"] == 1
     # batches 0-3 start before the step-3 incident was logged; from batch 4 on the bar shows it
     assert spy.seen[:4] == [{}, {}, {}, {}]
-    assert all(s == {"numguard/incidents": 1, "numguard/rollbacks": 1} for s in spy.seen[4:]), spy.seen
-    assert {k: t.progress_bar_metrics[k] for k in KEYS} == {"numguard/incidents": 1, "numguard/rollbacks": 1}
-    assert not set(KEYS) & set(t.logged_metrics)  # logger=False: the loggers get the scalars from the reporter
+    assert all(s == {"nan_incidents": 1, "rollbacks": 1} for s in spy.seen[4:]), spy.seen
+    assert {k: t.progress_bar_metrics[k] for k in BAR_KEYS} == {"nan_incidents": 1, "rollbacks": 1}
+    # logger=False: the loggers get the counters as numguard/... scalars from the reporter
+    assert not (set(BAR_KEYS) | set(COUNTER_TAGS)) & set(t.logged_metrics)
 
 
 def test_a_clean_run_shows_nothing_in_the_bar(tmp_path: Path) -> None:
     guard, spy, t = _fit(tmp_path, TQDMProgressBar(), site=None)
     assert guard.events == [] and spy.seen == [{}] * 6
-    assert not set(KEYS) & set(t.progress_bar_metrics)
+    assert not (set(BAR_KEYS) | set(COUNTER_TAGS)) & set(t.progress_bar_metrics)
 
 
 def test_the_bar_entries_cost_no_extra_host_read(tmp_path: Path) -> None:
@@ -75,7 +81,7 @@ def test_the_bar_entries_cost_no_extra_host_read(tmp_path: Path) -> None:
     t.callbacks = [c for c in t.callbacks if c is not guard] + [guard]  # the guard's batch end inside the window
     with counter:
         t.fit(FaultModel(site="loss", step=2), loader(FaultData()))
-    assert guard.counters["incidents"] == 1 and t.progress_bar_metrics["numguard/incidents"] == 1
+    assert guard.counters["incidents"] == 1 and t.progress_bar_metrics["nan_incidents"] == 1
     steps_after = counter.step_caused[3:]
     assert len(counter.step_caused) == 8 and steps_after == [1] * 5, counter.step_caused
 
@@ -196,3 +202,49 @@ def test_warnings_are_unchanged_by_the_summary(tmp_path: Path) -> None:
     with pytest.warns(NumGuardWarning) as records:
         t.fit(FaultModel(site="loss", step=3), loader(FaultData()))
     assert len([r for r in records if issubclass(r.category, NumGuardWarning)]) == 1
+
+
+# ----------------------------------------------------------------------------- under a Rich bar, as a terminal shows it
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]")
+
+
+@pytest.fixture
+def rich_terminal() -> Any:
+    """An 80-column terminal for Rich (the bar reconfigures Rich's global console); the default console after."""
+    yield {"force_terminal": True, "width": 80, "color_system": None}
+    rich.reconfigure()
+
+
+def _frames(out: str) -> list[str]:
+    """The frames a live Rich display drew into ``out`` (each redraw starts with a carriage return), ANSI codes gone."""
+    return _ANSI.sub("", out).split("\r")
+
+
+def test_the_bar_entries_are_not_cut_in_an_80_column_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rich_terminal: dict[str, Any]
+) -> None:
+    _fit(tmp_path, RichProgressBar(console_kwargs=rich_terminal))
+    frames = [f for f in _frames(capsys.readouterr().out) if f.lstrip().startswith("Epoch 0")]
+    assert frames  # control: the bar was drawn
+    last = frames[-1]
+    assert "…" not in last, last
+    for key in BAR_KEYS:
+        assert f"{key}:" in last, (key, last)
+
+
+def test_the_summary_is_shown_once_under_the_rich_bar_with_its_path_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The table is the summary under a Rich bar: the text goes to the log at INFO (not shown by default), and the
+    path to ``events.jsonl`` is printed on a line of its own, never folded mid-word by the table's width."""
+    deep = tmp_path / "a_rather_long_folder_name" / "another_long_folder_name" / "numguard_events"
+    with caplog.at_level(logging.INFO, logger="lightning_numguard"):
+        guard, _, _ = _fit(tmp_path, RichProgressBar(), dirpath_override=str(deep))
+    out = capsys.readouterr().out
+    assert out.count("first culprit") == 1  # the table, once
+    summaries = [r for r in caplog.records if r.getMessage().startswith("NumGuard: ")]
+    assert [r.levelno for r in summaries] == [logging.INFO]  # the text is not shown a second time by default
+    path = str(guard.resolved_dirpath / "events.jsonl")
+    assert len(path) > 80  # control: wider than the console
+    assert path in out.splitlines() or f"events: {path}" in out.splitlines(), out

@@ -40,7 +40,7 @@ class SetupModel(FaultModel):
 def _setup(name: str, tmp: Any) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
     """(Trainer kwargs, extra callbacks, model kwargs) of each setup."""
     return {
-        "lr_monitor": ({"logger": CSVLogger(tmp)}, [LearningRateMonitor("step")], {}),
+        "lr_monitor": ({"logger": CSVLogger(tmp), "log_every_n_steps": 1}, [LearningRateMonitor("step")], {}),
         "swa": ({"max_epochs": 3}, [StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)], {}),
         "save_last": ({"enable_checkpointing": True}, [ModelCheckpoint(dirpath=tmp / "ck", save_last=True)], {}),
         "on_exception": ({"enable_checkpointing": True}, [OnExceptionCheckpoint(dirpath=tmp / "exc")], {}),
@@ -55,9 +55,17 @@ def _setup(name: str, tmp: Any) -> tuple[dict[str, Any], list[Any], dict[str, An
 
 SETUPS = [
     "lr_monitor",
-    "swa",
+    # Lightning's own remarks on these setups, not the guard's: SWA on FaultModel's per-step scheduler, and
+    # OnExceptionCheckpoint's default ckpt_path="last" in a fit that starts from nothing
+    pytest.param("swa", marks=pytest.mark.filterwarnings("ignore:SWA is currently only supported every epoch")),
     "save_last",
-    "on_exception",
+    pytest.param(
+        "on_exception",
+        marks=[
+            pytest.mark.filterwarnings("ignore:`.fit.ckpt_path=None.` was called without a model"),
+            pytest.mark.filterwarnings("ignore:.fit.ckpt_path=.last.. is set, but there is no last checkpoint"),
+        ],
+    ),
     "val_mid_epoch",
     "limit_train_batches",
     "max_time",

@@ -10,7 +10,7 @@ import torch
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.core.syncs import SyncCounter
 from lightning_numguard.errors import NumGuardConfigError
-from tests.helpers import FaultData, FaultModel, SyncWindow, all_finite, loader, trainer
+from tests.helpers import FaultData, FaultModel, SyncWindow, all_finite, guard_warns, loader, trainer
 
 
 class FusedModel(FaultModel):
@@ -29,6 +29,7 @@ class FusedModel(FaultModel):
 def run(tmp_path: Any, site: str | None, mode: str, **kwargs: Any) -> tuple[NumGuardCallback, FusedModel]:
     torch.manual_seed(0)
     model = FusedModel(site=site, step=3)
+    kwargs.setdefault("emit_warnings", False)  # these tests read the events; the warnings are tested in reporting/
     guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / mode), sync_mode=mode, **kwargs)  # type: ignore[arg-type]
     trainer(tmp_path / mode, [guard], max_steps=8).fit(
         model, loader(FaultData(bad_batch=3 if site else None, site=site or "input"))
@@ -66,10 +67,13 @@ def test_a_nan_batch_is_skipped_on_the_device_and_ends_where_an_immediate_rollba
     assert all(torch.equal(opt_a[i][k], opt_b[i][k]) for i in opt_a for k in opt_a[i])  # AdamW moments and step
     event = deferred_guard.events[0]
     assert event["kind"] == "nonfinite_input" and event["where"] == ["batch['x']"]
-    assert event["step"] == 3 and event["details"]["read_at_step"] == 4 and event["action"] == "rollback"
+    # skipped on the device, nothing restored: a skip, not a rollback (issue 20)
+    assert event["step"] == 3 and event["details"]["read_at_step"] == 4 and event["action"] == "skip"
     assert {e["step"] for e in deferred_guard.events} == {3}
     assert all(e["details"]["after"] == "nonfinite_input in `batch['x']`" for e in deferred_guard.events[1:])
-    assert deferred_guard.counters["rollbacks"] == immediate_guard.counters["rollbacks"] == 1
+    assert all(e["action"] == "skip" for e in deferred_guard.events)
+    assert immediate_guard.counters["rollbacks"] == 1  # restored the state at the start of step 3
+    assert (deferred_guard.counters["rollbacks"], deferred_guard.counters["skipped_steps"]) == (0, 1)
 
 
 def test_a_poisoned_weight_is_rolled_back_late_to_a_verified_snapshot(tmp_path):
@@ -98,11 +102,13 @@ def test_deferred_mode_and_retry_transient_are_refused_together():
 
 
 def test_a_batch_that_fails_twice_is_quarantined_and_then_skipped_on_the_device(tmp_path):
-    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), sync_mode="deferred")
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), sync_mode="deferred", emit_warnings=False)
     model = FusedModel()
     trainer(tmp_path, [guard], max_epochs=3).fit(model, loader(FaultData(bad_batch=3)))
     assert [(q["epoch"], q["batch_idx"]) for q in guard.quarantined] == [(1, 3)]
-    assert guard.counters["incidents"] > 0 and guard.counters["rollbacks"] == 2  # epochs 0 and 1, not 2
+    # epochs 0 and 1 skipped on the device (nothing to restore: no rollback), not 2
+    assert guard.counters["incidents"] > 0 and guard.counters["rollbacks"] == 0
+    assert [e["action"] for e in guard.events if e["root_cause"]] == ["skip", "skip"]
     assert guard.counters["skipped_steps"] == 3  # the third time, quietly
     assert all_finite(model.state_dict())
 
@@ -125,7 +131,7 @@ def test_a_late_halt_restores_the_verified_snapshot_and_writes_it_as_last_finite
     torch.manual_seed(0)
     model = FusedModel(site="param", step=3)
     guard = NumGuardCallback(
-        action="halt", dirpath=str(tmp_path / "ng"), sync_mode="deferred", snapshot_every_n_steps=2
+        action="halt", dirpath=str(tmp_path / "ng"), sync_mode="deferred", snapshot_every_n_steps=2, emit_warnings=False
     )
     t = trainer(tmp_path, [guard], max_steps=8)
     t.fit(model, loader(FaultData()))
@@ -139,3 +145,38 @@ def test_a_late_halt_restores_the_verified_snapshot_and_writes_it_as_last_finite
     assert all(torch.equal(saved["state_dict"][k], live[k]) for k in live)
     snap = guard._recovery.snapshot.model
     assert all(torch.equal(snap[k], live[k]) for k in live)
+
+
+def test_a_nan_gradient_skipped_on_the_device_is_a_skip_not_a_rollback(tmp_path):
+    """Before (issue 20): ``rollbacks: 1`` and ``action: "rollback"`` although nothing was restored."""
+    guard, model = run(tmp_path, "grad", "deferred")
+    assert all_finite(model.state_dict())
+    assert guard.events and {e["step"] for e in guard.events} == {3}
+    assert {e["action"] for e in guard.events} == {"skip"}
+    assert (guard.counters["rollbacks"], guard.counters["skipped_steps"], guard.counters["incidents"]) == (0, 1, 1)
+
+
+class _WithSentinel(torch.utils.data.Dataset):
+    """FaultData with a field holding 1e25 in every sample: a convention of the data, not a fault."""
+
+    def __init__(self) -> None:
+        self.data = FaultData()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {**self.data[i], "extra": torch.tensor([1e25, 0.0])}
+
+
+def test_deferred_mode_stops_acting_on_a_field_flagged_step_after_step(tmp_path):
+    """Issue 20: the device skips the flagged steps until the field is declared a convention, then trains."""
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), sync_mode="deferred")
+    model = FusedModel()
+    with guard_warns(r"convention of this data.*max_abs_input=None"):  # after the field's first warning
+        trainer(tmp_path, [guard], max_steps=8).fit(model, loader(_WithSentinel()))
+    declared = [e for e in guard.events if e["details"].get("convention")]
+    assert [(e["step"], e["action"], e["where"]) for e in declared] == [(2, "none", ["batch['extra']"])]
+    # read one step late: step 3 was already skipped on the device when step 2's flags declared the field
+    assert max(e["step"] for e in guard.events) == 3
+    assert guard.counters["skipped_steps"] == 4 and guard.counters["rollbacks"] == 0

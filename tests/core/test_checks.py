@@ -109,6 +109,22 @@ def test_hot_path_totals_agree_with_the_reference(dtype, value):
     assert bool(~torch.isfinite(checks.norm_total(tensors[:2], torch.device("cpu")))) == (not finite_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_input_maxima_leave_out_the_dtypes_own_extreme_as_a_mask(dtype):
+    """``finfo(dtype).min`` is an additive attention mask, not a fill value (issue 20); NaN and 1e20 still count."""
+    mask = torch.tensor([0.0, torch.finfo(dtype).min], dtype=dtype)
+    feats = torch.tensor([0.5, -2.0]).to(dtype)
+    total, unmasked = checks.input_maxima([mask, feats, torch.arange(3)], torch.device("cpu"))
+    assert total.item() == pytest.approx(min(torch.finfo(dtype).max, torch.finfo(torch.float32).max), rel=1e-2)
+    assert unmasked.item() == 2.0
+    assert checks.max_abs([mask, feats], masks_as_zero=True).tolist() == [0.0, 2.0]
+    if dtype != torch.float16:  # float16 cannot hold 1e20
+        feats[0] = 1e20
+        assert checks.input_maxima([mask, feats], torch.device("cpu"))[1].item() == pytest.approx(1e20, rel=1e-2)
+    feats[1] = float("nan")
+    assert all(math.isnan(v.item()) for v in checks.input_maxima([mask, feats], torch.device("cpu")))
+
+
 def test_totals_of_nothing_are_zero():
     assert checks.max_abs_total([torch.arange(2)], torch.device("cpu")).item() == 0.0
     assert checks.norm_total([], torch.device("cpu")).item() == 0.0

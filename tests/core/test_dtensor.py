@@ -21,14 +21,19 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 @pytest.fixture
 def mesh(tmp_path):
+    """A 1-device CPU mesh; its 1-rank gloo group is created here and destroyed after the test, unless one is
+    already there (a one-process ``ModelParallelStrategy`` fit earlier in this process leaves Lightning's)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     try:
         yield init_device_mesh("cpu", (1,))
     finally:
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
 
 
 def _dt(mesh, t: torch.Tensor, placement: str = "shard"):

@@ -39,7 +39,9 @@ def test_rollback_logs_one_warning_naming_the_files(tmp_path: Path, caplog: pyte
         _fit_quietly(tmp_path, cb, "loss")
     ((level, text),) = _lines(caplog)
     assert level == logging.WARNING
-    assert text.startswith("NumGuard rolled back at step 3 (restored the last finite state, from step 3)")
+    # the snapshot is the state at the start of step 3 (issue 20: not "from step 3 ... 0 steps lost")
+    assert text.startswith("NumGuard rolled back at step 3 to the state at the start of this step")
+    assert "only this batch's update is dropped, no earlier step is lost" in text
     assert "because of nonfinite_loss" in text
     assert f"last finite checkpoint: {tmp_path / 'ng' / 'last_finite.ckpt'}" in text
     assert f"events: {tmp_path / 'ng' / 'events.jsonl'}" in text
@@ -128,3 +130,21 @@ def test_explain_counts_incidents_like_the_counter(tmp_path: Path) -> None:
     summary = explain(tmp_path / "ng" / "events.jsonl").summary
     assert summary["incidents"] == cb.counters["incidents"] == 1
     assert summary["events"] == len(cb.events)
+
+
+def test_a_rollback_says_what_it_restored_and_what_was_lost(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 20: with snapshot_every_n_steps=50, the words match what happened, both ways a rollback can go."""
+    for site, restored, lost in (
+        ("loss", "to the state at the start of this step", "no earlier step is lost"),  # a snapshot of step 3 first
+        ("param", "taken at the start of step 0", "the updates of steps 0-2 (3 steps) are lost"),  # weights bad
+    ):
+        caplog.clear()
+        cb = NumGuardCallback(action="rollback", snapshot_every_n_steps=50, dirpath=str(tmp_path / site))
+        with caplog.at_level(logging.INFO, logger="lightning_numguard"):
+            _fit_quietly(tmp_path, cb, site)
+        ((_, text),) = _lines(caplog)
+        assert text.startswith("NumGuard rolled back at step 3 ") and restored in text and lost in text, text
+        assert "restored the last finite state" not in text
+        summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("NumGuard: ")]
+        ending = "(to the start of the bad step: no earlier step lost)." if site == "loss" else "(3 steps lost"
+        assert ending in summary[0], summary

@@ -418,10 +418,11 @@ def test_report_of_hand_written_events(events_file: Path) -> None:
     assert "First culprit: nonfinite_input at batch['image']" in lines
     assert "  step 12, epoch 1, batch 2, rank 1; action: rollback" in lines
     assert "  message: nonfinite_input in `batch['image']` at step 12 on rank 1" in lines
-    assert "Actions taken: warn 1, skip 1, rollback 3, halt 1" in lines
+    actions = "Actions taken: warn 1, skip 1, rollback 1, halt 1 (per step; 3 step(s) skipped)"  # one per step
+    assert actions in lines
 
     start = lines.index("Timeline (in recorded order; '>' marks the first culprit)")
-    timeline = lines[start + 1 : lines.index("Actions taken: warn 1, skip 1, rollback 3, halt 1")]
+    timeline = lines[start + 1 : lines.index(actions)]
     assert timeline[0].split() == ["step", "epoch/batch", "rank", "kind", "where", "action"]
     rows = [line for line in timeline if re.match(r"^  [> ] \d", line)]
     assert len(rows) == len(EVENTS)
@@ -469,7 +470,8 @@ def test_summary_counts(events_file: Path) -> None:
         "nonfinite_grad": 1,
         "nonfinite_param": 1,
     }
-    assert summary["actions"] == {"warn": 1, "skip": 1, "rollback": 3, "halt": 1}
+    assert summary["actions"] == {"warn": 1, "skip": 1, "rollback": 1, "halt": 1}  # step 12's 3 events: 1 rollback
+    assert (summary["skipped_steps"], summary["rollbacks"]) == (3, 1)
     assert summary["first_culprit"]["where"] == ["batch['image']"]
     assert summary["first_culprit"]["hint"] == KIND_HINTS["nonfinite_input"]
     json.dumps(summary)
@@ -602,3 +604,53 @@ def test_binary_file_is_an_error(tmp_path: Path) -> None:
     assert code == ExitCode.ERROR
     assert str(path) in text
     assert "binary file" in text
+
+
+# Seed 000's first story as a user's log shows it: the traceback ends in BCE, then the device-side assert; the
+# kernel's "Assertion ... failed" line went to a stderr this log did not capture.
+BCE_TRACEBACK_ONLY = """\
+Epoch 3:  41%|####1     | 412/1000 [02:13<03:10, 3.09it/s, loss=0.0712]
+Traceback (most recent call last):
+  File "train.py", line 120, in <module>
+    loss = criterion(netB(netA(lr)), target)
+  File "/venv/lib/python3.11/site-packages/torch/nn/modules/loss.py", line 699, in forward
+    return F.binary_cross_entropy(input, target, weight=self.weight, reduction=self.reduction)
+  File "/venv/lib/python3.11/site-packages/torch/nn/functional.py", line 3560, in binary_cross_entropy
+    return torch._C._nn.binary_cross_entropy(input, target, weight, reduction_enum)
+RuntimeError: CUDA error: device-side assert triggered
+CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be \
+incorrect.
+For debugging consider passing CUDA_LAUNCH_BLOCKING=1.
+"""
+
+
+def _lines_referred_to(report: str, log: str) -> None:
+    """Every "(line N" of the report is a line of ``log``, quoted as it is there."""
+    lines = log.splitlines()
+    for number, quote in re.findall(r"\(line (\d+)[^\n]*\n  > ([^\n]*)", report):
+        assert 1 <= int(number) <= len(lines) and lines[int(number) - 1].strip() == quote
+
+
+def test_device_assert_after_a_bce_traceback_names_bce_its_domain_and_the_upstream_nan(tmp_path: Path) -> None:
+    """Before: only the generic device-assert advice, sending the reader to an 'Assertion ... failed' line that
+    the log does not have."""
+    path = tmp_path / "train.log"
+    path.write_text(BCE_TRACEBACK_ONLY, encoding="utf-8")
+    result = explain(path)
+    assert result.exit_code == ExitCode.OK
+    assert result.summary["likely_cause"] == "bce_input_range"
+    text = result.text
+    likely = text.split("Also found")[0]
+    assert "binary_cross_entropy" in likely and "[0, 1]" in likely and "upstream NaN" in likely
+    assert "BCEWithLogitsLoss" in likely
+    assert "line in the log is the real cause" not in text and "Look for an earlier 'Assertion" not in text
+    assert "holds no 'Assertion ... failed' line" in text
+    _lines_referred_to(text, BCE_TRACEBACK_ONLY)
+
+
+def test_follow_on_errors_without_an_assertion_line_refer_to_no_missing_line() -> None:
+    for log in (DEVICE_ASSERT, CUBLAS_SGEMM):
+        (match,) = explain_log(log)
+        assert "Assertion ... failed' line" not in match.fix.replace("holds no 'Assertion ... failed' line", "")
+    with_assertion = explain_log(f"{NLL_CUDA}\n{DEVICE_ASSERT}")
+    assert "An earlier 'Assertion ... failed' line in the log is the real cause" in with_assertion[1].fix

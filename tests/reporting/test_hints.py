@@ -176,8 +176,17 @@ def test_op_domain_message_takes_the_op_hint_when_details_have_none() -> None:
     message = incident_message("op_domain", ["one_hot"], details, step=2, rank=1)
     assert message == (
         "`one_hot` got inputs outside its domain (labels in [0, num_classes)) at step 2 on rank 1: "
-        f"1 bad values, min -1, max -1; {OP_DOMAIN_HINTS['one_hot']}"
+        f"1 bad values (min -1, max -1); {OP_DOMAIN_HINTS['one_hot']}"
     )
+
+
+def test_op_domain_message_says_no_none() -> None:
+    """Before (issue 20): "8 bad values, min None, max None" when every bad value was NaN."""
+    details = {"op": "binary_cross_entropy", "rule": "input in [0, 1]", "count": 8, "nan_count": 8}
+    message = incident_message("op_domain", ["binary_cross_entropy"], {**details, "min": None, "max": None}, 6, 0)
+    assert ": 8 bad values (8 NaN);" in message and "None" not in message
+    mixed = incident_message("op_domain", ["binary_cross_entropy"], {**details, "min": 1.5, "max": 2.5}, 6, 0)
+    assert ": 8 bad values (8 NaN, min 1.5, max 2.5);" in mixed
 
 
 def test_a_kind_this_version_does_not_know_gets_no_hint() -> None:

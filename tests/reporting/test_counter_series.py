@@ -1,0 +1,91 @@
+"""The counters as a TensorBoard series every ``log_every_n_steps`` from step 0, read back from real event files.
+
+A clean run shows that the guard is on (a flat line at 0); an incident run shows each counter rising at the
+step it happened, as well as on the series' steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import STORE_EVERYTHING_SIZE_GUIDANCE, EventAccumulator
+
+from lightning_numguard import NumGuardCallback
+from lightning_numguard.core.syncs import SyncCounter
+from lightning_numguard.errors import NumGuardWarning
+from tests.helpers import FaultData, FaultModel, SyncWindow, loader, trainer
+
+SERIES_TAGS = ("numguard/incidents", "numguard/skipped_steps", "numguard/rollbacks")
+EVERY = 3
+STEPS = 8  # series at 0, 3, 6
+
+
+def _series(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    ea = EventAccumulator(log_dir, size_guidance=STORE_EVERYTHING_SIZE_GUIDANCE)
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])
+    return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in SERIES_TAGS if tag in tags}
+
+
+def _fit(tmp_path: Path, site: str | None, **kw: Any) -> tuple[NumGuardCallback, TensorBoardLogger]:
+    guard = NumGuardCallback(action="rollback", replay=False, dirpath=str(tmp_path / "ng"))
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    t = trainer(tmp_path, [guard], max_steps=STEPS, logger=logger, log_every_n_steps=EVERY, **kw)
+    t.fit(FaultModel(site=site, step=4), loader(FaultData()))
+    return guard, logger
+
+
+def test_a_clean_run_shows_the_counters_at_zero_every_log_every_n_steps_from_step_0(tmp_path: Path) -> None:
+    guard, logger = _fit(tmp_path, None)
+    assert guard.events == []
+    series = _series(logger.log_dir)
+    assert series == {tag: [(0, 0.0), (3, 0.0), (6, 0.0)] for tag in SERIES_TAGS}
+
+
+def test_an_incident_run_shows_each_counter_rising_at_its_step(tmp_path: Path) -> None:
+    with pytest.warns(NumGuardWarning, match=r"the loss is non-finite at step 4 on rank 0"):
+        guard, logger = _fit(tmp_path, "loss")
+    assert guard.counters["incidents"] == guard.counters["rollbacks"] == guard.counters["skipped_steps"] == 1
+    series = _series(logger.log_dir)
+    # the series' steps, and the incident's step itself (counters reach the loggers when it happens)
+    assert series == {tag: [(0, 0.0), (3, 0.0), (4, 1.0), (6, 1.0)] for tag in SERIES_TAGS}
+
+
+def test_an_incident_on_a_series_step_is_written_once(tmp_path: Path) -> None:
+    """The incident's write and the series' write of the same step are one point per tag, not two."""
+    guard = NumGuardCallback(action="skip", replay=False, dirpath=str(tmp_path / "ng"))
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    t = trainer(tmp_path, [guard], max_steps=STEPS, logger=logger, log_every_n_steps=EVERY)
+    with pytest.warns(NumGuardWarning, match=r"the loss is non-finite at step 3 on rank 0"):
+        t.fit(FaultModel(site="loss", step=3), loader(FaultData()))
+    series = _series(logger.log_dir)
+    assert series["numguard/skipped_steps"] == [(0, 0.0), (3, 1.0), (6, 1.0)]
+    assert series["numguard/rollbacks"] == [(0, 0.0), (3, 0.0), (6, 0.0)]
+
+
+def test_other_loggers_get_the_series_too(tmp_path: Path) -> None:
+    guard = NumGuardCallback(replay=False, dirpath=str(tmp_path / "ng"))
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer(tmp_path, [guard], max_steps=STEPS, logger=logger, log_every_n_steps=EVERY).fit(
+        FaultModel(), loader(FaultData())
+    )
+    rows = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    steps = [int(r.split(",")[header.index("step")]) for r in rows[1:]]
+    assert steps == [0, 3, 6]
+    assert all(tag in header for tag in SERIES_TAGS)
+
+
+def test_the_series_costs_no_host_read(tmp_path: Path) -> None:
+    """Still exactly one host read per step caused by the guard, series steps included (counters are host ints)."""
+    counter = SyncCounter(package="lightning_numguard")
+    guard = NumGuardCallback(replay=False, dirpath=str(tmp_path / "ng"))
+    t = trainer(
+        tmp_path, [SyncWindow(counter), guard], max_steps=6, logger=TensorBoardLogger(tmp_path), log_every_n_steps=1
+    )
+    with counter:
+        t.fit(FaultModel(), loader(FaultData()))
+    assert counter.step_caused == [1] * 6, counter.step_caused
