@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     torch.set_num_threads(1)  # two ranks on the project's two shared cores
     torch.manual_seed(0)
     init = ShardedMLP(args.width, args.depth).state_dict()
+    env = environment(argparse.Namespace(device="cpu", precision="32-true"))  # the load average at the start
     t0 = time.perf_counter()
     rounds: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variant_list}
     one_fit("baseline", args, init)  # untimed: one-time costs out of round 1 (and the process group up)
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         return None
     result = {
         "command": " ".join(["python", "-m", "benchmarks.fsdp2", *(sys.argv[1:] if argv is None else argv)]),
-        "environment": environment(argparse.Namespace(device="cpu", precision="32-true")),
+        "environment": env,
         "config": {k: getattr(args, k) for k in ("rounds", "steps", "warmup", "width", "depth", "batch")}
         | {"variants": args.variant_list, "world": WORLD},
         "ranks": every,
