@@ -149,7 +149,9 @@ class _ForwardTrace(TorchFunctionMode):
         )
         entry = {"op": op, "module": self.stack[-1] if self.stack else None, **self.sites[op]}
         made_here = (nan_out and not nan_in) or (inf_out and scalars_ok and _finite(inputs))
-        if made_here and _collective(func):  # another rank's values arrived (tensor parallelism's all-reduce)
+        if _collective(func):  # another rank's values arrived (tensor parallelism's all-reduce); the all-reduce's
+            # output may be checked before they did (an asynchronous collective tensor), and first seen non-finite
+            # as the input of the op that waits for it (``_c10d_functional._wrap_tensor_autograd``)
             if self.inputs_bad is None and self.constant is None:
                 self.inputs_bad = {**entry, "from_another_rank": True}
         elif made_here:
