@@ -19,6 +19,7 @@ from lightning_numguard.errors import NumGuardError
 
 __all__ = [
     "callbacks_of_trainer_being_built",
+    "dtensor_local",
     "foreach_copy_",
     "foreach_nonfinite_",
     "foreach_norm_f32",
@@ -212,6 +213,20 @@ def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
         return
     for d, s in zip(dst, src):  # pragma: no cover - every supported torch has the fused form
         d.copy_(s)
+
+
+def dtensor_local(t: Any) -> torch.Tensor:
+    """The local shard of a ``DTensor``: the tensor this rank holds, sharing its storage.
+
+    The public ``DTensor.to_local()`` is an autograd function under grad mode (a graph node per call, per
+    tensor, per step on the hot path) and returns a fresh view for a parameter; ``_local_tensor`` is the
+    shard itself, read for free. Missing: ``to_local()`` under ``no_grad`` (the same storage).
+    """
+    shard = getattr(t, "_local_tensor", None)
+    if isinstance(shard, torch.Tensor):
+        return shard
+    with torch.no_grad():  # pragma: no cover - every supported torch has the attribute
+        return t.to_local()
 
 
 def nn_bindings() -> Any:

@@ -25,6 +25,7 @@ import torch
 from lightning_numguard import _compat
 from lightning_numguard.callbacks import _distributed, _micro
 from lightning_numguard.core import checks, flags, spike
+from lightning_numguard.core.dtensor import local
 from lightning_numguard.core.findings import AFTER_FORWARD, Finding
 from lightning_numguard.core.opguard import OpGuard
 from lightning_numguard.core.snapshot import rng_state
@@ -254,7 +255,7 @@ class StepInspector:
     def record_loss(self, loss: torch.Tensor) -> None:
         """Keep the loss of this micro-batch for the step's read."""
         if "loss" in self.check and self.record is not None:
-            self.record.losses.append(loss.detach())
+            self.record.losses.append(local(loss.detach()))  # a DTensor loss (loss parallel): this rank's part
             if self.record.micro:
                 self.record.micro[-1].loss = self.record.losses[-1]
 
@@ -377,6 +378,8 @@ class StepInspector:
                 if self.spike is not None and self.spike.window is not None:  # the global L2 norm is the check
                     plan = self._grads_plan if self._grads_plan is not None else checks.TotalPlan([t for _, t in named])
                     grads = self._grads if self._grads_plan is not None else [t for _, t in named]
+                    if plan.local:  # DTensors (FSDP2, tensor parallel): this rank's shards; the reduce takes the max
+                        grads = [local(t) for t in grads]
                     groups = [[grads[i] for i in large + small] for _, _, large, small in plan.groups]
                     self._grad_norm = spike.global_norm(groups, device)
                     totals.append(self._grad_norm)

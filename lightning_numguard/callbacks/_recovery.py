@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,9 @@ import torch
 from lightning_numguard.callbacks import _distributed, _micro, _sharded
 from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
 from lightning_numguard.callbacks._retry import is_transient
+from lightning_numguard.callbacks._strategies import holds_local_shards
 from lightning_numguard.core import checks
+from lightning_numguard.core.dtensor import local
 from lightning_numguard.core.quarantine import Quarantine, position_key, sample_indices
 from lightning_numguard.core.snapshot import (
     PendingCapture,
@@ -96,6 +99,7 @@ class Recovery:
         self.stateful: dict[str, Stateful] = {}
         self.skip_remaining = 0
         self.rollbacks_this_fit = 0
+        self.bad_rank = -1  # the lowest rank whose state the last checkpoint swap or end-of-fit check found bad
 
     @property
     def ckpt_path(self) -> Path | None:
@@ -180,11 +184,12 @@ class Recovery:
     ) -> tuple[list[str], str, dict[str, Any]] | None:
         """Check the last step's update once (one sync per fit); repair what is bad unless ``warn_only``.
 
-        Returns ``None`` when all is finite, else the bad names, the action taken and the event's details.
+        Returns ``None`` when all is finite, else the bad names, the action taken and the event's details
+        (:attr:`bad_rank` is then the lowest rank where they were non-finite: one rank's shard, under sharding).
         """
         named = inspector.state(trainer, with_optimizer=False)
         flags = checks.confirm_nonfinite([t for _, t in named])
-        bad = _distributed.any_rank(trainer, [n for (n, _), b in zip(named, flags) if b])
+        bad, self.bad_rank = _distributed.first_rank(trainer, [n for (n, _), b in zip(named, flags) if b])
         if not bad:
             return None
         if warn_only or self.snapshot is None:
@@ -225,7 +230,8 @@ class Recovery:
         if len(idle) == len(bad):
             with torch.no_grad():
                 for name in idle:
-                    params[name].copy_(snapshot.model[name].to(params[name].device))
+                    target = local(params[name])  # a DTensor: its local shard, which the snapshot holds
+                    target.copy_(snapshot.model[name].to(target.device))
             log.warning(
                 "numguard restored only %s from the snapshot of step %s at the end of training: they took no part "
                 "in training (no gradient), so no training step is given up",
@@ -318,30 +324,70 @@ class Recovery:
         trainer.should_stop = True
 
     def save_last_finite(self, trainer: pl.Trainer) -> None:
-        """Write the (restored, finite) live state as a normal Lightning checkpoint, atomically."""
+        """Write the (restored, finite) live state as a normal Lightning checkpoint, atomically.
+
+        A strategy that shards its checkpoint (``ModelParallelStrategy``) writes a folder: it is written under
+        a temporary name too, then put in place of the previous one by rank 0 behind a barrier.
+        """
         final = self.ckpt_path
         if final is None:
             return
         tmp = final.with_name(final.name + ".tmp")
         if trainer.is_global_zero:
             final.parent.mkdir(parents=True, exist_ok=True)
-        trainer.save_checkpoint(tmp, weights_only=False)  # collective: every rank calls it
+            _remove(tmp)  # a folder left by an interrupted save would mix old shards with new ones
+        trainer.save_checkpoint(tmp, weights_only=False)  # collective: every rank calls it (after rank 0 cleared tmp)
         if trainer.is_global_zero:
-            os.replace(tmp, final)
+            _replace(tmp, final)
+        if trainer.world_size > 1 and holds_local_shards(trainer.strategy):  # a folder, written by every rank
+            trainer.strategy.barrier("numguard_last_finite")
 
     def swap_checkpoint(self, trainer: pl.Trainer, checkpoint: dict[str, Any], unchecked: set[str]) -> bool:
         """Replace a checkpoint's non-finite model and optimizer states by the snapshot's (collective).
 
-        Returns whether it did. Costs one sync per checkpoint, nothing per step.
+        Returns whether it did (then :attr:`bad_rank` is the lowest rank whose checkpoint state was non-finite).
+        Costs one sync per checkpoint, nothing per step.
         """
         if self.snapshot is None:
             return False
         model_state = {k: v for k, v in checkpoint.get("state_dict", {}).items() if k not in unchecked}
         found = tensors(model_state) + tensors(checkpoint.get("optimizer_states", []))
-        if not found or not _distributed.any_rank(trainer, ["bad"] if any(checks.confirm_nonfinite(found)) else []):
+        if self.snapshot.specs:  # DTensor local shards: a checkpoint may hold this rank's shards, or nothing here
+            bad = bool(found) and any(checks.confirm_nonfinite(found))
+            self.bad_rank = _distributed.first_rank(trainer, ["bad"] if bad else [])[1]  # every rank calls it
+            if self.bad_rank < 0:
+                return False
+            _sharded.swap_local_shards(trainer, trainer.lightning_module, self.snapshot.ready(), checkpoint)
+            return True
+        if not found:
+            return False
+        self.bad_rank = _distributed.first_rank(trainer, ["bad"] if any(checks.confirm_nonfinite(found)) else [])[1]
+        if self.bad_rank < 0:
             return False
         snapshot = self.full(trainer)
         checkpoint["state_dict"] = clone_tree(snapshot.model, "cpu")
         if "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = clone_tree(snapshot.optimizers, "cpu")
         return True
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or a folder, if there is one."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """Put ``tmp`` (a file or a folder) in place of ``final``: a file atomically; a folder by two renames, so
+    that at every moment a whole checkpoint exists under ``final`` or under ``final.old``."""
+    if not tmp.is_dir() and not final.is_dir():
+        os.replace(tmp, final)
+        return
+    old = final.with_name(final.name + ".old")
+    _remove(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _remove(old)

@@ -10,12 +10,14 @@ under the precision plugin's autocast, so that a bf16/fp16-only NaN reproduces.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 
+from lightning_numguard.callbacks import _distributed
+from lightning_numguard.callbacks._strategies import holds_local_shards
 from lightning_numguard.core.replay import replay
 
 __all__ = ["replay_batch"]
@@ -59,7 +61,10 @@ def replay_batch(
 ) -> dict[str, Any]:
     """Replay ``batch`` from the current weights; see :func:`~lightning_numguard.core.replay.replay`.
 
-    Gradients are not synchronised across ranks (``no_sync``): only this rank replays.
+    Gradients are not synchronised across ranks (``no_sync``): only this rank replays. Under a strategy whose
+    forward and backward are collective (``ModelParallelStrategy``: FSDP2's all-gathers and reduce-scatters,
+    tensor parallelism's all-reduces) every rank replays together (every rank calls this after the same
+    all-reduced flags) and the ranks agree on each further pass.
     """
     losses: list[torch.Tensor] = []
 
@@ -82,7 +87,14 @@ def replay_batch(
             stack.enter_context(_patched(opt, step=_closure_only))
         stack.enter_context(trainer.precision_plugin.train_step_context())
         stack.enter_context(_eager())
-        return replay(pl_module, run_step, rng, sites=True)
+        return replay(pl_module, run_step, rng, sites=True, agree=_agreement(trainer))
+
+
+def _agreement(trainer: pl.Trainer) -> Callable[[bool], bool] | None:
+    """Under a strategy whose passes are collective, "does any rank want the next pass?" (collective)."""
+    if trainer.world_size <= 1 or not holds_local_shards(trainer.strategy):
+        return None
+    return lambda wish: bool(_distributed.any_rank(trainer, ["pass"] if wish else []))
 
 
 def _eager() -> contextlib.AbstractContextManager[Any]:

@@ -17,6 +17,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from lightning_numguard.callbacks._strategies import holds_local_shards
 from lightning_numguard.core import checks
 from lightning_numguard.core.replay import loss_of
 from lightning_numguard.core.snapshot import set_rng_state
@@ -78,6 +79,7 @@ def is_transient(
     pl_module.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
     no_sync = getattr(trainer.strategy.model, "no_sync", None)
+    collective = trainer.world_size > 1 and holds_local_shards(trainer.strategy)
     ok = True
     try:
         with contextlib.ExitStack() as stack:
@@ -89,7 +91,8 @@ def is_transient(
             loss = loss_of(output) if pl_module.automatic_optimization else None
             if loss is not None:
                 losses.append(loss.detach())
-                if loss.requires_grad and bool(torch.isfinite(loss.detach()).all()):
+                # under collective passes (FSDP2's reduce-scatters) every rank runs the backward, or one would wait
+                if loss.requires_grad and (collective or bool(torch.isfinite(loss.detach()).all())):
                     loss.backward()
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         ok = not any(checks.confirm_nonfinite(losses + grads))

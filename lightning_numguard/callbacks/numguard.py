@@ -130,8 +130,9 @@ class NumGuardCallback(Callback):
             stay whole and per rank), and a rollback, a halt, the end-of-fit repair and the checkpoint
             swap gather them back from every rank (one all-gather, only on those events). ``"off"``
             keeps a full copy on every rank; use it when the ranks do not hold the same parameters
-            and optimizer state. FSDP and DeepSpeed always keep full copies; ``sync_mode="deferred"`` shards its
-            ring of snapshots the same way.
+            and optimizer state. Under ``ModelParallelStrategy`` (FSDP2, tensor parallel) the state is
+            already sharded: each rank copies only its local shards, never re-sharded, restored in place with
+            no collective. ``sync_mode="deferred"`` shards its ring of snapshots the same way.
         snapshot_async: take snapshots asynchronously: from the start of a step whose snapshot is due, the
             parameters and optimizer state are copied on a CUDA side stream (on the CPU: a worker thread),
             overlapped with the forward and backward passes, into a second snapshot buffer; the copy becomes
@@ -490,7 +491,7 @@ class NumGuardCallback(Callback):
         if end is not None:
             bad, action, details = end
             self.counters["rollbacks"] += action == "rollback"  # the repair restored from the snapshot: counted
-            finding = Finding("nonfinite_param", bad, details)
+            finding = Finding("nonfinite_param", bad, details, self._recovery.bad_rank)
             self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, action)])
 
     @override
@@ -510,7 +511,7 @@ class NumGuardCallback(Callback):
             return
         assert self._recovery.snapshot is not None
         details = {"when": "while saving a checkpoint", "snapshot_step": self._recovery.snapshot.step}
-        finding = Finding("nonfinite_param", ["checkpoint"], details)
+        finding = Finding("nonfinite_param", ["checkpoint"], details, self._recovery.bad_rank)
         self._ledger.record(trainer, [self._ledger.event(trainer, finding, trainer.global_step, "none")])
 
     @override
@@ -669,9 +670,11 @@ class NumGuardCallback(Callback):
         elif rec.action == "rollback":
             self.counters["rollbacks"] += bool(rec.events)  # counted before last_finite.ckpt is written
             self._recovery.rollback(trainer, pl_module, rec)
-        elif rec.action == "halt":
+        elif rec.action == "halt":  # the incident is counted in the guard's state that last_finite.ckpt holds
+            self._ledger.record(trainer, rec.events)
             self._recovery.halt(trainer, pl_module)
-        self._ledger.record(trainer, rec.events)
+        if rec.action != "halt":
+            self._ledger.record(trainer, rec.events)
         spiked = bool(rec.events) and rec.events[0]["kind"] in ("loss_spike", "grad_norm_spike")
         # a spike's action is spike_action's, escalated by repeated spikes (said in the event) or to a halt
         configured = (rec.action if rec.action != "halt" else "rollback") if spiked else self.action

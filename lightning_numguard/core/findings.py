@@ -77,7 +77,10 @@ def merge(parts: Iterable[Iterable[Finding]]) -> list[Finding]:
             if finding.key not in seen:
                 seen.add(finding.key)
                 merged.append(finding)
-    merged.sort(key=lambda f: (causal_position(f), f.rank))
+    # a finding whose values came from another rank through a collective (tensor parallel) follows its source
+    merged.sort(
+        key=lambda f: (causal_position(f), bool((f.details.get("replay") or {}).get("from_another_rank")), f.rank)
+    )
     return merged
 
 

@@ -11,7 +11,8 @@ The rule (``result["stage"]``):
 - ``"forward"``: the forward pass went non-finite: the culprit is the first forward op whose
   inputs were finite and whose output was not (``op``, the user's ``file``/``line``/``code``);
 - ``"inputs"``: the first non-finite value of the forward pass came from an op's inputs (the
-  batch or the weights were already bad): no op is named;
+  batch or the weights were already bad), or from another rank through a collective
+  (``from_another_rank``: tensor parallelism's all-reduce): no op is named;
 - ``"backward"``: the whole forward pass was finite: the culprit is the first autograd node whose
   gradients went non-finite from finite ones (``sqrt(0)``'s ``SqrtBackward0``).
 
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .dtensor import local
 from .opguard import OpGuard
 from .snapshot import rng_state, set_rng_state
 from .tree import tensors
@@ -48,10 +50,23 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)')
 _ALIASES = {"truediv": "div", "rtruediv": "div", "rdiv": "div", "radd": "add", "rsub": "sub", "rmul": "mul"}
 _ALIASES.update({"rpow": "pow", "rmatmul": "matmul", "iadd": "add_", "imul": "mul_", "itruediv": "div_"})
 _IGNORED = {"__get__", "__set__", "__getitem__", "__setitem__", "__len__", "__format__", "__repr__"}
+# Ops whose output is uninitialised memory (it may hold any bits, NaN included, until written): FSDP2 allocates
+# its all-gather buffers with them, and the collective that fills a buffer is not a torch function call.
+_UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+# Ops called by torch.distributed's own code (FSDP2's copies into and out of its all-gather buffers, which hold
+# uninitialised memory until a collective the trace does not see has filled them) are not watched; its
+# collectives are, as the way another rank's values arrive.
+_DISTRIBUTED = "/torch/distributed/"
+
+
+def _local_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of ``obj``, a ``DTensor`` as this rank's local shard: a test on a ``DTensor`` read on the host
+    would be a collective, run by this rank alone when it found something (and hang)."""
+    return [local(t) for t in tensors(obj)]
 
 
 def _finite(obj: Any) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors(obj) if t.is_floating_point())
+    return all(bool(torch.isfinite(t).all()) for t in _local_tensors(obj) if t.is_floating_point())
 
 
 def loss_of(output: Any) -> torch.Tensor | None:
@@ -71,7 +86,7 @@ def op_name(func: Any) -> str:
 
 
 def _has(obj: Any, test: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    return any(bool(test(t).any()) for t in tensors(obj) if t.is_floating_point())
+    return any(bool(test(t).any()) for t in _local_tensors(obj) if t.is_floating_point())
 
 
 def _scalars_finite(args: Any, kwargs: dict[str, Any]) -> bool:
@@ -85,12 +100,12 @@ def _site(file: str, line: int) -> dict[str, Any]:
 
 def _overflow_facts(inputs: Any, out: Any) -> dict[str, Any]:
     """The culprit op's output dtype and its inputs' largest finite ``|x|`` (an overflow from finite values)."""
-    floats = [t for t in tensors(out) if t.is_floating_point()]
+    floats = [t for t in _local_tensors(out) if t.is_floating_point()]
     facts: dict[str, Any] = {"dtype": str(floats[0].dtype).replace("torch.", "")} if floats else {}
     with torch.no_grad():
         peaks = [
             float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
-            for t in tensors(inputs)
+            for t in _local_tensors(inputs)
             if t.is_floating_point() and t.numel()
         ]
     peaks += [abs(v) for v in inputs[0] if isinstance(v, float) and math.isfinite(v)]
@@ -116,8 +131,10 @@ class _ForwardTrace(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
-        if self.culprit is not None or name in _IGNORED:
+        if self.culprit is not None or name in _IGNORED or name in _UNINITIALISED:
             return out
+        if _DISTRIBUTED in _caller_file(sys._getframe(1)) and not _collective(func):
+            return out  # torch.distributed's own bookkeeping (FSDP2 copies into and out of its all-gather buffers)
         op = op_name(func)
         if op not in self.sites:
             where = user_site(sys._getframe(1))
@@ -131,13 +148,33 @@ class _ForwardTrace(TorchFunctionMode):
             isinstance(v, float) and math.isnan(v) for v in list(args) + list(kwargs.values())
         )
         entry = {"op": op, "module": self.stack[-1] if self.stack else None, **self.sites[op]}
-        if (nan_out and not nan_in) or (inf_out and scalars_ok and _finite(inputs)):
+        made_here = (nan_out and not nan_in) or (inf_out and scalars_ok and _finite(inputs))
+        if _collective(func):  # another rank's values arrived (tensor parallelism's all-reduce); the all-reduce's
+            # output may be checked before they did (an asynchronous collective tensor), and first seen non-finite
+            # as the input of the op that waits for it (``_c10d_functional._wrap_tensor_autograd``)
+            if self.inputs_bad is None and self.constant is None:
+                self.inputs_bad = {**entry, "from_another_rank": True}
+        elif made_here:
             self.culprit = {**entry, **_overflow_facts(inputs, out)}
         elif not _finite(inputs) and self.inputs_bad is None and self.constant is None:
             self.inputs_bad = entry
         elif not scalars_ok and self.constant is None:
             self.constant = entry
         return out
+
+
+def _caller_file(frame: Any) -> str:
+    """The file of the code that called a torch function, past the ``torch.ops`` call machinery, with ``/``."""
+    while frame is not None and frame.f_code.co_filename.replace("\\", "/").endswith("/torch/_ops.py"):
+        frame = frame.f_back
+    return frame.f_code.co_filename.replace("\\", "/") if frame is not None else ""
+
+
+def _collective(func: Any) -> bool:
+    """Whether ``func`` is a ``torch.distributed`` collective: its output holds other ranks' values, so a NaN it
+    returns from this rank's finite inputs was made elsewhere (that rank's replay names it)."""
+    module = str(getattr(func, "__module__", "") or "")  # torch.ops._c10d_functional.*, torch.distributed.*
+    return module.startswith("torch.distributed") or "c10d" in module
 
 
 def _graph_nodes(root: Any) -> list[Any]:
@@ -246,7 +283,11 @@ def _forward(root: nn.Module, run_step: Callable[[], Any], result: dict[str, Any
 
 
 def replay(
-    root: nn.Module, run_step: Callable[[], Any], rng: dict[str, Any] | None = None, sites: bool = False
+    root: nn.Module,
+    run_step: Callable[[], Any],
+    rng: dict[str, Any] | None = None,
+    sites: bool = False,
+    agree: Callable[[bool], bool] | None = None,
 ) -> dict[str, Any]:
     """Run ``run_step`` (and its backward) from ``rng``; return what went non-finite first.
 
@@ -262,6 +303,10 @@ def replay(
     :class:`~lightning_numguard.core.opguard.OpGuard`, so it cannot trip a device-side assert
     either. The RNG state is put back afterwards. ``sites``: keep ``op_sites`` even when nothing
     went non-finite (the op guard's findings take their user line from it).
+
+    ``agree``: for a step whose passes are collective (FSDP2's all-gathers, tensor parallelism's
+    all-reduces), a collective "does any rank want it?" of this rank's wish for the second pass: every
+    rank then runs it, or none, and a rank that did not want it ignores what it found.
     """
     result: dict[str, Any] = {}
     saved_rng = rng_state()
@@ -282,7 +327,11 @@ def replay(
                     result["forward_trace"] = f"{chosen['file']}:{chosen['line']}: {chosen.get('code', '')}"
             elif trace.inputs_bad is not None:
                 result.update(stage="inputs", first_bad_op=trace.inputs_bad["op"])
-            elif result.get("loss_finite", True) and "error" not in result:
+                if trace.inputs_bad.get("from_another_rank"):
+                    result["from_another_rank"] = True
+            wish = chosen is None and trace.inputs_bad is None
+            wish = wish and result.get("loss_finite", True) and "error" not in result
+            if agree(wish) if agree is not None else wish:
                 if rng is not None:
                     set_rng_state(rng)
                 root.zero_grad(set_to_none=True)
@@ -292,7 +341,7 @@ def replay(
                 except Exception as err:
                     result.setdefault("error", f"{type(err).__name__}: {err}")
                     node = {}
-                if node.get("op"):
+                if wish and node.get("op"):
                     result.update(stage="backward", op_module=result.get("module"), **node)
     finally:
         root.zero_grad(set_to_none=True)

@@ -23,6 +23,11 @@ optimizer states, identical on every rank, go into a :class:`~.sharding.ShardedS
 this rank's ``1/world`` of them; buffers, stateful objects and RNG states (which may differ per
 rank) stay whole. :func:`unsharded` rebuilds the whole snapshot from every rank's slices.
 
+Already sharded (``DTensor`` parameters and optimizer state: FSDP2, tensor parallel): each rank copies only
+its local shards (:func:`.dtensor.localize`: no collective, per-rank memory ``~ 1/world`` of the state under
+FSDP2) and keeps their specs; :func:`restore` wraps the copies back into DTensors of the same placements
+(:func:`.dtensor.globalize`), so ``load_state_dict`` copies shard to shard, in place.
+
 Asynchronous (:func:`start_capture`, then :func:`finish_capture`): the first half plans the
 destinations of the parameters and optimizer states (reusing a spare snapshot's storage) and starts
 copying them with :mod:`.async_copy` (a CUDA side stream, or a worker thread on the CPU), overlapped
@@ -45,6 +50,7 @@ import torch
 from torch import nn
 
 from .async_copy import Backend, Copies, plan_tree, start
+from .dtensor import globalize, localize
 from .sharding import ShardedState, shard, unshard
 from .tree import clone_tree, map_tree, nbytes
 
@@ -98,6 +104,8 @@ class Snapshot:
     rng: dict[str, Any] | None = None
     sharded: ShardedState | None = None  # this rank's slice of the parameters and optimizer states
     copies: Copies | None = field(default=None, repr=False, compare=False)  # still in flight (asynchronous)
+    # the DTensor specs of the local shards held in ``model`` and ``optimizers`` (see core.dtensor.localize)
+    specs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def ready(self) -> Snapshot:
         """Block until an asynchronous capture's copies are done (no-op otherwise); returns ``self``."""
@@ -145,26 +153,30 @@ def capture(
     device = "cpu" if where == "host" else None
     pin = where == "host" and torch.cuda.is_available()
     sd, states = _live_states(model, model_state, stateful, stateful_state)
+    sd, model_specs = localize(sd)
+    opt_states, opt_specs = localize([o.state_dict() for o in optimizers])
     sharded = None
     if shard_among is not None:
         names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        tree = {
-            "keys": list(sd),
-            "model": {k: v for k, v in sd.items() if k in names},
-            "optimizers": [o.state_dict() for o in optimizers],
-        }
+        tree = {"keys": list(sd), "model": {k: v for k, v in sd.items() if k in names}, "optimizers": opt_states}
         old = reuse.sharded if reuse is not None else None
         sharded = shard(tree, *shard_among, device if device else tree_device(sd), pin=pin, reuse=old)
         sd = {k: v for k, v in sd.items() if k not in names}
-        optimizers = []
+        opt_states = []
     return Snapshot(
         step=step,
         model=clone_tree(sd, device, pin, reuse.model if reuse else None),
-        optimizers=clone_tree([o.state_dict() for o in optimizers], device, pin, reuse.optimizers if reuse else None),
+        optimizers=clone_tree(opt_states, device, pin, reuse.optimizers if reuse else None),
         stateful=clone_tree(states, device, pin, reuse.stateful if reuse else None),
         rng=copy.deepcopy(rng) if rng is not None else rng_state(),
         sharded=sharded,
+        specs=_specs(model_specs, opt_specs),
     )
+
+
+def _specs(model: Any, optimizers: Any) -> dict[str, Any]:
+    """The ``Snapshot.specs`` entry of what :func:`.dtensor.localize` found (empty without DTensors)."""
+    return {k: v for k, v in (("model", model), ("optimizers", optimizers)) if v is not None}
 
 
 def _live_states(
@@ -209,14 +221,16 @@ def restore(
     """Put ``snapshot`` back in place; afterwards every tensor equals the snapshot bitwise."""
     if snapshot.ready().sharded is not None:
         raise ValueError("a sharded snapshot holds only this rank's slice: rebuild it with `unsharded` first")
-    model.load_state_dict(snapshot.model, strict=True)  # copies into the live tensors in place
+    # copies into the live tensors in place (DTensor entries shard to shard: same specs, no collective)
+    model.load_state_dict(globalize(snapshot.model, snapshot.specs.get("model")), strict=True)
     if len(optimizers) != len(snapshot.optimizers):
         raise ValueError(
             f"the snapshot holds {len(snapshot.optimizers)} optimizer states but {len(optimizers)} "
             "optimizers are live; were optimizers re-created after the snapshot?"
         )
-    for opt, state in zip(optimizers, snapshot.optimizers):
-        opt.load_state_dict(clone_tree(state))
+    opt_specs = snapshot.specs.get("optimizers") or [None] * len(optimizers)
+    for opt, state, specs in zip(optimizers, snapshot.optimizers, opt_specs):
+        opt.load_state_dict(globalize(clone_tree(state), specs))
     for name, obj in (stateful or {}).items():
         if name in snapshot.stateful:
             obj.load_state_dict(clone_tree(snapshot.stateful[name]))
@@ -244,6 +258,7 @@ class PendingCapture:
     sharded: ShardedState | None
     reuse: Snapshot | None
     copies: Copies
+    specs: dict[str, Any] = field(default_factory=dict)  # DTensor specs of the local shards copied
 
     def wait(self) -> None:
         """Order what comes next (the optimizer step writing the sources) after the copies (no host stall)."""
@@ -269,21 +284,24 @@ def start_capture(
     device = "cpu" if where == "host" else None
     pin = where == "host" and torch.cuda.is_available()
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    sd = model.state_dict()
+    sd, model_specs = localize(dict(model.state_dict()))
     params = {k: v for k, v in sd.items() if k in names}
-    states = [o.state_dict() for o in optimizers]
+    states, opt_specs = localize([o.state_dict() for o in optimizers])
+    specs = _specs(model_specs, opt_specs)
     pairs: tuple[list[Any], list[Any]] = ([], [])
     if shard_among is not None:
         tree = {"keys": list(sd), "model": params, "optimizers": states}
         old = reuse.sharded if reuse is not None else None
         target = device if device else tree_device(sd)
         sharded = shard(tree, *shard_among, target, pin=pin, reuse=old, copies=pairs)
-        return PendingCapture(step, device, pin, {}, [], [], sharded, reuse, start(*pairs, backend=backend))
+        return PendingCapture(step, device, pin, {}, [], [], sharded, reuse, start(*pairs, backend=backend), specs)
     dst_params = plan_tree(params, device, pin, reuse.model if reuse else None, pairs)
     n = len(pairs[0])
     dst_opts = plan_tree(states, device, pin, reuse.optimizers if reuse else None, pairs)
     planned = list(zip(pairs[0][n:], pairs[1][n:]))
-    return PendingCapture(step, device, pin, dst_params, dst_opts, planned, None, reuse, start(*pairs, backend=backend))
+    return PendingCapture(
+        step, device, pin, dst_params, dst_opts, planned, None, reuse, start(*pairs, backend=backend), specs
+    )
 
 
 def finish_capture(
@@ -305,6 +323,7 @@ def finish_capture(
     """
     device, pin, reuse = pending.device, pending.pin, pending.reuse
     sd, states = _live_states(model, model_state, stateful, stateful_state)
+    sd = localize(sd)[0]
     if pending.sharded is not None:
         names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         rest = clone_tree({k: v for k, v in sd.items() if k not in names}, device, pin, reuse.model if reuse else None)
@@ -324,7 +343,7 @@ def finish_capture(
                 return dst
             return clone_tree(x, device, pin)
 
-        opts = [map_tree(leaf, o.state_dict()) for o in optimizers]
+        opts = [map_tree(leaf, localize(o.state_dict())[0]) for o in optimizers]
     return Snapshot(
         step=pending.step,
         model=rest,
@@ -333,6 +352,7 @@ def finish_capture(
         rng=copy.deepcopy(rng) if rng is not None else rng_state(),
         sharded=pending.sharded,
         copies=pending.copies,
+        specs=pending.specs,
     )
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .checks import as_f32
+from .dtensor import local
 from .tree import floating_leaves
 
 __all__ = ["MAX_PER_LIST", "PASS_THROUGH", "OutputWatch", "select_modules"]
@@ -243,14 +244,17 @@ class OutputWatch:
         if not self.enabled or not torch.is_grad_enabled():
             return
         if isinstance(output, torch.Tensor):
-            if output is self._last_out or not output.is_floating_point() or output.numel() == 0:
+            if output is self._last_out or not output.is_floating_point():
                 return
             self._last_out = output
-            self._record(slot, output.detach())
+            shard = local(output.detach())  # a DTensor output: this rank's shard (the flags are all-reduced)
+            if shard.numel():
+                self._record(slot, shard)
             return
         for _, t in floating_leaves(output, "out"):
-            if t.numel():
-                self._record(slot, t.detach())
+            shard = local(t.detach())
+            if shard.numel():
+                self._record(slot, shard)
 
     def _record(self, slot: int, t: torch.Tensor) -> None:
         if self._used[slot]:  # a second output of this module in the step: an extra record

@@ -82,8 +82,13 @@ def incident_message(
             text += f"; replay traced it to op `{op}`" + (f" in `{module}`" if module else "")
             text += f" at {source}" if source else ""
             text += " from inputs holding ±Inf but no NaN" if replay.get("inf_in") else " from finite inputs"
+        elif replay.get("from_another_rank"):
+            via = replay.get("first_bad_op")
+            text += f"; its values came from another rank through `{via}`, so no op on this rank is to blame"
         elif replay.get("stage") == "inputs":
             text += "; the values entering it were already non-finite, so no op inside it is to blame"
+        elif replay.get("error"):
+            text += f"; the replay could not run ({replay['error']}), so the module is named from the step's flags"
     elif kind == "op_domain":
         op_ = op or details.get("op", where[0] if where else "op")
         module_ = module or details.get("module")

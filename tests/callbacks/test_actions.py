@@ -147,6 +147,9 @@ def test_halt_saves_the_last_finite_state_and_no_callback_saves_poison(tmp_path,
         assert all_finite(ckpt["optimizer_states"]), f
     assert all_finite(model.state_dict())
     assert any(e["action"] == "halt" for e in guard.events)
+    # the guard's state in it counts the incident that made it halt (it was counted after the save before)
+    saved = torch.load(last, weights_only=False)["callbacks"][guard.state_key]["counters"]
+    assert saved["incidents"] == guard.counters["incidents"] >= 1
     # the saved state resumes with a normal Trainer and loads as a LightningModule
     FaultModel.load_from_checkpoint(last)
     t2 = trainer(tmp_path / "resume", [NumGuardCallback(dirpath=str(tmp_path / "ng2"))], max_steps=8)

@@ -4,30 +4,48 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pytorch_lightning.strategies import ModelParallelStrategy, SingleDeviceStrategy
+from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from lightning_numguard import NumGuardCallback
+from lightning_numguard.callbacks._strategies import check_strategy
 from lightning_numguard.errors import NumGuardError, NumGuardWarning
 from tests.helpers import FaultData, FaultModel, loader, trainer
 
 
 class ShardedModel(FaultModel):
     def configure_model(self) -> None:
-        pass  # ModelParallelStrategy requires the hook; a real model would apply fully_shard here
+        pass  # ModelParallelStrategy requires the hook (sharded layouts run in test_sharded_lib.py)
 
 
-def test_a_sharded_strategy_is_refused_at_setup_with_what_is_guarded(tmp_path):
-    """ModelParallelStrategy runs on this CPU with gloo; FSDPStrategy needs a GPU (see docs/strategies.md)."""
-    t = trainer(tmp_path, [NumGuardCallback(dirpath=str(tmp_path / "ng"))], strategy=ModelParallelStrategy())
-    with pytest.raises(NumGuardError, match=r"action='rollback' is not supported under ModelParallelStrategy"):
-        t.fit(ShardedModel(), loader(FaultData()))
+def test_model_parallel_strategy_is_guarded_with_every_action(tmp_path, recwarn):
+    """ModelParallelStrategy is no longer refused: the guard acts on each rank's local shards."""
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), emit_warnings=False)  # the events are read instead
+    t = trainer(tmp_path, [guard], strategy=ModelParallelStrategy(), max_steps=4)
+    t.fit(ShardedModel(site="param", step=2), loader(FaultData()))
+    assert guard.counters["rollbacks"] == 1 and t.global_step == 4
+    assert guard.events[0]["kind"] == "nonfinite_param" and guard.events[0]["where"] == ["body.0.weight"]
+    assert not [w for w in recwarn if "ModelParallelStrategy" in str(w.message)]  # neither refused nor warned about
 
 
-def test_a_sharded_strategy_under_warn_says_nothing_is_restored(tmp_path):
-    guard = NumGuardCallback(action="warn", dirpath=str(tmp_path / "ng"))
-    t = trainer(tmp_path, [guard], strategy=ModelParallelStrategy(), max_steps=1)
-    with pytest.warns(NumGuardWarning, match=r"under ModelParallelStrategy: .*nothing is skipped, restored"):
-        t.fit(ShardedModel(), loader(FaultData()))
+def test_fsdp1_is_refused_naming_what_is_untested():
+    """Lightning 2.6 builds FSDPStrategy only for a GPU, so the check is called on the strategy object itself."""
+    from pytorch_lightning.strategies import FSDPStrategy
+
+    with pytest.raises(
+        NumGuardError,
+        match=r"under FSDPStrategy: Lightning 2.6 runs FSDPStrategy only on a GPU.*"
+        r"untested.*Use ModelParallelStrategy with torch.distributed.fsdp.fully_shard",
+    ):
+        check_strategy(FSDPStrategy(), "rollback")
+    with pytest.warns(NumGuardWarning, match=r"under FSDPStrategy: .*nothing is skipped, restored"):
+        check_strategy(FSDPStrategy(), "warn")
+
+
+def test_deepspeed_is_refused_naming_what_to_use_instead():
+    """Matched by class name (DeepSpeed itself is not installed): a DDPStrategy subclass named like Lightning's."""
+    deepspeed_like = type("DeepSpeedStrategy", (DDPStrategy,), {})
+    with pytest.raises(NumGuardError, match=r"not supported under DeepSpeedStrategy: .*Use ModelParallelStrategy"):
+        check_strategy(deepspeed_like(), "skip")
 
 
 class CustomStrategy(SingleDeviceStrategy):

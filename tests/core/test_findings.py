@@ -50,6 +50,14 @@ def test_stable_order_within_a_kind():
     assert [f.where for f in merged] == [["b"], ["a"]]
 
 
+def test_an_output_that_came_from_another_rank_follows_its_source():
+    """Tensor parallel: rank 1's module went NaN; a row-wise all-reduce carried it into rank 0's next module, whose
+    replay says so. The source (rank 1) is first, though rank 0 is lower."""
+    carried = Finding("nonfinite_output", ["fc2"], {"replay": {"from_another_rank": True}}, 0)
+    source = Finding("nonfinite_output", ["act"], {"replay": {"op": "mul"}}, 1)
+    assert [f.where for f in merge([[carried], [source]])] == [["act"], ["fc2"]]
+
+
 def test_every_finding_after_the_first_names_it_as_the_cause():
     found = [
         Finding("nonfinite_input", ["batch['x']"]),
