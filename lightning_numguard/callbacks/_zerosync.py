@@ -279,11 +279,7 @@ class DeferredSync:
             if action != "halt":  # a halt restores (and gathers) once, below
                 guard._recovery.restore(trainer, pl_module)  # collective when the snapshot is sharded
             if optimizer is not None:  # the step in flight started from the damaged state: skip it too
-                arm_device_skip(optimizer, torch.ones((), device=pl_module.device))
-                current = guard._inspector.record
-                if current is not None and current.forced_skip is None:  # its late read is not a new incident
-                    current.forced_skip = "it started from the state a late rollback replaced"
-                    guard.counters["skipped_steps"] += 1
+                _skip_step_in_flight(guard, optimizer, pl_module)
         guard._ledger.record(trainer, events)
         if action == "halt":
             guard._recovery.halt(trainer, pl_module)
@@ -340,16 +336,22 @@ class DeferredSync:
                 for e in events:
                     e["details"]["lr_after_backoff"] = lrs
             if optimizer is not None:  # the step in flight started from the state the rollback replaced
-                arm_device_skip(optimizer, torch.ones((), device=pl_module.device))
-                current = guard._inspector.record
-                if current is not None and current.forced_skip is None:
-                    current.forced_skip = "it started from the state a late rollback replaced"
-                    guard.counters["skipped_steps"] += 1
+                _skip_step_in_flight(guard, optimizer, pl_module)
         guard._ledger.record(trainer, events)
         if action == "halt":
             guard._recovery.halt(trainer, pl_module)
         log.info("numguard (deferred) step %s spiked, read at step %s: %s", step, trainer.global_step, action)
         return restored
+
+
+def _skip_step_in_flight(guard: NumGuardCallback, optimizer: Any, pl_module: pl.LightningModule) -> None:
+    """The step in flight at a late rollback started from the replaced state: skipped on the device, and its own
+    late read is not a new incident."""
+    arm_device_skip(optimizer, torch.ones((), device=pl_module.device))
+    current = guard._inspector.record
+    if current is not None and current.forced_skip is None:
+        current.forced_skip = "it started from the state a late rollback replaced"
+        guard.counters["skipped_steps"] += 1
 
 
 def _put_back_schedule(trainer: pl.Trainer, schedule: Any) -> None:

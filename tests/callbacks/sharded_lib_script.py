@@ -12,6 +12,7 @@ SCENARIOS: comma-separated, run one after another in the same processes, each un
 * ``retry``: batch 2 of data-parallel rank 1 is NaN, rolled back with ``retry_transient``, ``lr_backoff=0.5`` and
   one batch skipped after the rollback; ``accumulate``: ``accumulate_grad_batches=2``, batch 3 of data-parallel
   rank 1 NaN (rollback); ``async``: as ``param``, with ``snapshot_async=True`` (a worker thread on the CPU);
+* ``bf16``: as ``param``, under ``precision="bf16-mixed"``;
 * ``warn``: as ``param`` under ``action="warn"`` (recorded, nothing restored);
 * ``end``: rank 1's shard of ``body.2.weight`` NaN after the last step (rolled back by the end-of-fit check);
 * ``halt``: the loss of rank 1 NaN at step 2 (action ``halt``), then ``resume``: a new fit from its
@@ -57,6 +58,7 @@ FAULTS = {
     "opt_state": "opt_state",
     "halt": "loss",
     "async": "param",
+    "bf16": "param",
 }
 
 
@@ -234,6 +236,7 @@ def run(out: Path, layout: str, name: str) -> None:
         default_root_dir=str(out),
         use_distributed_sampler=False,
         accumulate_grad_batches=2 if scenario == "accumulate" else 1,
+        precision="bf16-mixed" if scenario == "bf16" else "32-true",
     )
     steps = (1, 3) if scenario == "twice" else 2
     model = Model(layout, site=FAULTS.get(scenario), step=steps, scheduler=scenario not in ("skip", "omit"))
@@ -273,6 +276,8 @@ def run(out: Path, layout: str, name: str) -> None:
         ),
         "full_param_nbytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "buffer_nbytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+        # the spike statistics' window (2 x spike_window float32) is snapshotted with the rest
+        "spike_nbytes": guard._spike.window.values.nbytes if guard and guard._spike.window is not None else 0,
         "reads_per_step": counter.step_caused,
     }
     trainer.strategy.barrier()

@@ -108,7 +108,7 @@ def test_every_action_on_local_shards(tmp_path, layout):
     # the whole, padded) and the BatchNorm buffers, which are whole on every rank
     world = len(ranks)
     for r in ranks:
-        assert r["snapshot_nbytes"] == r["local_param_nbytes"] + r["buffer_nbytes"]
+        assert r["snapshot_nbytes"] == r["local_param_nbytes"] + r["buffer_nbytes"] + r["spike_nbytes"]
         assert r["local_param_nbytes"] < 1.2 * r["full_param_nbytes"] / world
     # a skip ends bitwise where a run that left the batch out does
     in_step(out["skip"], 5)
