@@ -70,6 +70,7 @@ SCENARIOS = {
         "retry",
         "accumulate",
         "async",
+        "bf16",
         "end",
         "opt_state_file",
         "halt_file",
@@ -152,6 +153,17 @@ def test_every_action_on_local_shards(tmp_path, layout):
     in_step(out["async"], 5)
     assert out["async"][0]["events"] == out["param"][0]["events"]
     assert same(weights(tmp_path, "async"), weights(tmp_path, "param"))
+    # under bf16-mixed autocast: the same shard, named and rolled back on every rank
+    ranks = out["bf16"]
+    in_step(ranks, 5)
+    first = ranks[0]["events"][0]
+    assert (first["kind"], first["where"], first["rank"], first["action"]) == (
+        "nonfinite_param",
+        ["body.0.weight"],
+        1,
+        "rollback",
+    )
+    assert ranks[0]["counters"]["rollbacks"] == 1
     # the last step's update, poisoned on rank 1's shard after the guard's hook: the end-of-fit check rolls back
     ranks = out["end"]
     in_step(ranks, 5)
