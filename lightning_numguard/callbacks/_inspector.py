@@ -299,14 +299,19 @@ class StepInspector:
                 self.spike.reduced = vector[n:]
             values = vector.tolist()
             return Reading(flags.decode_raw(values[:n]), segments, values[n:])
-        packed = flags.encode_rank(flags.pack(**slots), trainer.global_rank, world)
+        values = self.reduce(trainer, slots, extras).tolist()  # the one host read of the step
+        return Reading(flags.decode(values[:n], world), segments, values[n:])
+
+    def reduce(self, trainer: pl.Trainer, slots: dict[str, torch.Tensor], extras: torch.Tensor | None) -> torch.Tensor:
+        """The rank-encoded flag vector with the spike statistics' raw values (``extras``) after it, all-reduced
+        (``MAX``) across ranks in one call, on the device; the statistics' reduced values go to ``spike.reduced``."""
+        packed = flags.encode_rank(flags.pack(**slots), trainer.global_rank, trainer.world_size)
         if extras is not None:  # raw values (not rank-encoded) in the same all-reduce
             packed = torch.cat([packed, extras.to(packed.device)])
         reduced = _distributed.reduce_max(trainer, packed)
         if extras is not None:
-            self.spike.reduced = reduced[n:]
-        values = reduced.tolist()  # the one host read of the step
-        return Reading(flags.decode(values[:n], world), segments, values[n:])
+            self.spike.reduced = reduced[len(flags.SLOTS) :]
+        return reduced
 
     def slot_values(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool

@@ -268,18 +268,22 @@ class Recovery:
         self.restore(trainer, pl_module)
         if not rec.events:  # a forced skip (skip window / quarantine): not a new rollback
             return
-        self.rollbacks_this_fit += 1
-        self.skip_remaining = self.skip_batches_after_rollback
-        if self.lr_backoff != 1.0:
-            schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
-            lrs = apply_lr_backoff(trainer.optimizers, schedulers, self.lr_backoff)
-            for e in rec.events:
-                e["details"]["lr_after_backoff"] = lrs
+        self.after_rollback(trainer, rec.events)
         if self.retry_transient:
             self._retry(trainer, pl_module, rec)
         elif self.use_quarantine and self.quarantine.failures.get(position_key(rec.batch, rec.batch_idx), 0) >= 2:
             self.quarantine_batch(trainer, rec, "failed at the same position more than once")
         self.save_last_finite(trainer)
+
+    def after_rollback(self, trainer: pl.Trainer, events: list[dict[str, Any]]) -> None:
+        """A new rollback's bookkeeping: count it, open the skip window, back the LR off (said in ``events``)."""
+        self.rollbacks_this_fit += 1
+        self.skip_remaining = self.skip_batches_after_rollback
+        if self.lr_backoff != 1.0:
+            schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
+            lrs = apply_lr_backoff(trainer.optimizers, schedulers, self.lr_backoff)
+            for e in events:
+                e["details"]["lr_after_backoff"] = lrs
 
     def _retry(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord) -> None:
         """Decide whether the incident was transient: re-run the batch once from the restored state.

@@ -46,7 +46,6 @@ from lightning_numguard.core.pending import (
 )
 from lightning_numguard.core.quarantine import position_key
 from lightning_numguard.core.snapshot import Snapshot, capture
-from lightning_numguard.core.stateful import apply_lr_backoff
 from lightning_numguard.errors import NumGuardConfigError
 
 if TYPE_CHECKING:
@@ -325,16 +324,10 @@ class DeferredSync:
             _put_back_schedule(trainer, schedule)
         if action == "rollback":
             guard.counters["rollbacks"] += 1
-            recovery.rollbacks_this_fit += 1
             assert self.snapshots.last is not None
             recovery.snapshot = self.snapshots.last[1]
             recovery.restore(trainer, pl_module)  # collective when sharded: every rank read the same flags
-            recovery.skip_remaining = recovery.skip_batches_after_rollback
-            if recovery.lr_backoff != 1.0:
-                schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
-                lrs = apply_lr_backoff(trainer.optimizers, schedulers, recovery.lr_backoff)
-                for e in events:
-                    e["details"]["lr_after_backoff"] = lrs
+            recovery.after_rollback(trainer, events)  # the skip window and the LR back-off
             if optimizer is not None:  # the step in flight started from the state the rollback replaced
                 _skip_step_in_flight(guard, optimizer, pl_module)
         guard._ledger.record(trainer, events)
@@ -372,14 +365,7 @@ def pack(
     the spike statistics' raw values when the step carries them (not rank-encoded; the same all-reduce)."""
     slots, _ = inspector.slot_values(trainer, pl_module, optimizer, snapshot_due)
     extras, inspector.extras = inspector.extras, None
-    world = trainer.world_size
-    packed = flags.encode_rank(flags.pack(**slots), trainer.global_rank, world)
-    if extras is not None:
-        packed = torch.cat([packed, extras.to(packed.device)])
-    reduced = _distributed.reduce_max(trainer, packed)
-    if extras is not None:
-        inspector.spike.reduced = reduced[len(flags.SLOTS) :]
-    return reduced
+    return inspector.reduce(trainer, slots, extras)
 
 
 _PLACEHOLDERS = {where for _, where in _SLOT_KIND.values()}
