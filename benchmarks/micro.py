@@ -121,7 +121,7 @@ def grad_check(
     found_inf = torch.zeros(1, device=grads[0].device)
     inv_scale = torch.ones(1, device=grads[0].device)
 
-    plan = checks.TotalPlan(grads)  # built once per fit, as StepInspector.grads does
+    plan = checks.TotalPlan(grads)  # built once per fit, as StepRead.grads does
     device_ = grads[0].device
 
     def numguard_grads() -> torch.Tensor:  # what the read does with the gradients every step

@@ -159,7 +159,7 @@ def test_checkpoint_state_moves_between_the_two_packages(tmp_path: Path) -> None
     l_trainer.save_checkpoint(ckpt)
     assert torch.load(ckpt, weights_only=True)["callbacks"]["NumGuardCallback"]["counters"]["rollbacks"] == 1
 
-    l_window = l_cb._spike.window.valid() if l_cb._spike.window is not None else None
+    l_window = l_cb._pipeline.spike.window.valid() if l_cb._pipeline.spike.window is not None else None
     pl_cb = lightning_numguard.NumGuardCallback(action="rollback")
     pl_trainer = pl.Trainer(**_quiet(default_root_dir=tmp_path / "pl", max_epochs=2, **quiet), callbacks=[pl_cb])
     pl_trainer.fit(PLModel(bad_step=-1), _data(), ckpt_path=ckpt)
@@ -169,5 +169,5 @@ def test_checkpoint_state_moves_between_the_two_packages(tmp_path: Path) -> None
     assert {k: v for k, v in pl_cb.state_dict().items() if k != "spike"} == {
         k: v for k, v in l_cb.state_dict().items() if k != "spike"
     }
-    assert l_window is not None and pl_cb._spike.window is not None
-    assert pl_cb._spike.window.valid() == [n + 8 for n in l_window]
+    assert l_window is not None and pl_cb._pipeline.spike.window is not None
+    assert pl_cb._pipeline.spike.window.valid() == [n + 8 for n in l_window]

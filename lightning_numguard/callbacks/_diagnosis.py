@@ -1,24 +1,50 @@
-"""After a hit: confirm every candidate exactly and name the culprits, in causal order, on every rank.
+"""After a hit: the one builder of a step's findings, for both read schedules, on every rank.
 
-Runs only when the step's read saw something; every call here is collective (every rank holds the
-same flag vector, so every rank takes the same branches).
+:func:`diagnose` confirms every candidate exactly and names the culprits in causal order, merged across ranks
+with consequences marked. Read at the step (``sync_mode="every_step"``) it looks at the live instruments,
+gradients and buffers, and may replay the batch to name the exact module and op; read one step late
+(``sync_mode="deferred"``) it looks at the records kept for that step (:meth:`StepRecorder.keep
+<lightning_numguard.callbacks._record.StepRecorder.keep>`) and the state now, and a slot whose place no rank
+can name any more is reported by its flag. Every call here is collective (every rank holds the same flag
+vector, so every rank takes the same branches).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 
 from lightning_numguard.callbacks import _distributed
-from lightning_numguard.callbacks._inspector import Reading, StepInspector
+from lightning_numguard.callbacks._read import Reading, StepRead
+from lightning_numguard.callbacks._record import StepRecord, StepRecorder
 from lightning_numguard.callbacks._replay import replay_batch
-from lightning_numguard.core import flags
-from lightning_numguard.core.findings import Finding, mark_consequences, merge
+from lightning_numguard.core import checks, flags
+from lightning_numguard.core.findings import AFTER_FORWARD, Finding, mark_consequences, merge
+from lightning_numguard.core.opguard import OpGuard
 from lightning_numguard.core.policy import is_amp_overflow
 
-__all__ = ["Diagnosis", "diagnose"]
+__all__ = ["Diagnosis", "StepView", "diagnose"]
+
+#: The finding of a slot whose place no rank could name (read late: the records are gone).
+_PLACEHOLDERS = {
+    flags.OUTPUT: ("nonfinite_output", "a watched module"),
+    flags.OP: ("op_domain", "a guarded op"),
+    flags.NORMS: ("nonfinite_grad", "a gradient"),
+}
+
+
+@dataclass
+class StepView:
+    """What the builder looks at: a step's record and read, and (read late) the records kept for it."""
+
+    rec: StepRecord
+    reading: Reading
+    #: read late: the watch's kept buffer and the op guard's records of that step; ``None``: the live instruments
+    kept: tuple[Any, list[Any]] | None = None
 
 
 @dataclass
@@ -33,46 +59,64 @@ class Diagnosis:
 def diagnose(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
-    inspector: StepInspector,
-    reading: Reading,
+    recorder: StepRecorder,
+    reader: StepRead,
+    view: StepView,
     replay: bool,
+    exact_state: bool = True,
 ) -> Diagnosis:
     """The findings of a hit, merged across ranks, in causal order, consequences marked.
 
-    ``replay``: re-run the batch with full instrumentation when the forward or backward pass went
-    bad, to name the first module (when outputs are not watched every step) and the first op.
+    ``replay``: re-run the batch with full instrumentation when the forward or backward pass went bad, to name
+    the first module (when outputs are not watched every step) and the first op (read at the step only).
+    ``exact_state``: read late, look at the whole state exactly (``False`` under ``action="warn"``, which
+    acts on nothing).
     """
-    rec = inspector.record
-    assert rec is not None
-    seen, rank, world = reading.flags, trainer.global_rank, trainer.world_size
-    state_bad, state_rank = inspector.state_bad_where(trainer, reading)
-    grad_bad = _distributed.any_rank(trainer, inspector.confirmed(trainer, reading, "grads"))
-    buffer_bad = _distributed.any_rank(trainer, inspector.confirmed(trainer, reading, "live_buffers"))
-    has_scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
-    amp_overflow = is_amp_overflow(
-        grads_bad=bool(grad_bad), has_scaler=has_scaler, local_incident=seen.any_local(), state_bad=bool(state_bad)
-    )
-    if amp_overflow:  # fp16 AMP: non-finite gradients are the GradScaler's business (it skips and backs off)
-        grad_bad = []
+    rec, seen = view.rec, view.reading.flags
+    rank, world = trainer.global_rank, trainer.world_size
+    late = view.kept is not None
+    watch_kept, op_records = view.kept if view.kept is not None else (None, _live_ops(recorder))
+    grad_bad: list[str] = []
+    buffer_bad: list[str] = []
+    amp_overflow = False
+    if late:  # the step's gradients and buffers are gone; the state now is what a rollback would judge
+        state_bad: list[str] = []
+        state_rank = -1
+        if exact_state:
+            named = reader.state(trainer, with_optimizer=True)
+            bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
+            state_bad, state_rank = _distributed.first_rank(trainer, bad)
+    else:
+        state_bad, state_rank = reader.state_bad_where(trainer, view.reading)
+        grad_bad = _distributed.any_rank(trainer, reader.confirmed(trainer, view.reading, "grads"))
+        buffer_bad = _distributed.any_rank(trainer, reader.confirmed(trainer, view.reading, "live_buffers"))
+        has_scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+        amp_overflow = is_amp_overflow(
+            grads_bad=bool(grad_bad), has_scaler=has_scaler, local_incident=seen.any_local(), state_bad=bool(state_bad)
+        )
+        if amp_overflow:  # fp16 AMP: non-finite gradients are the GradScaler's business (it skips and backs off)
+            grad_bad = []
 
     # appended in causal order: inputs, state before the step, module outputs, op domains, loss, gradients, buffers
     found: list[Finding] = []
     if seen.seen_on(flags.INPUT, rank, world) or seen.seen_on(flags.SUSPICIOUS, rank, world):
-        found.extend(inspector.input_findings(rank))
-    for site, names in _by_site(inspector, state_bad):
-        details = {"when": "before the optimizer step"}
-        found.append(Finding("nonfinite_param", names, details, state_rank, site=site))
-    output = inspector.output_finding(rank) if seen.seen(flags.OUTPUT) else None
+        found.extend(input_findings(rec, reader.max_abs_input, rank))
+    if late and state_bad:  # the state now, one step after the fault
+        found.append(Finding("nonfinite_param", state_bad, {}, state_rank))
+    for site, names in _by_site(reader, state_bad) if not late else []:
+        found.append(Finding("nonfinite_param", names, {"when": "before the optimizer step"}, state_rank, site=site))
+    output = output_finding(recorder.watch, watch_kept, late, rank) if seen.seen(flags.OUTPUT) else None
     if output is not None:
         found.append(output)
 
     result: dict[str, Any] = {}
     if (
         replay
+        and not late
         and rec.batch is not None
         and (seen.seen(flags.OUTPUT) or seen.seen(flags.OP) or seen.seen(flags.LOSS) or grad_bad)
     ):
-        result = _replay(trainer, pl_module, inspector, rec.start_rng)
+        result = _replay(trainer, pl_module, recorder, rec)
     stage = result.get("stage")
     sites = result.pop("op_sites", {}) or {}
     forward_culprit = stage == "forward" and result.get("op_module") is not None
@@ -88,21 +132,22 @@ def diagnose(
         # row in `attn` is seen first at the output of `attn.proj`)
         output.details["first_bad_output"] = output.where[0]
         output.where[0] = result["op_module"]
-    if output is not None:
+    if output is not None and not late:
         output.details["replay"] = result
         if forward_culprit:
             _name_op(output, result)
     first_module = output.where[0] if output is not None else None
 
     if seen.seen(flags.OP):
-        for finding in inspector.op_findings(first_module, rank):
+        for finding in op_findings(op_records, first_module, rank, late):
             op, module = finding.where[0], finding.details.get("module")
             line = sites.get(op) or {}
-            finding.where, finding.op, finding.module = [op], op, module
+            if not late:
+                finding.where, finding.op, finding.module = [op], op, module
             if line.get("file"):
                 finding.source = f"{line['file']}:{line['line']}"
             found.append(finding)
-    loss = inspector.loss_finding(rank) if seen.seen_on(flags.LOSS, rank, world) and rec.losses else None
+    loss = loss_finding(rec, rank) if seen.seen_on(flags.LOSS, rank, world) and rec.losses else None
     if loss is not None:
         found.append(loss)
         if result:
@@ -117,16 +162,94 @@ def diagnose(
                 _name_op(grad, result)
         found.append(grad)
     if buffer_bad:
-        buffers = inspector.buffer_finding(buffer_bad, seen.rank(flags.NORMS))
-        buffers.site = "buffer"
+        buffers = Finding("nonfinite_param", buffer_bad, {"when": AFTER_FORWARD}, seen.rank(flags.NORMS), site="buffer")
         found.append(buffers)
-    checked = sorted(set(inspector.check) | ({"replay"} if result else set()))
-    for finding in found:
-        finding.details["checked"] = checked
+    if not late:
+        checked = sorted(set(reader.check) | ({"replay"} if result else set()))
+        for finding in found:
+            finding.details["checked"] = checked
 
     findings = merge(_distributed.gather(trainer, found))  # so that rank 0 can write every rank's findings
+    if late:
+        findings = _placeholders(seen, findings)
     mark_consequences(findings)
     return Diagnosis(findings, state_bad, amp_overflow)
+
+
+def _placeholders(seen: flags.StepFlags, findings: list[Finding]) -> list[Finding]:
+    """Read late, a slot seen on some rank whose place no rank could name is reported by its flag."""
+    kinds = {f.kind for f in findings}
+    out = list(findings)
+    for slot in (flags.OUTPUT, flags.OP):
+        kind, where = _PLACEHOLDERS[slot]
+        if seen.seen(slot) and kind not in kinds:
+            out.append(Finding(kind, [where], {}, seen.rank(slot)))
+    if not out and seen.seen(flags.NORMS):
+        kind, where = _PLACEHOLDERS[flags.NORMS]
+        out.append(Finding(kind, [where], {}, seen.rank(flags.NORMS)))
+    return merge([out])
+
+
+# ------------------------------------------------------------------ the findings of each site (sync; after a hit)
+
+
+def input_findings(rec: StepRecord, max_abs_input: float | None, rank: int) -> list[Finding]:
+    """Non-finite and suspiciously large batch values, per micro-batch."""
+    out: list[Finding] = []
+    for leaves, _ in rec.inputs:
+        paths = [p for p, _ in leaves]
+        values = checks.max_abs([t for _, t in leaves]).tolist()  # exact, per tensor: after a hit only
+        nonfinite = [p for p, v in zip(paths, values) if not math.isfinite(v)]
+        if nonfinite:
+            stats = checks.tensor_stats(dict(leaves)[nonfinite[0]])
+            out.append(Finding("nonfinite_input", nonfinite, {"stats": stats}, rank))
+        if max_abs_input is not None:
+            unmasked = checks.max_abs([t for _, t in leaves], masks_as_zero=True).tolist()  # finfo.min: a mask
+            huge = [(p, v) for p, v in zip(paths, unmasked) if math.isfinite(v) and v >= max_abs_input]
+            if huge:
+                details = {"max_abs": huge[0][1], "threshold": max_abs_input}
+                out.append(Finding("suspicious_input", [p for p, _ in huge], details, rank))
+    return out
+
+
+def output_finding(watch: Any, kept: Any, late: bool, rank: int) -> Finding | None:
+    """The first watched module whose output went non-finite (``kept``: the records of a past step)."""
+    if watch is None or (late and kept is None):
+        return None
+    bad_modules = watch.first_bad(kept)
+    if not bad_modules:
+        return None
+    first, lo, hi = bad_modules[0]
+    return Finding(
+        "nonfinite_output", [first], {"min": lo, "max": hi, "also": [m for m, _, _ in bad_modules[1:6]]}, rank
+    )
+
+
+def op_findings(records: list[Any], first_module: str | None, rank: int, late: bool = False) -> list[Finding]:
+    """Op calls whose inputs were outside their domain."""
+    if not records:
+        return []
+    values = torch.stack([r.flag.detach().to(torch.float32).reshape(()).cpu() for r in records]).tolist()
+    out: list[Finding] = []
+    for record, flag in zip(records, values):
+        if flag:
+            details = dict(OpGuard.describe(record))
+            if first_module and not late:
+                details["upstream"] = first_module
+            out.append(Finding("op_domain", [record.op] + ([record.module] if record.module else []), details, rank))
+    return out
+
+
+def loss_finding(rec: StepRecord, rank: int) -> Finding | None:
+    """The non-finite loss values of the step's micro-batches."""
+    values = [float(x.float().mean()) for x in rec.losses]
+    if any(not math.isfinite(v) for v in values):
+        return Finding("nonfinite_loss", ["loss"], {"values": values}, rank)
+    return None
+
+
+def _live_ops(recorder: StepRecorder) -> list[Any]:
+    return recorder.opguard.records if recorder.opguard is not None else []
 
 
 def _name_op(finding: Finding, result: dict[str, Any]) -> None:
@@ -137,9 +260,9 @@ def _name_op(finding: Finding, result: dict[str, Any]) -> None:
         finding.source = f"{result['file']}:{result['line']}"
 
 
-def _by_site(inspector: StepInspector, names: list[str]) -> list[tuple[str, list[str]]]:
+def _by_site(reader: StepRead, names: list[str]) -> list[tuple[str, list[str]]]:
     """``names`` split into parameters, buffers and optimizer state (one kind of name per event)."""
-    params = {n for n, _ in inspector.named_params}
+    params = {n for n, _ in reader.named_params}
     groups: dict[str, list[str]] = {}
     for name in names:
         site = "optimizer_state" if name.startswith("optimizer[") else "param" if name in params else "buffer"
@@ -148,11 +271,10 @@ def _by_site(inspector: StepInspector, names: list[str]) -> list[tuple[str, list
 
 
 def _replay(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, inspector: StepInspector, rng: dict[str, Any] | None
+    trainer: pl.Trainer, pl_module: pl.LightningModule, recorder: StepRecorder, rec: StepRecord
 ) -> dict[str, Any]:
-    rec = inspector.record
-    assert rec is not None
-    watch = inspector.watch
+    rng = rec.start_rng
+    watch = recorder.watch
     watching = watch.enabled if watch is not None else False
     if watch is not None:
         watch.enabled = False

@@ -1,8 +1,9 @@
-"""The guard's record of what happened: events, counters, and handing them to reporting."""
+"""The guard's record of what happened: the one owner of its events and counters, handed to reporting."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import pytorch_lightning as pl
@@ -27,7 +28,14 @@ class Ledger:
         self.events: list[dict[str, Any]] = []
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.incidents_by_kind: dict[str, int] = {}
+        self.rollbacks_this_fit = 0  # what max_rollbacks limits (``counters["rollbacks"]`` carries over a resume)
         self.reporter = reporter
+
+    def count(self, counts: Mapping[str, int]) -> None:
+        """Move the counters by a decision's ``counts`` (``incidents`` is counted from recorded events)."""
+        for name, n in counts.items():
+            self.counters[name] += n
+        self.rollbacks_this_fit += counts.get("rollbacks", 0)
 
     def event(
         self,
@@ -83,38 +91,29 @@ class Ledger:
         if self.reporter is not None:
             self.reporter.emit(trainer, events, self.counters)
 
-    def log_action(self, trainer: pl.Trainer, rec: Any, configured: str, recovery: Any) -> None:
+    def log_action(self, trainer: pl.Trainer, rec: Any, snapshot_step: int | None, ckpt: Any) -> None:
         """One WARNING (``skip``, ``rollback``) or ERROR (``halt``) log line on rank 0 per action taken.
 
         Args:
             trainer: the trainer.
-            rec: the step's record (``action``, ``events``, ``step``).
-            configured: the callback's ``action``, to name an escalation.
-            recovery: the step's :class:`~lightning_numguard.callbacks._recovery.Recovery`.
+            rec: the step's record (its ``decision``, ``events`` and ``step``).
+            snapshot_step: the step of the snapshot a rollback or halt went back to.
+            ckpt: ``last_finite.ckpt``'s path, when one is written in this run.
         """
+        decision = rec.decision
         if rec.action not in ("skip", "rollback", "halt") or not rec.events or not trainer.is_global_zero:
             return
         acted = [e for e in rec.events if e["action"] == rec.action] or rec.events  # not a field declared a convention
         root = next((e for e in acted if e.get("root_cause", True)), acted[0])
-        escalation = None
-        if rec.action != configured:
-            if recovery.snapshot is None:
-                escalation = "there is no verified-finite snapshot to go back to"
-            elif rec.action == "halt":
-                escalation = f"max_rollbacks reached ({recovery.rollbacks_this_fit} rollbacks in this fit)"
-            else:
-                escalation = "the weights or optimizer state were no longer finite"
-        snapshot = recovery.snapshot
-        ckpt = recovery.ckpt_path
         written = rec.action in ("rollback", "halt") and ckpt is not None and ckpt.exists()
         events_file = self.reporter.events_path if self.reporter is not None else None
         text = action_message(
             rec.action,
-            configured,
+            decision.configured,
             rec.step,
             root,
-            escalation,
-            snapshot.step if snapshot is not None and rec.action != "skip" else None,
+            decision.escalation,
+            snapshot_step if rec.action != "skip" else None,
             str(ckpt) if written else None,
             str(events_file) if events_file else None,
         )

@@ -18,7 +18,7 @@ from lightning_numguard.callbacks import _distributed
 from lightning_numguard.core.checks import as_f32
 
 if TYPE_CHECKING:
-    from lightning_numguard.callbacks._inspector import StepRecord
+    from lightning_numguard.callbacks._record import StepRecord
     from lightning_numguard.core.watch import OutputWatch
 
 __all__ = ["MicroBatch", "first_bad", "merge_flag", "micro_rng"]

@@ -1,4 +1,10 @@
-"""Recovery: snapshots, skip, rollback, retry, halt, ``last_finite.ckpt`` and the checkpoint swap."""
+"""Recovery: the one part that changes training state, carrying out each step's judged ``Decision``.
+
+It drops a bad step's gradients (or skips it on the device), puts back what a skipped forward pass changed,
+restores the last verified-finite snapshot (:class:`~lightning_numguard.callbacks._snapshots.Snapshots`), backs
+the learning rate off, retries, quarantines, halts and writes ``last_finite.ckpt``, and swaps non-finite state
+out of any checkpoint written during the run. It counts nothing (``callbacks/_ledger`` does).
+"""
 
 from __future__ import annotations
 
@@ -12,21 +18,18 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_numguard.callbacks import _distributed, _micro, _sharded
-from lightning_numguard.callbacks._inspector import StepInspector, StepRecord
+from lightning_numguard.callbacks._metrics import LoggedValues
+from lightning_numguard.callbacks._read import StepRead
+from lightning_numguard.callbacks._record import StepRecord
 from lightning_numguard.callbacks._retry import is_transient
+from lightning_numguard.callbacks._snapshots import Snapshots
 from lightning_numguard.callbacks._strategies import holds_local_shards
 from lightning_numguard.core import checks
 from lightning_numguard.core.dtensor import local
-from lightning_numguard.core.quarantine import Quarantine, position_key, sample_indices
-from lightning_numguard.core.snapshot import (
-    PendingCapture,
-    Snapshot,
-    Stateful,
-    capture,
-    finish_capture,
-    restore,
-    start_capture,
-)
+from lightning_numguard.core.judge import Decision
+from lightning_numguard.core.pending import arm_device_skip, disarm_device_skip
+from lightning_numguard.core.quarantine import Quarantine, sample_indices
+from lightning_numguard.core.snapshot import Stateful
 from lightning_numguard.core.stateful import MetricState, NumpyRNG, PrecisionState, apply_lr_backoff
 from lightning_numguard.core.tree import clone_tree, tensors, to_plain
 
@@ -53,141 +56,81 @@ def stateful_objects(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict
 
 
 class Recovery:
-    """Keeps the last verified-finite state and puts it back.
+    """Carries out decisions on the training state: skip, rollback, retry, quarantine, halt, checkpoints.
 
     Args:
         dirpath: where ``last_finite.ckpt`` and ``bad_batches/`` go; ``None``: no file is written
             (``fast_dev_run``, or nowhere chosen to write to), the restored state lives on in memory.
-        snapshot_device: ``"host"`` or ``"device"``.
+        snapshots: the verified-finite snapshots.
         skip_batches_after_rollback: batches skipped after each rollback.
         lr_backoff: factor applied to every learning rate after each rollback.
         retry_transient: re-run the batch once after a rollback, to tell transient from persistent.
         quarantine: quarantine batches that fail twice (or fail their retry).
-        snapshot_sharding: ``"auto"``: under DDP with several ranks, each keeps only its ``1/world`` of the
-            parameters and optimizer state, gathered back (collectively) to restore; ``"off"``: full copies.
-        snapshot_async: copy the parameters and optimizer state of a snapshot step from its batch start on,
-            overlapped with the forward and backward passes, into a spare snapshot (double buffering); the
-            candidate is promoted at the read only if the state it copied is verified finite. ``None``: on
-            when the module is on CUDA and snapshots go to the host (resolved at train start).
     """
 
     def __init__(
         self,
         dirpath: Path | None,
-        snapshot_device: str,
+        snapshots: Snapshots,
         skip_batches_after_rollback: int,
         lr_backoff: float,
         retry_transient: bool,
         quarantine: bool,
-        snapshot_sharding: str = "off",
-        snapshot_async: bool | None = False,
     ) -> None:
         self.dirpath = dirpath
-        self.snapshot_device = snapshot_device
+        self.snapshots = snapshots
         self.skip_batches_after_rollback = skip_batches_after_rollback
         self.lr_backoff = lr_backoff
         self.retry_transient = retry_transient
         self.use_quarantine = quarantine
-        self.snapshot_sharding = snapshot_sharding
         self.quarantine = Quarantine()
-        self.snapshot: Snapshot | None = None
-        self.snapshot_async = snapshot_async
-        self.async_on = False  # resolved at train start
-        self.spare: Snapshot | None = None  # the storage the next asynchronous candidate is copied into
-        self.pending: PendingCapture | None = None  # the candidate in flight (from batch start to the read)
-        self.last_snapshot_step = -(10**9)
-        self.stateful: dict[str, Stateful] = {}
+        self.logged = LoggedValues()  # what a discarded step logged is withdrawn from Lightning's results
         self.skip_remaining = 0
-        self.rollbacks_this_fit = 0
         self.bad_rank = -1  # the lowest rank whose state the last checkpoint swap or end-of-fit check found bad
+        self._armed: list[torch.optim.Optimizer] = []  # read late: optimizers whose next step may be skipped
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # read late: (live buffer, its start copy)
+        self._schedules: dict[int, tuple[list[dict[str, Any]], list[list[float]]]] = {}  # read late, per step
+
+    @property
+    def snapshot(self) -> Any:
+        """The last verified-finite snapshot (``None`` before the first)."""
+        return self.snapshots.snapshot
+
+    @property
+    def stateful(self) -> dict[str, Stateful]:
+        return self.snapshots.stateful
 
     @property
     def ckpt_path(self) -> Path | None:
         """``<dirpath>/last_finite.ckpt``, or ``None`` when no file is written."""
         return self.dirpath / "last_finite.ckpt" if self.dirpath is not None else None
 
-    # ------------------------------------------------------------------ snapshots
-
-    def start_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, due: bool) -> None:
-        """Batch start of a step whose snapshot is ``due``: start copying into the spare (asynchronous only)."""
-        if not due or self.pending is not None:
-            return
-        self.pending = start_capture(
-            pl_module,
-            trainer.optimizers,
-            step=trainer.global_step,
-            where="host" if self.snapshot_device == "host" else "device",
-            reuse=self.spare,  # never the verified snapshot: it stays whole until the candidate is verified
-            shard_among=_sharded.shard_among(trainer, self.snapshot_sharding),
-            backend="stream" if pl_module.device.type == "cuda" else "thread",
-        )
-
-    def settle(self) -> None:
-        """After the read: a candidate not promoted (the state it copied was not verified) is discarded."""
-        if self.pending is not None:
-            self.pending.copies.synchronize()  # nothing may overwrite its sources (a restore) before it is done
-            self.pending = None
-
-    def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord | None = None) -> None:
-        """Keep the state at the start of this step (just verified finite), or the live state without ``rec``."""
-        pending = self.pending
-        if pending is not None and rec is not None and pending.step == rec.step:
-            candidate = finish_capture(
-                pending,
-                pl_module,
-                trainer.optimizers,
-                self.stateful,
-                rng=rec.micro[0].rng if rec.micro else rec.start_rng,
-                model_state=rec.start_buffers,
-                stateful_state=rec.start_states,
-            )
-            pending.wait()  # the optimizer step, queued next, cannot overwrite a source before it is copied
-            self.pending = None
-            self.spare, self.snapshot = self.snapshot, candidate  # the old verified snapshot becomes the spare
-            self.last_snapshot_step = candidate.step
-            return
-        self.settle()
-        if self.snapshot is not None:
-            self.snapshot.ready()  # an asynchronous snapshot's copies are done before its storage is reused
-        self.snapshot = capture(
-            pl_module,
-            trainer.optimizers,
-            self.stateful,
-            step=rec.step if rec is not None else trainer.global_step,
-            where="host" if self.snapshot_device == "host" else "device",
-            rng=(rec.micro[0].rng if rec.micro else rec.start_rng) if rec is not None else None,  # window start
-            model_state=rec.start_buffers if rec is not None else None,
-            stateful_state=rec.start_states if rec is not None else None,
-            reuse=self.snapshot,
-            shard_among=_sharded.shard_among(trainer, self.snapshot_sharding),
-        )
-        self.last_snapshot_step = self.snapshot.step
+    # ------------------------------------------------------------------ fit start and end
 
     def at_train_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, inspector: StepInspector, take: bool
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, reader: StepRead, take: bool
     ) -> list[str]:
         """Check the whole state once (one sync per fit); if finite and ``take``, snapshot it.
 
         Returns the names found non-finite on any rank (buffers non-finite by design are left unchecked).
         """
-        named = inspector.state(trainer, with_optimizer=True)
+        named = reader.state(trainer, with_optimizer=True)
         bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
-        bad = inspector.leave_unchecked(_distributed.any_rank(trainer, bad))
-        auto = pl_module.device.type == "cuda" and self.snapshot_device == "host"
-        self.async_on = auto if self.snapshot_async is None else self.snapshot_async
+        bad = reader.leave_unchecked(_distributed.any_rank(trainer, bad))
+        self.snapshots.resolve_async(pl_module)
         if not bad and take:
-            self.take(trainer, pl_module)
+            self.snapshots.take(trainer, pl_module)
         return bad
 
     def at_train_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, inspector: StepInspector, warn_only: bool
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, reader: StepRead, warn_only: bool
     ) -> tuple[list[str], str, dict[str, Any]] | None:
         """Check the last step's update once (one sync per fit); repair what is bad unless ``warn_only``.
 
         Returns ``None`` when all is finite, else the bad names, the action taken and the event's details
         (:attr:`bad_rank` is then the lowest rank where they were non-finite: one rank's shard, under sharding).
         """
-        named = inspector.state(trainer, with_optimizer=False)
+        named = reader.state(trainer, with_optimizer=False)
         flags = checks.confirm_nonfinite([t for _, t in named])
         bad, self.bad_rank = _distributed.first_rank(trainer, [n for (n, _), b in zip(named, flags) if b])
         if not bad:
@@ -195,26 +138,6 @@ class Recovery:
         if warn_only or self.snapshot is None:
             return bad, "none", {"when": "end of training"}
         return bad, "rollback", self.repair_at_end(trainer, pl_module, bad)
-
-    def flag_batch(self, rec: StepRecord, batch: Any, batch_idx: int, step: int, first: bool) -> None:
-        """Skip the batches of the window after a rollback; flag quarantined micro-batches for the read (no sync)."""
-        if rec.forced_skip is not None:
-            return
-        if first and self.skip_remaining > 0:
-            self.skip_remaining -= 1
-            rec.forced_skip = "in the skip window after a rollback"
-        elif self.use_quarantine:
-            _micro.merge_flag(rec, self.quarantine.flag(batch, batch_idx, step))
-
-    def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, restore_rng: bool = True) -> None:
-        """Put the snapshot back in place."""
-        assert self.snapshot is not None
-        restore(self.full(trainer), pl_module, trainer.optimizers, self.stateful, restore_rng=restore_rng)
-
-    def full(self, trainer: pl.Trainer) -> Snapshot:
-        """The whole snapshot (gathered from every rank when sharded: then collective)."""
-        assert self.snapshot is not None
-        return _sharded.gather_snapshot(trainer, self.snapshot.ready())
 
     def repair_at_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, bad: list[str]) -> dict[str, Any]:
         """End of fit: put back only ``bad`` tensors that took no part in training, else the whole snapshot.
@@ -225,7 +148,7 @@ class Recovery:
         """
         assert self.snapshot is not None
         params = dict(pl_module.named_parameters())
-        snapshot = self.full(trainer)
+        snapshot = self.snapshots.full(trainer)
         idle = [n for n in bad if n in params and params[n].grad is None and n in snapshot.model]
         if len(idle) == len(bad):
             with torch.no_grad():
@@ -241,7 +164,7 @@ class Recovery:
             when = "at the end of training (restored alone from the snapshot: unused by training, no step given up)"
             return {"when": when, "restored_only": idle, "steps_given_up": 0}
         lost = max(trainer.global_step - self.snapshot.step, 0)
-        self.restore(trainer, pl_module, restore_rng=False)
+        self.snapshots.restore(trainer, pl_module, restore_rng=False)
         log.warning(
             "numguard rolled the whole model back to the snapshot of step %s at the end of training: %s training "
             "step(s) are given up (take snapshots more often with snapshot_every_n_steps to lose fewer)",
@@ -253,6 +176,97 @@ class Recovery:
         )
         return {"when": when, "snapshot_step": self.snapshot.step, "steps_given_up": lost}
 
+    # ------------------------------------------------------------------ the step
+
+    def flag_batch(self, rec: StepRecord, batch: Any, batch_idx: int, step: int, first: bool) -> None:
+        """Skip the batches of the window after a rollback; flag quarantined micro-batches for the read (no sync)."""
+        if rec.forced_skip is not None:
+            return
+        if first and self.skip_remaining > 0:
+            self.skip_remaining -= 1
+            rec.forced_skip = "in the skip window after a rollback"
+        elif self.use_quarantine:
+            _micro.merge_flag(rec, self.quarantine.flag(batch, batch_idx, step))
+
+    def at_read(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, decision: Decision, optimizer: Any
+    ) -> None:
+        """Read at the step, before its optimizer step: drop the gradients of a skipped step; keep a verified start."""
+        if decision.skips and optimizer is not None:  # the step becomes a no-op: no momentum, decay or step count
+            optimizer.zero_grad(set_to_none=True)
+        if decision.keep_start:
+            self.snapshots.take(trainer, pl_module, rec)
+
+    def at_late_read(self, trainer: pl.Trainer, step: int, decision: Decision) -> None:
+        """Read one step late: verify or drop the candidates; a skipped step's LR schedule is put back."""
+        if decision.keep_start:
+            self.snapshots.verify(step)
+        elif decision.drop_start:
+            self.snapshots.drop_from(step)
+        schedule = self._schedules.pop(step, None)
+        for old in [s for s in self._schedules if s < step]:
+            del self._schedules[old]
+        if decision.skips and schedule is not None:  # the schedule as the bad step found it
+            for config, state in zip(trainer.lr_scheduler_configs, schedule[0]):
+                config.scheduler.load_state_dict(state)
+            for opt, lrs in zip(trainer.optimizers, schedule[1]):
+                for group, lr in zip(opt.param_groups, lrs):
+                    group["lr"] = lr
+
+    def carry_out(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, late: bool) -> None:
+        """Batch end: what the decision leaves to be done once the optimizer step is over."""
+        decision = rec.decision
+        assert decision is not None
+        if decision.skips and not late:  # what the discarded step logged must not reach monitors or loggers
+            self.logged.discard(trainer)
+        if decision.action == "skip":
+            if not late:  # read late, the device put the buffers back itself
+                self.undo_forward(pl_module, rec)
+            if decision.quarantine:
+                self.quarantine_batch(trainer, rec, decision.quarantine)
+        elif decision.action == "rollback":
+            self.snapshots.restore(trainer, pl_module)  # collective when sharded: every rank read the same flags
+            if decision.new_rollback:
+                self.after_rollback(trainer, rec.events)
+                if self.retry_transient and not late:
+                    self._retry(trainer, pl_module, rec)
+                elif decision.quarantine:
+                    self.quarantine_batch(trainer, rec, decision.quarantine)
+                self.save_last_finite(trainer)
+        elif decision.action == "halt":
+            self.halt(trainer, pl_module)
+
+    # ------------------------------------------------------------------ read late: the device-side skip
+
+    def start_late(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: dict[str, torch.Tensor]) -> None:
+        """Fit start, read late: the buffers put back on the device, the fit-start snapshot verified."""
+        self._buffers = [(b, start[n]) for n, b in pl_module.named_buffers() if n in start]
+        self.snapshots.start_late()
+
+    def skip_on_device(self, trainer: pl.Trainer, step: int, optimizer: Any, bad: torch.Tensor) -> None:
+        """Make the coming optimizer step a no-op where ``bad`` (0-d, on the device); the buffers the bad forward
+        pass changed are put back with ``torch.where``; the LR schedule is kept to put back a late skip (no sync)."""
+        arm_device_skip(optimizer, bad)
+        self._armed.append(optimizer)
+        for live, start in self._buffers:
+            live.copy_(torch.where(bad, start, live))
+        schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
+        if schedulers:  # host-side and tiny
+            lrs = [[g["lr"] for g in o.param_groups] for o in trainer.optimizers]
+            self._schedules[step] = ([s.state_dict() for s in schedulers], lrs)
+
+    def skip_in_flight(self, optimizer: Any, device: torch.device) -> None:
+        """The step in flight started from a state a late rollback replaces: skipped on the device too."""
+        arm_device_skip(optimizer, torch.ones((), device=device))
+        if optimizer not in self._armed:
+            self._armed.append(optimizer)
+
+    def disarm(self) -> None:
+        """Remove ``found_inf`` once the optimizer has used it."""
+        for optimizer in self._armed:
+            disarm_device_skip(optimizer)
+        self._armed.clear()
+
     # ------------------------------------------------------------------ actions
 
     def undo_forward(self, pl_module: pl.LightningModule, rec: StepRecord) -> None:
@@ -263,21 +277,8 @@ class Recovery:
             if name.startswith("metric:"):
                 self.stateful[name].load_state_dict(clone_tree(state))
 
-    def rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord) -> None:
-        """Restore the snapshot; for a new incident (``rec.events``) also back off, retry or quarantine."""
-        self.restore(trainer, pl_module)
-        if not rec.events:  # a forced skip (skip window / quarantine): not a new rollback
-            return
-        self.after_rollback(trainer, rec.events)
-        if self.retry_transient:
-            self._retry(trainer, pl_module, rec)
-        elif self.use_quarantine and self.quarantine.failures.get(position_key(rec.batch, rec.batch_idx), 0) >= 2:
-            self.quarantine_batch(trainer, rec, "failed at the same position more than once")
-        self.save_last_finite(trainer)
-
     def after_rollback(self, trainer: pl.Trainer, events: list[dict[str, Any]]) -> None:
-        """A new rollback's bookkeeping: count it, open the skip window, back the LR off (said in ``events``)."""
-        self.rollbacks_this_fit += 1
+        """A new rollback's skip window and learning-rate back-off (said in ``events``)."""
         self.skip_remaining = self.skip_batches_after_rollback
         if self.lr_backoff != 1.0:
             schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
@@ -295,7 +296,7 @@ class Recovery:
         ok = not _distributed.any_rank(trainer, [] if ok else ["retry"])
         for e in rec.events:
             e["details"]["retry"] = "transient: finite on retry" if ok else "persistent: non-finite again"
-        self.restore(trainer, pl_module)
+        self.snapshots.restore(trainer, pl_module)
         if not ok and self.use_quarantine:
             self.quarantine_batch(trainer, rec, "non-finite again when re-run from the last finite state")
 
@@ -323,7 +324,7 @@ class Recovery:
     def halt(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Restore the last finite state, save it, and ask every rank to stop."""
         if self.snapshot is not None:
-            self.restore(trainer, pl_module)
+            self.snapshots.restore(trainer, pl_module)
             self.save_last_finite(trainer)
         trainer.should_stop = True
 
@@ -368,7 +369,7 @@ class Recovery:
         self.bad_rank = _distributed.first_rank(trainer, ["bad"] if any(checks.confirm_nonfinite(found)) else [])[1]
         if self.bad_rank < 0:
             return False
-        snapshot = self.full(trainer)
+        snapshot = self.snapshots.full(trainer)
         checkpoint["state_dict"] = clone_tree(snapshot.model, "cpu")
         if "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = clone_tree(snapshot.optimizers, "cpu")

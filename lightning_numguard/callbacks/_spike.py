@@ -4,7 +4,7 @@
 the loss and the global gradient norm) and what the host knows of it (the steps that spiked, the blocks
 already reported near their dtype's limit). Each optimizer step:
 
-1. :meth:`~SpikeGuard.extras` (in ``StepInspector.slot_values``, no sync): this rank's loss, the global
+1. :meth:`~SpikeGuard.extras` (in ``StepRead.slot_values``, no sync): this rank's loss, the global
    gradient norm, their z-scores against the window, and the largest overflow-headroom ratio of a block not
    reported yet, as eight float32 values that ride after the flag slots in the step's one packed vector (the
    same ``MAX`` all-reduce: the loss becomes the largest of the ranks', its z-score that loss's; the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_numguard.core.policy import decide
 
@@ -36,6 +37,8 @@ class Facts:
         snapshot_due: the state at the step's start is due to become the snapshot once verified.
         late: read one step late (``sync_mode="deferred"``): the device already skipped a bad step, and the
             snapshot candidates taken since are verified or dropped by this read.
+        device_skipped: read late, the device skipped the step on its flags, although nothing is left to act on
+            (a batch field declared a convention of the data at this read): it still counts as skipped.
     """
 
     incident: bool = False
@@ -46,6 +49,7 @@ class Facts:
     failures: int = 0
     snapshot_due: bool = False
     late: bool = False
+    device_skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,15 +124,17 @@ def judge(action: str, facts: Facts, budget: Budget, *, quarantine: bool = True,
             drop_start=late and facts.state_bad,
             restore=not late and taken in ("rollback", "halt"),
         )
+    amp = {"amp_overflow_steps": 1} if facts.amp_overflow else {}
     if facts.incident:
-        return _act(action, action, facts, budget, {}, quarantine and not retry)
+        return _act(action, action, facts, budget, amp, quarantine and not retry)
     if facts.spike is not None:
         decision = _act(facts.spike, facts.spike, facts, budget, {"spikes": 1}, False)
         # a spike's state is finite but not one to come back to: not kept; read late, its candidates go
         return Decision(**{**decision.__dict__, "keep_start": False, "drop_start": late and facts.spike != "warn"})
-    counts = {"amp_overflow_steps": 1} if facts.amp_overflow else {}
+    if late and facts.device_skipped:  # nothing to act on, but the step did not train: said as a skip
+        return Decision(action="skip", configured="skip", counts={"skipped_steps": 1}, keep_start=True)
     # a clean step (or the GradScaler's own overflow): read late, it verifies the candidates taken up to it
-    return Decision(counts=counts, configured=action, keep_start=late or facts.snapshot_due)
+    return Decision(counts=amp, configured=action, keep_start=late or facts.snapshot_due)
 
 
 def _act(
@@ -136,7 +142,7 @@ def _act(
 ) -> Decision:
     taken = decide(action, state_bad=facts.state_bad, has_incident=True, **_budget(budget))
     if facts.late and taken == "rollback" and not facts.state_bad and facts.spike is None:
-        taken = "skip"  # the device skipped the step and the state stayed finite: nothing to restore
+        taken = configured = "skip"  # the device skipped the step and the state stayed finite: nothing to restore
     skips = taken in ("skip", "rollback", "halt")
     counts = {**counts, **({"skipped_steps": 1} if skips else {})}
     if taken == "rollback":
@@ -156,7 +162,7 @@ def _act(
 
 
 def _escalation(taken: str, configured: str, budget: Budget) -> str | None:
-    if taken == configured or taken == "skip":  # a late "skip" for "rollback": the device already undid the step
+    if taken == configured:
         return None
     if not budget.have_snapshot:
         return "there is no verified-finite snapshot to go back to"
@@ -165,7 +171,7 @@ def _escalation(taken: str, configured: str, budget: Budget) -> str | None:
     return "the weights or optimizer state were no longer finite"
 
 
-def _budget(budget: Budget) -> dict[str, int | bool]:
+def _budget(budget: Budget) -> dict[str, Any]:
     return {
         "have_snapshot": budget.have_snapshot,
         "rollbacks_used": budget.rollbacks_used,

@@ -132,6 +132,11 @@ class LateSnapshots(Generic[T]):
         while self._candidates and self._candidates[0][0] <= step:
             self.last = self._candidates.popleft()
 
+    @property
+    def candidates(self) -> list[tuple[int, T]]:
+        """The snapshots not verified yet, oldest first."""
+        return list(self._candidates)
+
     def discard_from(self, step: int) -> None:
         """Step ``step`` was bad: candidates taken after it hold its damage."""
         self._candidates = deque((s, x) for s, x in self._candidates if s < step)

@@ -134,7 +134,7 @@ def sharded_main(out: Path, fault_rank: int, action: str, asynchronous: bool = F
         model = FaultModel(site="opt_state", step=3, rank=fault_rank)
         data = torch.utils.data.Subset(FaultData(n=80, site="input"), list(range(rank * 40, rank * 40 + 40)))
         trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
-        extra = {"async": guard._recovery.spare is not None}  # a candidate was promoted into the second buffer
+        extra = {"async": guard.snapshots.spare is not None}  # a candidate was promoted into the second buffer
         save_sharded_result(out, f"sharded_{mode}", mode, rank, trainer, model, guard, extra)
 
 
@@ -159,7 +159,7 @@ def save_sharded_result(
     out: Path, name: str, mode: str, rank: int, trainer: Any, model: Any, guard: Any, extra: dict[str, Any]
 ) -> None:
     """What a sharded-snapshot launch compares between its ``"auto"`` and ``"off"`` fits, saved per rank."""
-    snapshot = guard._recovery.snapshot
+    snapshot = guard.snapshots.snapshot
     assert snapshot is not None
     ckpts = sorted((out / f"ckpt_{mode}").glob("*.ckpt")) if rank == 0 else []
     result = {
@@ -189,9 +189,8 @@ class StepWindow(pl.Callback):
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.counter.step_ended()
-        deferred = self.guard._deferred
-        assert deferred is not None
-        held = [*deferred.snapshots._candidates, *([deferred.snapshots.last] if deferred.snapshots.last else [])]
+        late = self.guard.snapshots.late  # the deferred read's candidates and its last verified snapshot
+        held = [*late.candidates, *([late.last] if late.last else [])]
         self.ring.append([(step, s.sharded is not None, s.nbytes) for step, s in held])
         for step, s in held:
             if s.sharded is not None:
@@ -243,7 +242,7 @@ def deferred_sharded_main(out: Path, fault_rank: int, action: str) -> None:
         last = out / f"ng_halt_{mode}" / "last_finite.ckpt"
         halted = {
             **_ending(trainer, model, guard),
-            "sharded": guard._recovery.snapshot is not None and guard._recovery.snapshot.sharded is not None,
+            "sharded": guard.snapshots.snapshot is not None and guard.snapshots.snapshot.sharded is not None,
             "last_finite": torch.load(last, weights_only=False)["state_dict"] if rank == 0 else None,
         }
         torch.save(halted, out / f"deferred_halt_{mode}_rank{rank}.pt")
@@ -322,7 +321,7 @@ def spike_main(out: Path, fault_rank: int, action: str) -> None:
         result = {
             "events": guard.events,
             "counters": dict(guard.counters),
-            "window": guard._spike.state_dict(),
+            "window": guard._pipeline.spike.state_dict(),
             "params": trainer.strategy.all_gather(flat).cpu(),
         }
         torch.save(result, out / f"spike_{mode}_rank{rank}.pt")

@@ -270,14 +270,16 @@ def run(out: Path, layout: str, name: str) -> None:
         "global_step": trainer.global_step,
         "finite": bool(torch.isfinite(flat).all()),
         "same_as_rank0": bool(torch.equal(every[0], every[rank])),
-        "snapshot_nbytes": guard._recovery.snapshot.nbytes if guard and guard._recovery.snapshot else None,
+        "snapshot_nbytes": guard.snapshots.snapshot.nbytes if guard and guard.snapshots.snapshot else None,
         "local_param_nbytes": sum(
             (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters()
         ),
         "full_param_nbytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "buffer_nbytes": sum(b.numel() * b.element_size() for b in model.buffers()),
         # the spike statistics' window (2 x spike_window float32) is snapshotted with the rest
-        "spike_nbytes": guard._spike.window.values.nbytes if guard and guard._spike.window is not None else 0,
+        "spike_nbytes": guard._pipeline.spike.window.values.nbytes
+        if guard and guard._pipeline.spike.window is not None
+        else 0,
         "reads_per_step": counter.step_caused,
     }
     trainer.strategy.barrier()

@@ -210,8 +210,8 @@ def test_at_most_one_host_sync_per_training_step(tmp_path, snapshot_async):
         t.fit(model, loader(FaultData()))
     assert len(counter.step_total) == 8
     assert counter.caused == 8, counter.sites  # exactly one read per step, snapshot steps included
-    assert guard._recovery.async_on is snapshot_async
-    assert guard._recovery.snapshot is not None and guard._recovery.snapshot.step == 6
+    assert guard.snapshots.async_on is snapshot_async
+    assert guard.snapshots.snapshot is not None and guard.snapshots.snapshot.step == 6
 
 
 @pytest.mark.parametrize(

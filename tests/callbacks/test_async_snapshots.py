@@ -27,8 +27,8 @@ def test_an_asynchronous_run_rolls_back_bitwise_like_a_synchronous_one(tmp_path,
     """``param``: the start-of-step state is bad (the candidate is discarded); ``input``: it is verified (promoted)."""
     sync_guard, sync_model, sync_t = fit(tmp_path / "sync", False, site)
     guard, model, t = fit(tmp_path / "async", True, site)
-    assert guard._recovery.async_on and not sync_guard._recovery.async_on
-    assert guard._recovery.spare is not None  # the asynchronous path ran: it keeps a second buffer
+    assert guard.snapshots.async_on and not sync_guard.snapshots.async_on
+    assert guard.snapshots.spare is not None  # the asynchronous path ran: it keeps a second buffer
     assert guard.counters["rollbacks"] == sync_guard.counters["rollbacks"] == 1
     assert [e["details"].get("snapshot_step") for e in guard.events] == [
         e["details"].get("snapshot_step") for e in sync_guard.events
@@ -44,7 +44,7 @@ def test_an_asynchronous_run_rolls_back_bitwise_like_a_synchronous_one(tmp_path,
 def test_a_candidate_is_never_promoted_when_the_start_of_step_state_is_bad(tmp_path):
     """A NaN weight at step 3: step 3's candidate is copied, never promoted; the snapshot of step 2 survives."""
     guard, model, _ = fit(tmp_path, True, "param", step=3, max_steps=4)
-    recovery = guard._recovery
+    recovery = guard.snapshots
     assert recovery.snapshot is not None and recovery.snapshot.step == 2
     assert recovery.pending is None and recovery.spare is not None
     assert recovery.spare.model["body.0.weight"].data_ptr() != recovery.snapshot.model["body.0.weight"].data_ptr()
@@ -59,4 +59,4 @@ def test_snapshot_async_is_validated_and_off_by_default_on_the_cpu(tmp_path):
         NumGuardCallback(snapshot_async="yes")  # type: ignore[arg-type]
     guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=1)
     trainer(tmp_path, [guard], max_steps=2).fit(FaultModel(), loader(FaultData()))
-    assert not guard._recovery.async_on and guard._recovery.spare is None
+    assert not guard.snapshots.async_on and guard.snapshots.spare is None

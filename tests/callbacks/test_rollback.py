@@ -98,7 +98,7 @@ def test_lr_backoff_and_skip_window(tmp_path):
     class Record(FaultModel):
         def on_train_batch_end(self, outputs, batch, batch_idx):
             lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
-            snapshot_steps.append(guard._recovery.snapshot.step)
+            snapshot_steps.append(guard.snapshots.snapshot.step)
 
     guard = NumGuardCallback(
         action="rollback", lr_backoff=0.5, skip_batches_after_rollback=2, dirpath=str(tmp_path / "ng")
@@ -186,7 +186,7 @@ def test_resume_keeps_the_quarantine(tmp_path):
 def test_snapshot_memory_is_one_copy_of_model_and_optimizer_state(tmp_path):
     guard = NumGuardCallback(action="rollback", snapshot_every_n_steps=2, dirpath=str(tmp_path / "ng"))
     model, t = run(tmp_path, FaultData(), guard=guard)
-    snap = guard._recovery.snapshot
+    snap = guard.snapshots.snapshot
     assert snap is not None and snap.step == 6
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())

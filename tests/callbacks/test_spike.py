@@ -126,8 +126,8 @@ def test_repeated_spikes_within_the_window_escalate_to_a_rollback(tmp_path, mode
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # the rollback put back its snapshot's window (taken after the skipped spikes of steps 150 and 160, at most),
     # so the outlier of step 170 is not in it; without that, all three would be
-    assert guard._spike.window is not None
-    kept = [v for v in guard._spike.state_dict()["window"]["values"][0] if v is not None]
+    assert guard._pipeline.spike.window is not None
+    kept = [v for v in guard._pipeline.spike.state_dict()["window"]["values"][0] if v is not None]
     assert len(kept) == 128 and sum(v > 100 ** (1 / 3) for v in kept) < 3  # cube roots of losses above 100
 
 
@@ -185,7 +185,7 @@ class WindowProbe(pl.Callback):
         self.at_start: dict[str, Any] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.at_start = self.guard._spike.state_dict()
+        self.at_start = self.guard._pipeline.spike.state_dict()
 
 
 def test_resume_restores_the_spike_window(tmp_path):
@@ -195,7 +195,7 @@ def test_resume_restores_the_spike_window(tmp_path):
     t.fit(Regression(), DataLoader(regression_data(400), batch_size=4))
     ckpt = tmp_path / "at100.ckpt"
     t.save_checkpoint(ckpt)
-    saved = guard._spike.state_dict()
+    saved = guard._pipeline.spike.state_dict()
     assert sum(v is not None for v in saved["window"]["values"][0]) == 100
 
     resumed = NumGuardCallback(dirpath=str(tmp_path / "ng2"), spike_action="skip", emit_warnings=False)
@@ -214,9 +214,9 @@ def test_a_nan_gradient_mid_window_leaves_statistics_and_optimizer_state_finite(
     model = FaultModel(site="grad", step=3)
     trainer(tmp_path, [guard], max_steps=8).fit(model, loader(FaultData()))
     assert [e["kind"] for e in guard.events] == ["nonfinite_grad"]
-    assert guard._spike.window is not None
-    assert guard._spike.window.valid() == [8, 7]  # the loss of step 3 was finite; its gradient norm is missing
-    scores = guard._spike.window.scores(torch.tensor([0.5, 0.5]))
+    assert guard._pipeline.spike.window is not None
+    assert guard._pipeline.spike.window.valid() == [8, 7]  # the loss of step 3 was finite; its gradient norm is missing
+    scores = guard._pipeline.spike.window.scores(torch.tensor([0.5, 0.5]))
     assert torch.isfinite(scores).all()
     assert all_finite(model.trainer.optimizers[0].state_dict())
 
@@ -338,7 +338,7 @@ def test_a_clean_run_of_each_benchmark_model_raises_no_spike(tmp_path, name, bat
         dirpath=str(tmp_path / "ng"), spike_action="warn", emit_warnings=False, check=["loss", "grads"]
     )
     trainer(tmp_path, [guard], max_steps=192, max_epochs=3).fit(spec.module, dataloader(spec))
-    assert guard._spike.window is not None and guard._spike.window.valid() == [128, 128]
+    assert guard._pipeline.spike.window is not None and guard._pipeline.spike.window.valid() == [128, 128]
     assert [e for e in guard.events if e["kind"] != "optimizer_coverage"] == []
 
 
@@ -346,8 +346,10 @@ def test_with_spike_statistics_off_the_read_carries_nothing_else(tmp_path):
     guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), spike_window=0, overflow_headroom=None)
     logger = TensorBoardLogger(tmp_path, name="tb")
     trainer(tmp_path, [guard], max_steps=4, logger=logger, log_every_n_steps=1).fit(FaultModel(), loader(FaultData()))
-    assert guard._spike.window is None and not guard._spike.enabled
-    assert guard._spike.last is None and guard._inspector._grad_norm is None  # no extras read, no norm computed
+    assert guard._pipeline.spike.window is None and not guard._pipeline.spike.enabled
+    assert (
+        guard._pipeline.spike.last is None and guard._pipeline.reader._grad_norm is None
+    )  # no extras read, no norm computed
     assert guard.state_dict()["spike"] == {"spike_steps": []}  # no window to save
     ea = EventAccumulator(logger.log_dir)
     ea.Reload()

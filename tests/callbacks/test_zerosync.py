@@ -139,11 +139,11 @@ def test_a_late_halt_restores_the_verified_snapshot_and_writes_it_as_last_finite
     first = guard.events[0]
     assert (first["kind"], first["step"], first["action"]) == ("nonfinite_param", 3, "halt")
     assert first["details"]["read_at_step"] == 4
-    assert guard._recovery.snapshot is not None and guard._recovery.snapshot.step == 2
+    assert guard.snapshots.snapshot is not None and guard.snapshots.snapshot.step == 2
     saved = torch.load(tmp_path / "ng" / "last_finite.ckpt", weights_only=False)
     live = weights(model)
     assert all(torch.equal(saved["state_dict"][k], live[k]) for k in live)
-    snap = guard._recovery.snapshot.model
+    snap = guard.snapshots.snapshot.model
     assert all(torch.equal(snap[k], live[k]) for k in live)
 
 

@@ -1,73 +1,30 @@
-"""The step record and its one read: what a training step recorded on the device, and what it found.
+"""The step's one read: names resolved once per fit, per-segment plans, the packed flags and their reduce.
 
-:class:`StepInspector` owns the per-step instruments (the output watch, the op guard) and the
-names of what it checks. A step goes through it as:
-
-1. :meth:`~StepInspector.begin` (batch start): the batch's max-|x| and the state at the start;
-2. :meth:`~StepInspector.record_loss` (before backward);
-3. :meth:`~StepInspector.read` (before the optimizer step): pack every flag, reduce across ranks,
-   read once on the host;
-4. :meth:`~StepInspector.findings` (only after a hit): exact per-tensor detail, as
-   :class:`~lightning_numguard.core.findings.Finding` objects in causal order.
+:class:`StepRead` turns what the step recorded (:class:`~lightning_numguard.callbacks._record.StepRecord`) and
+the state it checks (gradients, parameters, buffers, optimizer state) into the 0-d slot values of
+:mod:`~lightning_numguard.core.flags`, packs them with the spike statistics' values, all-reduces them across
+ranks in one call and reads them back once (:meth:`~StepRead.read`); ``sync_mode="deferred"`` stops before the
+host read (:meth:`~StepRead.pack`). After a hit, :meth:`~StepRead.confirmed` and
+:meth:`~StepRead.state_bad_where` look at the state exactly.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
 
-from lightning_numguard import _compat
-from lightning_numguard.callbacks import _distributed, _micro
+from lightning_numguard.callbacks import _distributed
+from lightning_numguard.callbacks._record import Named, StepRecorder
 from lightning_numguard.core import checks, flags, spike
 from lightning_numguard.core.dtensor import local
-from lightning_numguard.core.findings import AFTER_FORWARD, Finding
-from lightning_numguard.core.opguard import OpGuard
-from lightning_numguard.core.snapshot import rng_state
-from lightning_numguard.core.stateful import clone_states
-from lightning_numguard.core.tree import floating_leaves
-from lightning_numguard.core.watch import OutputWatch
 
-__all__ = ["Reading", "StepInspector", "StepRecord"]
+__all__ = ["Reading", "StepRead"]
 
 log = logging.getLogger(__name__)
-
-Named = list[tuple[str, torch.Tensor]]
-
-
-@dataclass
-class StepRecord:
-    """What one optimizer step (one accumulation window) has recorded so far, on the device."""
-
-    epoch: int
-    batch_idx: int
-    batch: Any = None
-    # per micro-batch: the floating leaves of the batch and their max-|x| (0-d, NaN propagates)
-    inputs: list[tuple[Named, torch.Tensor]] = field(default_factory=list)
-    # per micro-batch: the max-|x| the suspicious-input check reads (dtype extremes, i.e. masks, left out)
-    input_unmasked: list[torch.Tensor] = field(default_factory=list)
-    losses: list[torch.Tensor] = field(default_factory=list)
-    start_buffers: dict[str, torch.Tensor] | None = None
-    start_states: dict[str, Any] | None = None
-    start_rng: dict[str, Any] | None = None
-    forced_skip: str | None = None
-    quarantine_flag: torch.Tensor | None = None
-    read_done: bool = False
-    bad: bool = False
-    events: list[dict[str, Any]] = field(default_factory=list)
-    action: str = "none"
-    step: int = 0
-    # every micro-batch of the window (one entry without accumulation); after a hit ``batch`` and
-    # ``batch_idx`` above are those of the first bad micro-batch (``bad_micro_batch`` is its index here)
-    micro: list[_micro.MicroBatch] = field(default_factory=list)
-    bad_micro_batch: int = 0
-    seen_at_read: tuple[int, int] = (0, 0)  # losses and output records already read by an earlier optimizer
-    spike_read: bool = False  # the spike statistics' values went into a read of this step
 
 
 @dataclass
@@ -75,50 +32,30 @@ class Reading:
     """The decoded flags of one read and the named tensors that went into its ``NORMS`` slot."""
 
     flags: flags.StepFlags
-    segments: dict[str, Named]
+    segments: dict[str, Named] = field(default_factory=dict)
     #: the host-read spike extras after the flag slots (``core.spike.EXTRAS``), when the step carried them
     extras: list[float] = field(default_factory=list)
 
 
-class StepInspector:
-    """Records each step on the device and reads it once; names the culprits after a hit.
+class StepRead:
+    """Packs a step's flags, reduces them across ranks and reads them once; looks at the state exactly after a hit.
 
     Args:
         check: the sites checked every step (``NumGuardCallback(check=...)``).
         max_abs_input: the suspicious-input threshold, or ``None``.
-        watch_modules: glob patterns of the modules whose outputs are watched.
-        ignore_modules: glob patterns of modules not watched.
-        watch_depth: the depth of the blocks whose outputs are watched (``None``: every module).
+        recorder: the step record and its instruments.
     """
 
-    def __init__(
-        self,
-        check: list[str],
-        max_abs_input: float | None,
-        watch_modules: list[str],
-        ignore_modules: list[str],
-        watch_depth: int | None = 1,
-    ) -> None:
+    def __init__(self, check: list[str], max_abs_input: float | None, recorder: StepRecorder) -> None:
         self.check = check
         self.max_abs_input = max_abs_input
-        self.watch_modules = watch_modules
-        self.ignore_modules = ignore_modules
-        self.watch_depth = watch_depth  # blocks, not every module (core.watch.select_modules)
-        self.record: StepRecord | None = None
-        self.watch: OutputWatch | None = None
-        self.opguard: OpGuard | None = None
-        self._opguard_entered = False
-        self._module_names: dict[int, str] = {}
+        self.recorder = recorder
         self.named_params: Named = []
         self.param_names: dict[int, str] = {}
         self._named_buffers: Named = []
-        self._start_buffers: list[torch.Tensor] = []
-        self._live_buffers: list[torch.Tensor] = []
         self._start_checked: Named = []  # checked buffers paired with their start-of-step copies
-        self._start_buffer_map: dict[str, torch.Tensor] = {}
         self.unchecked_buffers: set[str] = set()
         self.checked_buffers: Named = []
-        self._metric_keys: list[str] = []
         # Per optimizer: its param groups' layout (key), the names and parameters checked, and their plan.
         self._opt_params: dict[
             int, tuple[Any, list[tuple[list[Any], int]], list[str], list[torch.Tensor], checks.TotalPlan]
@@ -134,32 +71,14 @@ class StepInspector:
         # Spike statistics and overflow headroom (callbacks/_spike.SpikeGuard), set by the callback: their
         # values ride after the flag slots in the one read; the global gradient norm is the grads' check
         self.spike: Any = None
-        self.extras: torch.Tensor | None = None  # this read's extras (before the reduce), taken by read/pack
         self._grad_norm: torch.Tensor | None = None
-        # batch fields no longer checked: flagged on step after step, a convention of the data (callbacks/_conventions)
-        self.ignored_inputs: set[str] = set()
 
-    # ------------------------------------------------------------------ lifecycle
+    @property
+    def start_buffer_map(self) -> dict[str, torch.Tensor]:
+        """The start-of-step copies of the persistent buffers, by name (storage reused every step)."""
+        return self.recorder.start_copies[2]
 
-    def attach(self, pl_module: pl.LightningModule) -> None:
-        """Create the op guard and register the output hooks (before any ``torch.compile`` runs)."""
-        if "ops" in self.check:
-            self.opguard = OpGuard(check_cpu_calls=False)  # CPU kernels check their own inputs: see OpGuard
-            self.opguard.enabled = False
-            self.opguard.module_resolver = self._calling_module
-            self.opguard.hold()  # the functions stay wrapped for the fit: a step only pushes the guard
-        if "outputs" in self.check:
-            self.watch = OutputWatch(pl_module, self.watch_modules, self.ignore_modules, self.watch_depth)
-            self.watch.attach()
-        self._module_names = {id(m): n for n, m in pl_module.named_modules()}
-
-    def detach(self) -> None:
-        """Leave the op guard's mode and remove every hook (idempotent)."""
-        self.exit_ops()
-        if self.opguard is not None:
-            self.opguard.release()
-        if self.watch is not None:
-            self.watch.detach()
+    # ------------------------------------------------------------------ per fit
 
     def resolve(self, pl_module: pl.LightningModule, stateful: dict[str, Any]) -> None:
         """Resolve names once per fit: the hot path must not walk the module tree every step."""
@@ -170,10 +89,10 @@ class StepInspector:
         self._opt_state = None
         persistent = set(pl_module.state_dict())
         self._named_buffers = [(n, b) for n, b in pl_module.named_buffers() if n in persistent]
-        self._start_buffers = [b.detach().clone() for _, b in self._named_buffers]
-        self._start_buffer_map = {n: c for (n, _), c in zip(self._named_buffers, self._start_buffers)}
-        self._live_buffers = [b for _, b in self._named_buffers]
-        self._metric_keys = [k for k in stateful if k.startswith("metric:")]
+        copies = [b.detach().clone() for _, b in self._named_buffers]
+        by_name = {n: c for (n, _), c in zip(self._named_buffers, copies)}
+        self.recorder.start_copies = (copies, [b for _, b in self._named_buffers], by_name)
+        self.recorder.metric_keys = [k for k in stateful if k.startswith("metric:")]
 
     def leave_unchecked(self, bad_at_start: list[str]) -> list[str]:
         """Buffers non-finite at fit start by design (a float causal mask of ``0``/``-inf``) are never checked.
@@ -187,110 +106,21 @@ class StepInspector:
         self.checked_buffers = [
             (n, b) for n, b in self._named_buffers if n not in self.unchecked_buffers and b.is_floating_point()
         ]
-        self._start_checked = [(n, self._start_buffer_map[n]) for n, _ in self.checked_buffers]
+        self._start_checked = [(n, self.start_buffer_map[n]) for n, _ in self.checked_buffers]
         return [n for n in bad_at_start if n not in self.unchecked_buffers]
-
-    # ------------------------------------------------------------------ recording
-
-    def begin(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        batch: Any,
-        batch_idx: int,
-        keep_start: bool,
-        stateful: dict[str, Any],
-    ) -> StepRecord:
-        """Start (or continue, within an accumulation window) the step record of ``batch``."""
-        rec = self.record
-        if rec is None:
-            rec = self.record = StepRecord(epoch=trainer.current_epoch, batch_idx=batch_idx, batch=batch)
-            if self.watch is not None:  # forget outputs recorded between steps (a retry after a rollback)
-                self.watch.reset()
-            if keep_start:
-                if self._start_buffers:  # one fused copy of every buffer, into storage reused each step
-                    _compat.foreach_copy_(self._start_buffers, self._live_buffers)
-                rec.start_buffers = self._start_buffer_map
-                # numpy's RNG is left to the snapshot: reading its state costs ~0.1 ms, more than all the rest
-                rec.start_states = clone_states(stateful, self._metric_keys)
-                rec.start_rng = rng_state()
-        micro = _micro.MicroBatch(
-            batch_idx, batch, first_output=len(self.watch.records) if self.watch is not None else 0
-        )
-        if rec.start_rng is not None:
-            micro.rng = _micro.micro_rng(rec.start_rng) if rec.micro else rec.start_rng
-        rec.micro.append(micro)
-        if "inputs" in self.check:
-            leaves = floating_leaves(batch)
-            if self.ignored_inputs:
-                leaves = [(p, t) for p, t in leaves if p not in self.ignored_inputs]
-            if leaves:
-                total, unmasked = checks.input_maxima([t for _, t in leaves], pl_module.device)
-                rec.inputs.append((leaves, total))
-                rec.input_unmasked.append(unmasked)
-                micro.input_max = total
-        return rec
-
-    def enter_ops(self) -> None:
-        """Switch the op guard on for the forward pass."""
-        if self.opguard is not None:
-            self.opguard.enabled = True
-            if not self._opguard_entered:
-                self.opguard.__enter__()
-                self._opguard_entered = True
-
-    def exit_ops(self) -> None:
-        """Switch the op guard off (the backward pass and everything outside a step are not guarded)."""
-        guard = self.opguard
-        if guard is None:
-            return
-        guard.enabled = False
-        if self._opguard_entered:
-            self._opguard_entered = False
-            try:
-                guard.__exit__(None, None, None)
-            except Exception:  # the mode stack was changed under us; nothing left to undo
-                log.debug("numguard op guard was not on top of the mode stack", exc_info=True)
-
-    def record_loss(self, loss: torch.Tensor) -> None:
-        """Keep the loss of this micro-batch for the step's read."""
-        if "loss" in self.check and self.record is not None:
-            self.record.losses.append(local(loss.detach()))  # a DTensor loss (loss parallel): this rank's part
-            if self.record.micro:
-                self.record.micro[-1].loss = self.record.losses[-1]
-
-    def end(self) -> StepRecord | None:
-        """Close the step record and clear the instruments for the next step."""
-        rec, self.record = self.record, None
-        if self.watch is not None:
-            self.watch.reset()
-        if self.opguard is not None:
-            self.opguard.reset()
-        return rec
-
-    def forget_forward(self) -> None:
-        """Drop what the forward pass recorded (a further optimizer of the same batch reads its gradients only)."""
-        assert self.record is not None
-        n_losses, n_outputs = self.record.seen_at_read  # keep what came after the last read (manual optimization)
-        self.record.inputs, self.record.input_unmasked = [], []
-        self.record.losses = self.record.losses[n_losses:]
-        if self.watch is not None:
-            self.watch.records[:n_outputs] = []
-        if self.opguard is not None:
-            self.opguard.reset()
 
     # ------------------------------------------------------------------ the read
 
     def read(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool) -> Reading:
         """Pack every flag of the step, all-reduce once, read once (the step's one host sync)."""
-        rec = self.record
+        rec = self.recorder.record
         assert rec is not None
         rec.read_done = True
-        rec.seen_at_read = (len(rec.losses), len(self.watch.records) if self.watch is not None else 0)
+        watch = self.recorder.watch
+        rec.seen_at_read = (len(rec.losses), len(watch.records) if watch is not None else 0)
         rec.step = trainer.global_step
-        slots, segments = self.slot_values(trainer, pl_module, optimizer, snapshot_due)
+        slots, segments, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due)
         world = trainer.world_size
-        extras, self.extras = self.extras, None
         n = len(flags.SLOTS)
         if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
             vector = flags.stack_raw(list(slots.values()))
@@ -301,6 +131,18 @@ class StepInspector:
             return Reading(flags.decode_raw(values[:n]), segments, values[n:])
         values = self.reduce(trainer, slots, extras).tolist()  # the one host read of the step
         return Reading(flags.decode(values[:n], world), segments, values[n:])
+
+    def pack(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool
+    ) -> torch.Tensor:
+        """The step's reduced flag vector on the device, without its host read (``sync_mode="deferred"``), followed
+        by the spike statistics' raw values when the step carries them (the same all-reduce)."""
+        rec = self.recorder.record
+        assert rec is not None
+        rec.read_done = True
+        rec.step = trainer.global_step
+        slots, _, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due)
+        return self.reduce(trainer, slots, extras)
 
     def reduce(self, trainer: pl.Trainer, slots: dict[str, torch.Tensor], extras: torch.Tensor | None) -> torch.Tensor:
         """The rank-encoded flag vector with the spike statistics' raw values (``extras``) after it, all-reduced
@@ -315,13 +157,13 @@ class StepInspector:
 
     def slot_values(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Named]]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Named], torch.Tensor | None]:
         """The step's 0-d slot values on the device, in :data:`~lightning_numguard.core.flags.SLOTS` order, named as
         :func:`~lightning_numguard.core.flags.pack`'s arguments, and the named tensors of its ``NORMS`` slot; no sync.
 
-        Shared by :meth:`read` and the deferred mode (``callbacks/_zerosync.py``), which packs them without reading.
+        Shared by :meth:`read` and :meth:`pack`; the third value is the spike statistics' extras (or ``None``).
         """
-        rec = self.record
+        rec = self.recorder.record
         assert rec is not None
         device = pl_module.device
         # Everything state- and gradient-checked goes into one slot (see _norm_total).
@@ -344,7 +186,9 @@ class StepInspector:
         if rec.inputs:
             input_max = rec.inputs[0][1] if len(rec.inputs) == 1 else torch.stack([v for _, v in rec.inputs]).amax()
             unmasked = rec.input_unmasked[0] if len(rec.inputs) == 1 else torch.stack(rec.input_unmasked).amax()
-        watch = self.watch if self.watch is not None and self.watch.enabled else None
+        watch = self.recorder.watch
+        watch = watch if watch is not None and watch.enabled else None
+        opguard = self.recorder.opguard
         losses = [x.to(device, torch.float32) for x in rec.losses]
         loss_total = zero
         if losses:
@@ -356,16 +200,16 @@ class StepInspector:
             "output_total": watch.total(device) if watch is not None else zero,
             "loss_total": loss_total,
             "suspicious": (unmasked >= self.max_abs_input).float() if self.max_abs_input is not None else zero,
-            "op": self.opguard.flags(device).amax() if self.opguard is not None and self.opguard.records else zero,
+            "op": opguard.flags(device).amax() if opguard is not None and opguard.records else zero,
             "quarantine": rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
         }
-        self.extras = None
+        extras = None
         if self.spike is not None and self.spike.enabled and not rec.spike_read:
             rec.spike_read = True  # the step's first read only (a further optimizer reads its gradients alone)
             loss = loss_total if losses else None
             rank, world = trainer.global_rank, trainer.world_size
-            self.extras = self.spike.extras(loss, self._grad_norm, watch, device, rank, world)
-        return slots, segments
+            extras = self.spike.extras(loss, self._grad_norm, watch, device, rank, world)
+        return slots, segments, extras
 
     def _norm_total(self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor) -> torch.Tensor:
         """The ``NORMS`` slot's total: the gradients through the check that may rewrite them (on the CPU: the fused
@@ -403,21 +247,7 @@ class StepInspector:
             return zero
         return totals[0] if len(totals) == 1 else torch.stack(totals).sum()
 
-    # ------------------------------------------------------------------ after a hit
-
-    def point_to_bad_micro_batch(self, trainer: pl.Trainer | None = None) -> None:
-        """Under gradient accumulation, make ``record.batch``/``batch_idx``/``start_rng`` the first bad micro-batch's.
-
-        See :func:`~lightning_numguard.callbacks._micro.first_bad` (syncs, after a hit only; collective with
-        ``trainer`` under DDP).
-        """
-        rec = self.record
-        if rec is None or len(rec.micro) < 2:
-            return
-        first = _micro.first_bad(trainer, rec, self.watch)
-        rec.bad_micro_batch = first
-        rec.batch, rec.batch_idx = rec.micro[first].batch, rec.micro[first].batch_idx
-        rec.start_rng = rec.micro[first].rng or rec.start_rng
+    # ------------------------------------------------------------------ exact, after a hit
 
     def confirmed(self, trainer: pl.Trainer, reading: Reading, segment: str) -> list[str]:
         """The names in ``segment`` that are exactly non-finite (syncs; after a hit only)."""
@@ -439,64 +269,6 @@ class StepInspector:
         """:meth:`state_bad`, and the lowest rank where that state was non-finite (``-1`` when none)."""
         names = [n for s in ("params", "start_buffers", "opt_state") for n in self.confirmed(trainer, reading, s)]
         return _distributed.first_rank(trainer, names)
-
-    def input_findings(self, rank: int) -> list[Finding]:
-        """Non-finite and suspiciously large batch values, per micro-batch (syncs)."""
-        assert self.record is not None
-        out: list[Finding] = []
-        for leaves, _ in self.record.inputs:
-            paths = [p for p, _ in leaves]
-            values = checks.max_abs([t for _, t in leaves]).tolist()  # exact, per tensor: after a hit only
-            nonfinite = [p for p, v in zip(paths, values) if not math.isfinite(v)]
-            if nonfinite:
-                stats = checks.tensor_stats(dict(leaves)[nonfinite[0]])
-                out.append(Finding("nonfinite_input", nonfinite, {"stats": stats}, rank))
-            if self.max_abs_input is not None:
-                unmasked = checks.max_abs([t for _, t in leaves], masks_as_zero=True).tolist()  # finfo.min: a mask
-                huge = [(p, v) for p, v in zip(paths, unmasked) if math.isfinite(v) and v >= self.max_abs_input]
-                if huge:
-                    details = {"max_abs": huge[0][1], "threshold": self.max_abs_input}
-                    out.append(Finding("suspicious_input", [p for p, _ in huge], details, rank))
-        return out
-
-    def output_finding(self, rank: int) -> Finding | None:
-        """The first watched module whose output went non-finite (syncs)."""
-        bad_modules = self.watch.first_bad() if self.watch is not None else []
-        if not bad_modules:
-            return None
-        first, lo, hi = bad_modules[0]
-        return Finding(
-            "nonfinite_output", [first], {"min": lo, "max": hi, "also": [m for m, _, _ in bad_modules[1:6]]}, rank
-        )
-
-    def op_findings(self, first_module: str | None, rank: int) -> list[Finding]:
-        """Op calls whose inputs were outside their domain (syncs)."""
-        guard = self.opguard
-        if guard is None or not guard.records:
-            return []
-        out: list[Finding] = []
-        for record, flag in zip(guard.records, guard.flags(guard.records[0].flag.device).tolist()):
-            if flag:
-                details = dict(OpGuard.describe(record))
-                if first_module:
-                    details["upstream"] = first_module
-                out.append(
-                    Finding("op_domain", [record.op] + ([record.module] if record.module else []), details, rank)
-                )
-        return out
-
-    def loss_finding(self, rank: int) -> Finding | None:
-        """The non-finite loss values of the step's micro-batches (syncs)."""
-        assert self.record is not None
-        values = [float(x.float().mean()) for x in self.record.losses]
-        if any(not math.isfinite(v) for v in values):
-            return Finding("nonfinite_loss", ["loss"], {"values": values}, rank)
-        return None
-
-    @staticmethod
-    def buffer_finding(names: list[str], rank: int) -> Finding:
-        """Buffers that the forward pass made non-finite (BatchNorm running statistics)."""
-        return Finding("nonfinite_param", names, {"when": AFTER_FORWARD}, rank)
 
     # ------------------------------------------------------------------ named tensors
 
@@ -537,7 +309,8 @@ class StepInspector:
             return self.named_params
         if segment == "opt_state":
             return self.optimizer_state(trainer)
-        if segment == "start_buffers" and self.record is not None and self.record.start_buffers is not None:
+        rec = self.recorder.record
+        if segment == "start_buffers" and rec is not None and rec.start_buffers is not None:
             return self._start_checked  # the start-of-step copies live in storage reused every step
         if segment == "live_buffers":
             return self.checked_buffers
@@ -573,17 +346,3 @@ class StepInspector:
                         out.append((f"optimizer[{i}].state[{self.param_names.get(id(param), '?')}].{key}", value))
         self._opt_state = (live, out)
         return out
-
-    def _calling_module(self) -> str | None:
-        """The innermost module whose code is running (called only at guarded ops, a few per step).
-
-        Walking the Python frames here replaces a pre-hook on every module's forward.
-        """
-        frame = sys._getframe(2)
-        names = self._module_names
-        while frame is not None:
-            owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-            if owner is not None and id(owner) in names:
-                return names[id(owner)] or None  # the LightningModule itself: "" -> None
-            frame = frame.f_back  # type: ignore[assignment]
-        return None

@@ -1,4 +1,4 @@
-"""StepInspector's per-fit caches: what a step reuses, and when it must not."""
+"""StepRead's per-fit caches: what a step reuses, and when it must not."""
 
 from __future__ import annotations
 
@@ -8,15 +8,20 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from lightning_numguard.callbacks._inspector import StepInspector
+from lightning_numguard.callbacks._read import StepRead
+from lightning_numguard.callbacks._record import StepRecorder
 
 
-def _setup() -> tuple[StepInspector, nn.Module, torch.optim.Optimizer, SimpleNamespace]:
+def _reader(check: list[str]) -> StepRead:
+    return StepRead(check, None, StepRecorder(check, ["*"], []))
+
+
+def _setup() -> tuple[StepRead, nn.Module, torch.optim.Optimizer, SimpleNamespace]:
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(5, 3)).sum().backward()
     opt.step()
-    inspector = StepInspector(["grads", "optimizer_state"], None, ["*"], [])
+    inspector = _reader(["grads", "optimizer_state"])
     inspector.param_names = {id(p): n for n, p in model.named_parameters()}
     return inspector, model, opt, SimpleNamespace(optimizers=[opt])
 
@@ -52,7 +57,7 @@ def test_gradients_missing_or_sparse_are_left_out_and_the_rest_still_checked():
     params = [*emb.parameters(), *used.parameters(), *unused.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     used(emb(torch.tensor([1, 2]))).sum().backward()
-    inspector = StepInspector(["grads"], None, ["*"], [])
+    inspector = _reader(["grads"])
     inspector.param_names = {id(emb.weight): "emb.weight", id(used.weight): "used.weight", id(used.bias): "used.bias"}
     named = inspector.grads(opt)
     assert [n for n, _ in named] == ["used.weight", "used.bias"]  # the sparse and the missing ones left out
@@ -91,7 +96,7 @@ def test_state_goes_through_the_rewriting_check_only_while_no_snapshot_copies_it
                 self.key, self.guard = key, guard
 
             def on_train_batch_end(self, trainer, pl_module, *args):
-                seen[self.key] = self.guard._inspector.state_rewritable
+                seen[self.key] = self.guard._pipeline.reader.state_rewritable
 
         torch.manual_seed(0)
         trainer(tmp_path / str(asynchronous), [guard, Probe(asynchronous, guard)], max_steps=3).fit(
@@ -99,7 +104,7 @@ def test_state_goes_through_the_rewriting_check_only_while_no_snapshot_copies_it
         )
     assert seen == {False: True, True: False}
 
-    inspector = StepInspector(every, None, [], [])
+    inspector = StepRead(every, None, StepRecorder(every, [], []))
     inspector.state_rewritable = True
     weight = nn.Parameter(torch.tensor([[1.0, -0.0, 1e-40]]))
     bits = weight.detach().clone().view(torch.int32)

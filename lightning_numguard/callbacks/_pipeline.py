@@ -1,0 +1,187 @@
+"""One step pipeline for both read schedules: read → diagnose → judge → carry out → record.
+
+``sync_mode="every_step"`` reads a step's packed flags at its optimizer step (:meth:`StepPipeline.read`);
+``sync_mode="deferred"`` reads them one step later (:mod:`~lightning_numguard.callbacks._zerosync`). Both hand
+the read to :meth:`StepPipeline.judge`, which names the culprits with the one builder
+(:func:`~lightning_numguard.callbacks._diagnosis.diagnose`), asks :func:`~lightning_numguard.core.judge.judge`
+what to do, and moves the counters (:class:`~lightning_numguard.callbacks._ledger.Ledger`, their one owner).
+:meth:`StepPipeline.finish` carries the decision out at batch end
+(:class:`~lightning_numguard.callbacks._recovery.Recovery`, the one part that changes training state) and
+records its events.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import pytorch_lightning as pl
+
+from lightning_numguard import _compat
+from lightning_numguard.callbacks._amp import AmpCounters
+from lightning_numguard.callbacks._conventions import InputConventions
+from lightning_numguard.callbacks._diagnosis import StepView, diagnose
+from lightning_numguard.callbacks._ledger import Ledger
+from lightning_numguard.callbacks._read import StepRead
+from lightning_numguard.callbacks._record import StepRecord, StepRecorder
+from lightning_numguard.callbacks._recovery import Recovery
+from lightning_numguard.callbacks._snapshots import Snapshots
+from lightning_numguard.callbacks._spike import SpikeGuard
+from lightning_numguard.core import flags, policy
+from lightning_numguard.core.findings import Finding
+from lightning_numguard.core.judge import Budget, Decision, Facts, judge
+from lightning_numguard.core.quarantine import position_key
+from lightning_numguard.errors import NonFiniteError
+from lightning_numguard.reporting.report import Reporter
+
+__all__ = ["Settings", "StepPipeline"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The callback's arguments the pipeline acts on."""
+
+    action: str
+    replay: bool
+    max_rollbacks: int
+    snapshot_every_n_steps: int
+    quarantine: bool
+    retry_transient: bool
+    spike_action: str | None
+    spike_window: int
+    spike_rollback_after: int
+
+
+@dataclass
+class StepPipeline:
+    """The parts of one fit, wired once; every step of both schedules goes through :meth:`judge`."""
+
+    settings: Settings
+    recorder: StepRecorder
+    reader: StepRead
+    snapshots: Snapshots
+    recovery: Recovery
+    ledger: Ledger
+    spike: SpikeGuard
+    conventions: InputConventions
+    amp: AmpCounters
+    reporter: Reporter
+
+    def due(self, step: int) -> bool:
+        """Whether the state at the start of ``step`` is due to become the snapshot once verified."""
+        s = self.settings
+        return policy.snapshot_due(s.action, step, self.snapshots.last_step, s.snapshot_every_n_steps)
+
+    def read(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """Read at the step: the one host read, the judgement, and what must happen before the optimizer step."""
+        rec = self.recorder.record
+        assert rec is not None
+        due = self.due(trainer.global_step)
+        reading = self.reader.read(trainer, pl_module, optimizer, due)
+        decision = self.judge(trainer, pl_module, StepView(rec, reading), due)
+        self.recovery.at_read(trainer, pl_module, rec, decision, optimizer)
+        self.snapshots.settle()
+
+    def judge(self, trainer: pl.Trainer, pl_module: pl.LightningModule, view: StepView, due: bool) -> Decision:
+        """Name the culprits of a read, judge it, move the counters; sets ``rec.decision`` and ``rec.events``."""
+        rec, seen, late = view.rec, view.reading.flags, view.kept is not None
+        s = self.settings
+        spikes = self._spikes(trainer, rec.step, view.reading.extras)
+        if seen.seen(flags.QUARANTINE) and rec.forced_skip is None:
+            rec.forced_skip = "it holds samples quarantined after they failed before"
+        findings: list[Finding] = []
+        events: list[dict[str, Any]] = []
+        if rec.forced_skip is not None:  # a batch known to be bad: skipped without an incident
+            state_bad = seen.seen(flags.NORMS) if late else bool(self.reader.state_bad(trainer, view.reading))
+            facts = Facts(forced_skip=True, state_bad=state_bad, late=late)
+            log.info("numguard skipped batch %s at step %s: %s", rec.batch_idx, rec.step, rec.forced_skip)
+        elif seen.any:
+            if not late:
+                self.recorder.point_to_bad_micro_batch(trainer)  # under accumulation: the micro-batch that went bad
+            acting = s.action != "warn"
+            found = diagnose(trainer, pl_module, self.recorder, self.reader, view, s.replay and acting, acting)
+            if found.amp_overflow:
+                self._loss_scale(trainer, rec.step)
+            findings, declared = self.conventions.sort(found.findings)  # a field flagged step after step: not a fault
+            events = self._conventions_declared(trainer, declared, rec)
+            failures = self.recovery.quarantine.count_failure(position_key(rec.batch, rec.batch_idx)) if findings else 0
+            facts = Facts(
+                incident=bool(findings),
+                state_bad=bool(found.state_bad),
+                amp_overflow=found.amp_overflow,
+                failures=failures,
+                snapshot_due=due,
+                late=late,
+                device_skipped=late and acting,  # every flagged step is skipped on the device when read late
+            )
+        else:
+            self.conventions.clean_step()
+            wanted = self.spike.decide(rec.step) if spikes else None
+            for f in spikes:
+                if wanted != s.spike_action:
+                    f.details["escalated"] = f"{s.spike_rollback_after} spikes within {s.spike_window} steps"
+            findings = spikes
+            facts = Facts(spike=wanted, snapshot_due=due, late=late)
+        budget = Budget(self.snapshots.snapshot is not None, self.ledger.rollbacks_this_fit, s.max_rollbacks)
+        decision = judge(s.action, facts, budget, quarantine=s.quarantine, retry=s.retry_transient)
+        for f in findings:
+            if late:
+                f.details.update({"deferred": True, "read_at_step": trainer.global_step})
+            events.append(self.ledger.event(trainer, f, rec.step, decision.action, rec.epoch, rec.batch_idx))
+        rec.decision, rec.events = decision, events
+        self.ledger.count(decision.counts)
+        if late and decision.action != "none":
+            log.info("numguard (deferred) step %s, read at step %s: %s", rec.step, trainer.global_step, decision.action)
+        return decision
+
+    def finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, late: bool = False) -> None:
+        """Batch end: carry out the step's decision and record its events (a halt's first: ``last_finite.ckpt``
+        counts its incident)."""
+        decision = rec.decision
+        if decision is None:
+            return
+        if decision.action == "halt":
+            self.ledger.record(trainer, rec.events)
+        self.recovery.carry_out(trainer, pl_module, rec, late)
+        if decision.action != "halt":
+            self.ledger.record(trainer, rec.events)
+        snapshot = self.snapshots.snapshot
+        self.ledger.log_action(trainer, rec, snapshot.step if snapshot is not None else None, self.recovery.ckpt_path)
+        if decision.action == "halt" and trainer.should_stop and not _compat.lightning_will_stop(trainer):
+            ckpt = self.recovery.ckpt_path
+            where = f"is in {ckpt}" if ckpt is not None else "was restored in memory (no file is written in this run)"
+            raise NonFiniteError(
+                f"NumGuard halted training at step {rec.step}: "
+                + next((e["message"] for e in rec.events if e["action"] == "halt"), "non-finite values")
+                + f". The last finite state {where}."
+            )
+
+    # ------------------------------------------------------------------ parts
+
+    def _spikes(self, trainer: pl.Trainer, step: int, extras: list[float]) -> list[Finding]:
+        """The step's spikes (judged by the caller) from the read's extras; its overflow risks recorded now."""
+        if not extras:
+            return []
+        spikes, risks = self.spike.findings(extras, step, self.recorder.watch, trainer.world_size)
+        if risks:
+            self.ledger.record(trainer, [self.ledger.event(trainer, f, step, "none") for f in risks])
+        return spikes
+
+    def _loss_scale(self, trainer: pl.Trainer, step: int) -> None:
+        """The GradScaler's own overflow: a collapsing loss scale is reported like a block near its dtype's limit."""
+        collapsed = self.amp.after_overflow(trainer)
+        risk = self.spike.loss_scale_finding(collapsed) if collapsed is not None else None
+        if risk is not None:
+            self.ledger.record(trainer, [self.ledger.event(trainer, risk, step, "none")])
+
+    def _conventions_declared(
+        self, trainer: pl.Trainer, declared: list[Finding], rec: StepRecord
+    ) -> list[dict[str, Any]]:
+        """The events (action ``"none"``) of batch fields declared conventions at this step, each said once."""
+        events = [self.ledger.event(trainer, f, rec.step, "none", rec.epoch, rec.batch_idx) for f in declared]
+        for event in events:
+            self.reporter.say_once(trainer, f"convention {event['where']}", event["message"])
+        return events

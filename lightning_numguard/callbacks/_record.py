@@ -1,0 +1,252 @@
+"""The step record: what a training step saw, on the device, and the instruments that record it.
+
+:class:`StepRecorder` owns the per-step instruments (the output watch and the op guard) and the
+:class:`StepRecord` of the step in progress:
+
+1. :meth:`~StepRecorder.begin` (batch start): the batch's max-|x|, the buffers, metric states and RNG at
+   the step's start;
+2. :meth:`~StepRecorder.enter_ops` / :meth:`~StepRecorder.exit_ops`: the op guard on for the forward pass;
+3. :meth:`~StepRecorder.record_loss` (before backward);
+4. :meth:`~StepRecorder.end` (batch end): the instruments cleared for the next step.
+
+Nothing here reads a value on the host; the read is :mod:`~lightning_numguard.callbacks._read`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_numguard import _compat
+from lightning_numguard.callbacks import _micro
+from lightning_numguard.core import checks
+from lightning_numguard.core.dtensor import local
+from lightning_numguard.core.opguard import OpGuard
+from lightning_numguard.core.snapshot import rng_state
+from lightning_numguard.core.stateful import clone_states
+from lightning_numguard.core.tree import floating_leaves
+from lightning_numguard.core.watch import OutputWatch
+
+if TYPE_CHECKING:
+    from lightning_numguard.core.judge import Decision
+
+__all__ = ["Named", "StepRecord", "StepRecorder"]
+
+log = logging.getLogger(__name__)
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class StepRecord:
+    """What one optimizer step (one accumulation window) has recorded so far, on the device."""
+
+    epoch: int
+    batch_idx: int
+    batch: Any = None
+    # per micro-batch: the floating leaves of the batch and their max-|x| (0-d, NaN propagates)
+    inputs: list[tuple[Named, torch.Tensor]] = field(default_factory=list)
+    # per micro-batch: the max-|x| the suspicious-input check reads (dtype extremes, i.e. masks, left out)
+    input_unmasked: list[torch.Tensor] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    start_buffers: dict[str, torch.Tensor] | None = None
+    start_states: dict[str, Any] | None = None
+    start_rng: dict[str, Any] | None = None
+    forced_skip: str | None = None
+    quarantine_flag: torch.Tensor | None = None
+    read_done: bool = False
+    step: int = 0
+    # the judgement of this step's read and its events (set by the pipeline; carried out at batch end)
+    decision: Decision | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    # every micro-batch of the window (one entry without accumulation); after a hit ``batch`` and
+    # ``batch_idx`` above are those of the first bad micro-batch (``bad_micro_batch`` is its index here)
+    micro: list[_micro.MicroBatch] = field(default_factory=list)
+    bad_micro_batch: int = 0
+    seen_at_read: tuple[int, int] = (0, 0)  # losses and output records already read by an earlier optimizer
+    spike_read: bool = False  # the spike statistics' values went into a read of this step
+
+    @property
+    def action(self) -> str:
+        """The action taken on this step (``"none"`` when its read found nothing to act on)."""
+        return self.decision.action if self.decision is not None else "none"
+
+    @property
+    def bad(self) -> bool:
+        """Whether this step's optimizer step is a no-op (skipped, rolled back or halted)."""
+        return self.decision is not None and self.decision.skips
+
+
+class StepRecorder:
+    """The instruments of a fit and the record of the step in progress.
+
+    Args:
+        check: the sites checked every step (``NumGuardCallback(check=...)``).
+        watch_modules: glob patterns of the modules whose outputs are watched.
+        ignore_modules: glob patterns of modules not watched.
+        watch_depth: the depth of the blocks whose outputs are watched (``None``: every module).
+    """
+
+    def __init__(
+        self, check: list[str], watch_modules: list[str], ignore_modules: list[str], watch_depth: int | None = 1
+    ) -> None:
+        self.check = check
+        self.watch_modules = watch_modules
+        self.ignore_modules = ignore_modules
+        self.watch_depth = watch_depth  # blocks, not every module (core.watch.select_modules)
+        self.record: StepRecord | None = None
+        self.watch: OutputWatch | None = None
+        self.opguard: OpGuard | None = None
+        self._opguard_entered = False
+        self._module_names: dict[int, str] = {}
+        # batch fields no longer checked: flagged on step after step, a convention of the data (callbacks/_conventions)
+        self.ignored_inputs: set[str] = set()
+        # the buffers copied at each step's start (set once per fit by the read's name resolution)
+        self.start_copies: tuple[list[torch.Tensor], list[torch.Tensor], dict[str, torch.Tensor]] = ([], [], {})
+        self.metric_keys: list[str] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def attach(self, pl_module: pl.LightningModule) -> None:
+        """Create the op guard and register the output hooks (before any ``torch.compile`` runs)."""
+        if "ops" in self.check:
+            self.opguard = OpGuard(check_cpu_calls=False)  # CPU kernels check their own inputs: see OpGuard
+            self.opguard.enabled = False
+            self.opguard.module_resolver = self._calling_module
+            self.opguard.hold()  # the functions stay wrapped for the fit: a step only pushes the guard
+        if "outputs" in self.check:
+            self.watch = OutputWatch(pl_module, self.watch_modules, self.ignore_modules, self.watch_depth)
+            self.watch.attach()
+        self._module_names = {id(m): n for n, m in pl_module.named_modules()}
+
+    def detach(self) -> None:
+        """Leave the op guard's mode and remove every hook (idempotent)."""
+        self.exit_ops()
+        if self.opguard is not None:
+            self.opguard.release()
+        if self.watch is not None:
+            self.watch.detach()
+
+    # ------------------------------------------------------------------ recording
+
+    def begin(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        keep_start: bool,
+        stateful: dict[str, Any],
+    ) -> StepRecord:
+        """Start (or continue, within an accumulation window) the step record of ``batch``."""
+        rec = self.record
+        if rec is None:
+            rec = self.record = StepRecord(epoch=trainer.current_epoch, batch_idx=batch_idx, batch=batch)
+            if self.watch is not None:  # forget outputs recorded between steps (a retry after a rollback)
+                self.watch.reset()
+            if keep_start:
+                copies, live, by_name = self.start_copies
+                if copies:  # one fused copy of every buffer, into storage reused each step
+                    _compat.foreach_copy_(copies, live)
+                rec.start_buffers = by_name
+                # numpy's RNG is left to the snapshot: reading its state costs ~0.1 ms, more than all the rest
+                rec.start_states = clone_states(stateful, self.metric_keys)
+                rec.start_rng = rng_state()
+        micro = _micro.MicroBatch(
+            batch_idx, batch, first_output=len(self.watch.records) if self.watch is not None else 0
+        )
+        if rec.start_rng is not None:
+            micro.rng = _micro.micro_rng(rec.start_rng) if rec.micro else rec.start_rng
+        rec.micro.append(micro)
+        if "inputs" in self.check:
+            leaves = floating_leaves(batch)
+            if self.ignored_inputs:
+                leaves = [(p, t) for p, t in leaves if p not in self.ignored_inputs]
+            if leaves:
+                total, unmasked = checks.input_maxima([t for _, t in leaves], pl_module.device)
+                rec.inputs.append((leaves, total))
+                rec.input_unmasked.append(unmasked)
+                micro.input_max = total
+        return rec
+
+    def enter_ops(self) -> None:
+        """Switch the op guard on for the forward pass."""
+        if self.opguard is not None:
+            self.opguard.enabled = True
+            if not self._opguard_entered:
+                self.opguard.__enter__()
+                self._opguard_entered = True
+
+    def exit_ops(self) -> None:
+        """Switch the op guard off (the backward pass and everything outside a step are not guarded)."""
+        guard = self.opguard
+        if guard is None:
+            return
+        guard.enabled = False
+        if self._opguard_entered:
+            self._opguard_entered = False
+            try:
+                guard.__exit__(None, None, None)
+            except Exception:  # the mode stack was changed under us; nothing left to undo
+                log.debug("numguard op guard was not on top of the mode stack", exc_info=True)
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Keep the loss of this micro-batch for the step's read."""
+        if "loss" in self.check and self.record is not None:
+            self.record.losses.append(local(loss.detach()))  # a DTensor loss (loss parallel): this rank's part
+            if self.record.micro:
+                self.record.micro[-1].loss = self.record.losses[-1]
+
+    def end(self) -> StepRecord | None:
+        """Close the step record and clear the instruments for the next step."""
+        rec, self.record = self.record, None
+        if self.watch is not None:
+            self.watch.reset()
+        if self.opguard is not None:
+            self.opguard.reset()
+        return rec
+
+    def forget_forward(self) -> None:
+        """Drop what the forward pass recorded (a further optimizer of the same batch reads its gradients only)."""
+        assert self.record is not None
+        n_losses, n_outputs = self.record.seen_at_read  # keep what came after the last read (manual optimization)
+        self.record.inputs, self.record.input_unmasked = [], []
+        self.record.losses = self.record.losses[n_losses:]
+        if self.watch is not None:
+            self.watch.records[:n_outputs] = []
+        if self.opguard is not None:
+            self.opguard.reset()
+
+    def keep(self) -> tuple[Any, list[Any]]:
+        """This step's watch records (a device copy of the watch's small buffer) and op-guard records, kept to
+        name the block and the op call when the step is read late (no sync)."""
+        watch, opguard = self.watch, self.opguard
+        return (
+            watch.keep() if watch is not None and watch.enabled else None,
+            opguard.records if opguard is not None else [],  # reset() starts a new list: this one stays
+        )
+
+    def point_to_bad_micro_batch(self, trainer: pl.Trainer | None = None) -> None:
+        """Under gradient accumulation, make ``record.batch``/``batch_idx``/``start_rng`` the first bad micro-batch's.
+
+        See :func:`~lightning_numguard.callbacks._micro.first_bad` (syncs, after a hit only; collective with
+        ``trainer`` under DDP).
+        """
+        rec = self.record
+        if rec is None or len(rec.micro) < 2:
+            return
+        first = _micro.first_bad(trainer, rec, self.watch)
+        rec.bad_micro_batch = first
+        rec.batch, rec.batch_idx = rec.micro[first].batch, rec.micro[first].batch_idx
+        rec.start_rng = rec.micro[first].rng or rec.start_rng
+
+    def _calling_module(self) -> str | None:
+        """The innermost module whose code is running (called only at guarded ops, a few per step).
+
+        Walking the Python frames here replaces a pre-hook on every module's forward.
+        """
+        return _compat.calling_owner(self._module_names, 3)
