@@ -275,23 +275,3 @@ def set_metric_counters(metric: Any, update_count: int, computed: Any) -> None:
     metric._update_count = update_count
     metric._computed = computed
 
-
-def calling_owner(names: dict[int, str], skip: int) -> str | None:
-    """The name in ``names`` (by ``id``) of the innermost ``self`` among the running frames, ``skip`` frames up.
-
-    A frame walk (``sys._getframe``, ``f_locals``): CPython-specific, which is why it lives here. Called only at a
-    guarded op (a few per step), where it replaces a pre-hook on every module's forward. ``None`` when no frame's
-    ``self`` is known (or, on an interpreter without frames, always).
-    """
-    import sys
-
-    getframe = getattr(sys, "_getframe", None)
-    if getframe is None:
-        return None
-    frame = getframe(skip)
-    while frame is not None:
-        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if owner is not None and id(owner) in names:
-            return names[id(owner)] or None  # the LightningModule itself: "" -> None
-        frame = frame.f_back
-    return None
