@@ -1,4 +1,4 @@
-"""Every access to a private name of Lightning, torch or torchmetrics, in one place.
+"""Every access to a private name of Lightning, torch or torchmetrics, and every frame walk, in one place.
 
 Each function says why no public API serves and what happens when the name is missing. None of
 them changes behaviour silently: a missing name either has an exact public equivalent, is only
@@ -10,7 +10,9 @@ are reached through the trainer passed in), so ``core/`` may use it too.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import sys
+from collections.abc import Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
@@ -19,7 +21,9 @@ from lightning_numguard.errors import NumGuardError
 
 __all__ = [
     "callbacks_of_trainer_being_built",
+    "caller_frame",
     "calling_owner",
+    "clear_found_inf",
     "dtensor_local",
     "foreach_copy_",
     "foreach_nonfinite_",
@@ -32,10 +36,13 @@ __all__ = [
     "require_accumulation_api",
     "result_metric_state",
     "scaler_tensors",
+    "set_found_inf",
     "set_metric_counters",
     "set_result_metric_state",
     "should_accumulate",
+    "step_honours_found_inf",
     "sync_scheduler_last_lr",
+    "to_target_device",
     "train_results",
 ]
 
@@ -248,6 +255,120 @@ def sync_scheduler_last_lr(scheduler: Any) -> None:
     """
     if hasattr(scheduler, "_last_lr"):
         scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+
+
+def to_target_device(*args: Any, **kwargs: Any) -> torch.device | None:
+    """The device a ``Tensor.to(*args, **kwargs)`` call moves to; ``None`` when it keeps the tensor's.
+
+    ``torch._C._nn._parse_to`` is the parser ``Tensor.to`` itself runs (every overload: a device, a
+    dtype, another tensor, keywords); no public function parses those arguments. Missing: the device
+    is read from a ``device=`` keyword, a first positional device (``str``, ``int``, ``torch.device``)
+    or tensor, the same answer for every call ``Tensor.to`` accepts. Raises what the parser raises
+    for arguments ``Tensor.to`` would refuse.
+    """
+    parse = getattr(getattr(getattr(torch, "_C", None), "_nn", None), "_parse_to", None)
+    if parse is not None:
+        device = parse(*args, **kwargs)[0]
+        return None if device is None else torch.device(device)
+    target = kwargs.get("device", args[0] if args else None)
+    if isinstance(target, torch.Tensor):
+        return target.device
+    if isinstance(target, (str, int, torch.device)):
+        return torch.device(target)
+    return None  # a dtype or nothing: the device stays
+
+
+# The device-side skip: torch's fused optimizers (``_fused_adam``, ``_fused_adamw``, ``_fused_sgd``...) read
+# ``found_inf`` and ``grad_scale`` off the optimizer object in ``step()``, set there by ``GradScaler.step``; the
+# names are public attributes but the protocol between the two is private and undocumented.
+
+
+def step_honours_found_inf(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` skips its update on the device when ``found_inf`` is set.
+
+    ``_step_supports_amp_scaling`` is what ``GradScaler.step`` consults before handing an optimizer
+    the flag: torch's ``Adam``, ``AdamW``, ``SGD`` and ``Adagrad`` set it on themselves when built
+    with ``fused=True``, and only fused parameter groups read ``found_inf``. No public API says
+    whether an optimizer honours it. Missing: ``False``, so the device-side skip is refused at fit
+    start with the error naming the default sync mode, never armed on an optimizer that would step
+    anyway.
+    """
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        g.get("fused") for g in optimizer.param_groups
+    )
+
+
+def set_found_inf(optimizer: Any, flag: torch.Tensor) -> None:
+    """Arm the skip: the next fused ``step()`` is a bitwise no-op where ``flag`` (0-d, on the device) is nonzero.
+
+    Sets ``found_inf`` (float32, 0-d) and ``grad_scale = None`` (so nothing is unscaled), as
+    ``GradScaler.step`` does for an optimizer that passes :func:`step_honours_found_inf`. The fused
+    kernel then leaves weights, moments and ``step`` unchanged, with no host read. If a torch
+    release renamed the attributes, ``step()`` would update as usual; ``tests/core/test_pending.py``
+    asserts the weights stay bitwise unchanged, so such a release fails the test suite rather than
+    skipping silently.
+    """
+    optimizer.found_inf = flag.detach().to(torch.float32).reshape(())
+    optimizer.grad_scale = None
+
+
+def clear_found_inf(optimizer: Any) -> None:
+    """Disarm what :func:`set_found_inf` set (``GradScaler`` deletes the attributes after its step the same way)."""
+    for name in ("found_inf", "grad_scale"):
+        if hasattr(optimizer, name):
+            delattr(optimizer, name)
+
+
+# -------------------------------------------------------------------------------------- frames
+# ``sys._getframe`` is CPython's (documented as an implementation detail); ``inspect.currentframe()``
+# is its public form and returns ``None`` where frames are unsupported. A frame walk reads the
+# caller's stack: it lives here so that what is read, and the fallback, are in one place.
+
+_getframe = getattr(sys, "_getframe", None)
+
+
+def caller_frame(depth: int = 0) -> FrameType | None:
+    """What ``sys._getframe(depth)`` would return in the caller: ``0`` is the caller's own frame, ``1`` its caller.
+
+    Used on hot paths (a counted tensor read, an op of the replay), so it costs one C call. Missing
+    ``sys._getframe``: ``inspect.currentframe()`` walked ``depth + 1`` frames out. ``None`` when the
+    stack is shallower than ``depth`` or the interpreter keeps no frames; every caller takes
+    ``None`` as "no frame to name".
+    """
+    if _getframe is not None:
+        try:
+            return _getframe(depth + 1)
+        except ValueError:  # the stack is not that deep
+            return None
+    import inspect
+
+    frame = inspect.currentframe()
+    for _ in range(depth + 1):
+        frame = frame.f_back if frame is not None else None
+    return frame
+
+
+def calling_owner(names: Mapping[int, str], skip: int) -> str | None:
+    """The name of the innermost object whose method is running, among ``names`` (``id(obj) -> name``).
+
+    Walks out from what ``sys._getframe(skip)`` is in the caller (see :func:`caller_frame`) and
+    stops at the first frame whose local ``self`` is a key of ``names``; returns its name, ``None``
+    for an empty name (the root module) or when no frame has a known ``self``. The op guard asks
+    this at every guarded op call to name the module whose ``forward`` is running: walking the
+    frames there replaces a pre-hook on every module's forward, so the loop stays minimal. Reading
+    a frame's ``self`` needs ``f_locals`` (only read when ``self`` is one of the code's variables).
+    Without frames (see :func:`caller_frame`): ``None``, and findings name no module.
+    """
+    try:
+        frame = _getframe(skip + 1) if _getframe is not None else caller_frame(skip + 1)
+    except ValueError:  # the stack is not that deep
+        return None
+    while frame is not None:
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if owner is not None and id(owner) in names:
+            return names[id(owner)] or None
+        frame = frame.f_back
+    return None
 
 
 # -------------------------------------------------------------------------------- torchmetrics

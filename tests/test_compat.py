@@ -74,3 +74,123 @@ def test_foreach_norm_matches_per_tensor_norms():
 
 def test_nn_bindings_is_the_raw_namespace():
     assert _compat.nn_bindings() is torch._C._nn
+
+
+# ------------------------------------------------------------------------------ Tensor.to's device
+
+
+TO_CALLS = [
+    (("cpu",), {}, torch.device("cpu")),
+    (("meta", torch.float16), {}, torch.device("meta")),
+    ((torch.device("meta"),), {"non_blocking": True}, torch.device("meta")),
+    ((), {"device": "meta", "dtype": torch.float16}, torch.device("meta")),
+    ((torch.ones(1, device="meta"),), {}, torch.device("meta")),
+    ((torch.float16,), {}, None),
+    ((), {"dtype": torch.float16}, None),
+]
+
+
+@pytest.mark.parametrize("without_parser", [False, True], ids=["parser", "public-fallback"])
+@pytest.mark.parametrize(("args", "kwargs", "expected"), TO_CALLS)
+def test_to_target_device_reads_every_overload(monkeypatch, without_parser, args, kwargs, expected):
+    if without_parser:
+        monkeypatch.delattr(torch._C._nn, "_parse_to")
+    assert _compat.to_target_device(*args, **kwargs) == expected
+
+
+@pytest.mark.parametrize("without_parser", [False, True], ids=["parser", "public-fallback"])
+def test_to_target_device_refuses_what_tensor_to_refuses(monkeypatch, without_parser):
+    if without_parser:
+        monkeypatch.delattr(torch._C._nn, "_parse_to")
+    with pytest.raises(RuntimeError, match="nonsense"):
+        torch.ones(1).to("nonsense")
+    with pytest.raises(RuntimeError, match="nonsense"):
+        _compat.to_target_device("nonsense")
+
+
+# ------------------------------------------------------------------------- the device-side skip
+
+
+def _adamw(**kwargs):
+    return torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), **kwargs)
+
+
+def test_only_fused_optimizers_honour_found_inf():
+    assert _compat.step_honours_found_inf(_adamw(fused=True))
+    assert _compat.step_honours_found_inf(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, fused=True))
+    assert not _compat.step_honours_found_inf(_adamw(foreach=False))
+    assert not _compat.step_honours_found_inf(_adamw(foreach=True))
+    assert not _compat.step_honours_found_inf(torch.optim.RMSprop(torch.nn.Linear(2, 2).parameters()))
+
+
+def test_a_fused_optimizer_without_the_private_flag_is_not_trusted():
+    opt = _adamw(fused=True)
+    del opt._step_supports_amp_scaling
+    assert not _compat.step_honours_found_inf(opt)
+
+
+def test_found_inf_is_set_and_cleared_as_the_grad_scaler_does():
+    opt = _adamw(fused=True)
+    _compat.set_found_inf(opt, torch.tensor([True]))
+    assert opt.found_inf.dtype == torch.float32 and opt.found_inf.shape == () and opt.found_inf.item() == 1.0
+    assert opt.grad_scale is None
+    _compat.clear_found_inf(opt)
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    _compat.clear_found_inf(opt)  # disarming twice is harmless
+
+
+# ---------------------------------------------------------------------------------------- frames
+
+
+def _frames_seen_from_inner():
+    def inner():
+        return _compat.caller_frame(), _compat.caller_frame(1), _compat.caller_frame(10**6)
+
+    return inner()
+
+
+@pytest.mark.parametrize("without_getframe", [False, True], ids=["sys._getframe", "inspect-fallback"])
+def test_caller_frame_is_what_getframe_returns_in_the_caller(monkeypatch, without_getframe):
+    if without_getframe:
+        monkeypatch.setattr(_compat, "_getframe", None)
+    own, caller, too_deep = _frames_seen_from_inner()
+    assert own.f_code.co_name == "inner"
+    assert caller.f_code is _frames_seen_from_inner.__code__
+    assert too_deep is None
+
+
+class _Owner:
+    def run(self, fn):
+        return fn()
+
+
+@pytest.mark.parametrize("without_getframe", [False, True], ids=["sys._getframe", "inspect-fallback"])
+def test_calling_owner_names_the_innermost_known_self(monkeypatch, without_getframe):
+    if without_getframe:
+        monkeypatch.setattr(_compat, "_getframe", None)
+    a, b, root, stranger = _Owner(), _Owner(), _Owner(), _Owner()
+    names = {id(a): "a", id(b): "a.b", id(root): ""}
+    assert a.run(lambda: _compat.calling_owner(names, 0)) == "a"
+    assert a.run(lambda: b.run(lambda: _compat.calling_owner(names, 0))) == "a.b"
+    assert a.run(lambda: stranger.run(lambda: _compat.calling_owner(names, 0))) == "a"  # an unknown self is passed
+    assert root.run(lambda: _compat.calling_owner(names, 0)) is None  # the root module: "" -> None
+    assert a.run(lambda: root.run(lambda: _compat.calling_owner(names, 0))) is None  # innermost wins
+    assert _compat.calling_owner(names, 0) is None  # no known self on the stack
+    # ``skip`` starts the walk further out: 2 starts at the outer lambda (past the inner one and b.run)
+    assert a.run(lambda: b.run(lambda: _compat.calling_owner(names, 1))) == "a.b"
+    assert a.run(lambda: b.run(lambda: _compat.calling_owner(names, 2))) == "a"
+    assert a.run(lambda: _compat.calling_owner(names, 10**6)) is None
+
+
+def test_calling_owner_names_the_running_module_of_a_real_forward():
+    seen = []
+
+    class Leaf(torch.nn.Module):
+        def forward(self, x):
+            seen.append(_compat.calling_owner(names, 0))
+            return torch.relu(x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Leaf())
+    names = {id(m): n for n, m in model.named_modules()}
+    model(torch.ones(1, 2))
+    assert seen == ["1"]

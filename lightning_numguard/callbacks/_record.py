@@ -249,4 +249,4 @@ class StepRecorder:
 
         Walking the Python frames here replaces a pre-hook on every module's forward.
         """
-        return _compat.calling_owner(self._module_names, 3)
+        return _compat.calling_owner(self._module_names, 2)

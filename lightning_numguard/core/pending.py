@@ -23,6 +23,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from lightning_numguard import _compat
+
 __all__ = ["LateSnapshots", "PendingFlags", "arm_device_skip", "disarm_device_skip", "supports_device_skip"]
 
 T = TypeVar("T")
@@ -81,9 +83,7 @@ class PendingFlags:
 
 def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` honours ``found_inf``: torch's fused implementations do."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
-        g.get("fused") for g in optimizer.param_groups
-    )
+    return _compat.step_honours_found_inf(optimizer)
 
 
 def arm_device_skip(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
@@ -99,15 +99,12 @@ def arm_device_skip(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None
             f"{type(optimizer).__name__} ignores `found_inf`; a device-side skip needs a fused optimizer "
             "(e.g. torch.optim.AdamW(..., fused=True)); use the default sync mode otherwise"
         )
-    optimizer.found_inf = bad.detach().to(torch.float32).reshape(())  # type: ignore[attr-defined]
-    optimizer.grad_scale = None  # type: ignore[attr-defined]
+    _compat.set_found_inf(optimizer, bad)
 
 
 def disarm_device_skip(optimizer: torch.optim.Optimizer) -> None:
     """Remove what :func:`arm_device_skip` set (GradScaler deletes its attributes the same way)."""
-    for name in ("found_inf", "grad_scale"):
-        if hasattr(optimizer, name):
-            delattr(optimizer, name)
+    _compat.clear_found_inf(optimizer)
 
 
 class LateSnapshots(Generic[T]):

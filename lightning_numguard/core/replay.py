@@ -27,7 +27,6 @@ import linecache
 import logging
 import math
 import re
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from lightning_numguard._compat import caller_frame
 
 from .dtensor import local
 from .opguard import OpGuard
@@ -133,11 +134,11 @@ class _ForwardTrace(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if self.culprit is not None or name in _IGNORED or name in _UNINITIALISED:
             return out
-        if _DISTRIBUTED in _caller_file(sys._getframe(1)) and not _collective(func):
+        if _DISTRIBUTED in _caller_file(caller_frame(1)) and not _collective(func):
             return out  # torch.distributed's own bookkeeping (FSDP2 copies into and out of its all-gather buffers)
         op = op_name(func)
         if op not in self.sites:
-            where = user_site(sys._getframe(1))
+            where = user_site(caller_frame(1))
             self.sites[op] = _site(*where) if where else {}
         nan_out, inf_out = _has(out, torch.isnan), _has(out, torch.isinf)
         if not (nan_out or inf_out):

@@ -40,7 +40,6 @@ itself makes *inside* such a function counts as caused (never an under-count).
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -49,6 +48,8 @@ from types import FrameType, TracebackType
 from typing import Any, ClassVar
 
 import torch
+
+from lightning_numguard._compat import caller_frame, to_target_device
 
 __all__ = ["SyncCounter"]
 
@@ -190,16 +191,15 @@ class SyncCounter:
         self.uninstall()
 
     def _wrap(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
-        counter = self
+        counter, local, counts, hit = self, self._local, self._counts, self._hit
 
         def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            local = counter._local
             if getattr(local, "busy", False) or not (counter.in_step or counter.count_outside):
                 return orig(self, *args, **kwargs)
             local.busy = True
             try:
-                if counter._counts(name, self, args, kwargs):
-                    counter._hit(name, self, sys._getframe(1))
+                if counts(name, self, args, kwargs):
+                    hit(name, self, caller_frame(1))
                 return orig(self, *args, **kwargs)
             finally:
                 local.busy = False
@@ -216,7 +216,7 @@ class SyncCounter:
         if t.device.type == "cpu":  # ``to(device)`` on the working device: no copy, on any run
             return False
         try:
-            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            device = to_target_device(*args, **kwargs)
         except Exception:  # an invalid call: the original raises, nothing to count
             return False
         return device is not None and torch.device(device).type == "cpu"
@@ -227,7 +227,7 @@ class SyncCounter:
             frame.f_code.co_filename != _THIS_FILE
         )
 
-    def _hit(self, name: str, t: torch.Tensor, frame: FrameType) -> None:
+    def _hit(self, name: str, t: torch.Tensor, frame: FrameType | None) -> None:
         caused_at: FrameType | None = None
         f: FrameType | None = frame
         while f is not None:
@@ -237,6 +237,8 @@ class SyncCounter:
             f = f.f_back
         if caused_at is not None:
             site = _site(caused_at)
+        elif frame is None:  # a read with no Python caller (made from C)
+            site = "?"
         else:  # the innermost frame outside torch itself (torch internals name their caller)
             f = frame
             while f is not None and _module(f).partition(".")[0] == "torch":

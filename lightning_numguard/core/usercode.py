@@ -10,6 +10,8 @@ import sys
 import sysconfig
 from types import FrameType
 
+from lightning_numguard._compat import caller_frame
+
 __all__ = ["is_library_file", "user_frame", "user_site"]
 
 _LIBRARIES = ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics", "lightning_numguard")
@@ -39,7 +41,7 @@ def is_library_file(filename: str) -> bool:
 
 def user_frame(start: FrameType | None = None) -> FrameType | None:
     """The innermost frame, from ``start`` (the caller's caller by default) outwards, that is user code."""
-    frame: FrameType | None = start if start is not None else sys._getframe(2)
+    frame: FrameType | None = start if start is not None else caller_frame(2)
     while frame is not None and is_library_file(frame.f_code.co_filename):
         frame = frame.f_back
     return frame
@@ -47,5 +49,5 @@ def user_frame(start: FrameType | None = None) -> FrameType | None:
 
 def user_site(start: FrameType | None = None) -> tuple[str, int] | None:
     """``(file, line)`` of :func:`user_frame`, or ``None`` when every frame is library code."""
-    frame = user_frame(start if start is not None else sys._getframe(2))
+    frame = user_frame(start if start is not None else caller_frame(2))
     return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None

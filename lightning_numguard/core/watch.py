@@ -105,7 +105,7 @@ def select_modules(
         # it is a block (a conv-BN-ReLU stage) and its insides are one level deeper.
         element = isinstance(module, _LISTS)
         transparent = module is not root and (element or (isinstance(module, nn.Sequential) and not in_container))
-        n = len(module._modules)
+        n = len(module) if isinstance(module, _LISTS) else 0  # an element list's length; others need no stride
         stride = -(-n // max_per_list) if element and max_per_list and n > max_per_list else 1
         for i, (child_name, child) in enumerate(module.named_children()):
             if id(child) in seen:

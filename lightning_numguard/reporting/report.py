@@ -21,6 +21,7 @@ from typing import Any, TypeGuard
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
 
+from lightning_numguard import _compat
 from lightning_numguard.core.events import JsonlWriter
 from lightning_numguard.core.usercode import user_frame
 from lightning_numguard.errors import NumGuardWarning
@@ -53,7 +54,7 @@ def is_tensorboard(logger: Any) -> TypeGuard[TensorBoardLogger]:
 def warn_at_user_code(message: str, category: type[Warning] = NumGuardWarning) -> None:
     """``warnings.warn`` attributed to the user's innermost frame (the line calling ``trainer.fit``, a
     ``training_step``...), never to a line inside this package, torch or Lightning."""
-    frame = user_frame(sys._getframe(1))
+    frame = user_frame(_compat.caller_frame(1))
     if frame is None:
         warnings.warn(message, category, stacklevel=2)
         return
