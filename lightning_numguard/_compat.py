@@ -395,4 +395,3 @@ def set_metric_counters(metric: Any, update_count: int, computed: Any) -> None:
     """Set what :func:`metric_counters` read; torchmetrics has no public setter for either."""
     metric._update_count = update_count
     metric._computed = computed
-

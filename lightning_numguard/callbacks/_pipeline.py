@@ -13,7 +13,8 @@ records its events.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
@@ -42,17 +43,32 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Settings:
-    """The callback's arguments the pipeline acts on."""
+    """The callback's validated arguments that its parts act on (see ``NumGuardCallback``)."""
 
     action: str
-    replay: bool
-    max_rollbacks: int
+    check: list[str]
+    max_abs_input: float | None
+    watch_modules: list[str]
+    ignore_modules: list[str]
+    watch_depth: int | None
     snapshot_every_n_steps: int
-    quarantine: bool
+    snapshot_device: str
+    max_rollbacks: int
+    skip_batches_after_rollback: int
+    lr_backoff: float
     retry_transient: bool
+    quarantine: bool
+    replay: bool
+    emit_warnings: bool
+    sync_mode: str
+    snapshot_sharding: str
+    snapshot_async: bool | None
     spike_action: str | None
+    spike_sigma: float
     spike_window: int
+    spike_warmup: int
     spike_rollback_after: int
+    overflow_headroom: float | None
 
 
 @dataclass
@@ -69,6 +85,38 @@ class StepPipeline:
     conventions: InputConventions
     amp: AmpCounters
     reporter: Reporter
+
+    @classmethod
+    def build(cls, s: Settings, dirpath: Path | None) -> StepPipeline:
+        """The parts of a fit, wired (``dirpath``: where files go; ``None``: no file is written)."""
+        recorder = StepRecorder(s.check, s.watch_modules, s.ignore_modules, s.watch_depth)
+        reader = StepRead(s.check, s.max_abs_input, recorder)
+        conventions = InputConventions()  # batch fields flagged step after step: no longer checked
+        recorder.ignored_inputs = conventions.ignored
+        reporter = Reporter(dirpath, warn=s.emit_warnings)
+        # the deferred candidates shard the same way; they are copied synchronously
+        snapshots = Snapshots(
+            s.snapshot_device, s.snapshot_sharding, s.snapshot_async if s.sync_mode != "deferred" else False
+        )
+        recovery = Recovery(
+            dirpath, snapshots, s.skip_batches_after_rollback, s.lr_backoff, s.retry_transient, s.quarantine
+        )
+        spike = SpikeGuard(
+            s.spike_action, s.spike_sigma, s.spike_window, s.spike_warmup, s.spike_rollback_after, s.overflow_headroom
+        )
+        reader.spike = spike
+        return cls(
+            s, recorder, reader, snapshots, recovery, Ledger(reporter), spike, conventions, AmpCounters(), reporter
+        )
+
+    def without_instruments(self) -> StepPipeline:
+        """A copy with a new recorder and read (hooks, the op-guard mode and the step record belong to a running
+        fit: pickling keeps the rest; ``setup`` builds them again)."""
+        s = self.settings
+        recorder = StepRecorder(s.check, s.watch_modules, s.ignore_modules, s.watch_depth)
+        reader = StepRead(s.check, s.max_abs_input, recorder)
+        reader.spike = self.spike
+        return replace(self, recorder=recorder, reader=reader)
 
     def due(self, step: int) -> bool:
         """Whether the state at the start of ``step`` is due to become the snapshot once verified."""
@@ -158,6 +206,42 @@ class StepPipeline:
                 + next((e["message"] for e in rec.events if e["action"] == "halt"), "non-finite values")
                 + f". The last finite state {where}."
             )
+
+    # ------------------------------------------------------------------ once per fit or per checkpoint
+
+    def halt_at_fit_start(self, trainer: pl.Trainer, bad: list[str]) -> None:
+        """The weights are non-finite before the first step: recorded, and (unless ``"warn"``) refused."""
+        finding = Finding("nonfinite_param", bad, {"when": "fit start"})
+        self.ledger.record(trainer, [self.ledger.event(trainer, finding, 0, "none")])
+        if self.settings.action != "warn":
+            raise NonFiniteError(
+                f"NumGuard: the weights or optimizer state are already non-finite at fit start ({bad[:3]}); "
+                "there is no finite state to protect. Resume from an earlier checkpoint."
+            )
+
+    def at_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The last step's update has not been checked yet: check it once, repair it (from the snapshot)."""
+        end = self.recovery.at_train_end(trainer, pl_module, self.reader, self.settings.action == "warn")
+        if end is not None:
+            bad, action, details = end
+            self.ledger.count({"rollbacks": int(action == "rollback")})  # the repair restored from the snapshot
+            finding = Finding("nonfinite_param", bad, details, self.recovery.bad_rank)
+            self.ledger.record(trainer, [self.ledger.event(trainer, finding, trainer.global_step, action)])
+
+    def swap_checkpoint(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+        """No checkpoint written during the run holds non-finite weights.
+
+        Runs for every checkpoint any callback saves (``ModelCheckpoint``, ``OnExceptionCheckpoint``,
+        ``trainer.save_checkpoint``), on every rank. A weight or optimizer state that went non-finite in the
+        optimizer step itself is only seen at the next step's read; if a checkpoint is written in between, its
+        model and optimizer states are replaced by the last verified-finite snapshot.
+        """
+        if not self.recovery.swap_checkpoint(trainer, checkpoint, self.reader.unchecked_buffers):
+            return
+        assert self.snapshots.snapshot is not None
+        details = {"when": "while saving a checkpoint", "snapshot_step": self.snapshots.snapshot.step}
+        finding = Finding("nonfinite_param", ["checkpoint"], details, self.recovery.bad_rank)
+        self.ledger.record(trainer, [self.ledger.event(trainer, finding, trainer.global_step, "none")])
 
     # ------------------------------------------------------------------ parts
 

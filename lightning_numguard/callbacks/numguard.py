@@ -18,7 +18,7 @@ The class docstring (the contract and LightningCLI's ``--help``) is in :mod:`~li
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,27 +29,21 @@ from typing_extensions import override
 
 from lightning_numguard import _compat
 from lightning_numguard.callbacks import _config, _nofiles
-from lightning_numguard.callbacks._amp import AmpCounters
 from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action, Check
-from lightning_numguard.callbacks._conventions import InputConventions
 from lightning_numguard.callbacks._coverage import CoverageCheck
 from lightning_numguard.callbacks._doc import DOC
-from lightning_numguard.callbacks._ledger import Ledger
 from lightning_numguard.callbacks._pipeline import Settings, StepPipeline
 from lightning_numguard.callbacks._progress import FitProgress
-from lightning_numguard.callbacks._read import StepRead
-from lightning_numguard.callbacks._record import StepRecorder
-from lightning_numguard.callbacks._recovery import Recovery, stateful_objects
+from lightning_numguard.callbacks._recovery import stateful_objects
 from lightning_numguard.callbacks._sharded import SHARDING
 from lightning_numguard.callbacks._snapshots import Snapshots
-from lightning_numguard.callbacks._spike import STATEFUL_KEY, SpikeGuard
+from lightning_numguard.callbacks._spike import STATEFUL_KEY
 from lightning_numguard.callbacks._strategies import check_strategy
 from lightning_numguard.callbacks._types import Backoff, NonNegativeInt, PositiveFloat, PositiveInt, plain_args
 from lightning_numguard.callbacks._zerosync import SYNC_MODES, DeferredRead
-from lightning_numguard.core.findings import Finding
 from lightning_numguard.core.quarantine import parse_state
-from lightning_numguard.errors import NonFiniteError, NumGuardError
-from lightning_numguard.reporting.report import Reporter, counter_scalars
+from lightning_numguard.errors import NumGuardError
+from lightning_numguard.reporting.report import counter_scalars
 
 __all__ = ["CHECKS", "DEFAULT_CHECKS", "NumGuardCallback"]
 
@@ -142,56 +136,9 @@ class NumGuardCallback(Callback):
 
     def _fresh_run(self, dirpath: Path | None = None) -> None:
         """New parts for a fit (run in ``setup``, before Lightning loads this callback's state)."""
-        recorder = StepRecorder(self.check, self.watch_modules, self.ignore_modules, self.watch_depth)
-        reader = StepRead(self.check, self.max_abs_input, recorder)
-        conventions = InputConventions()  # batch fields flagged step after step: no longer checked
-        recorder.ignored_inputs = conventions.ignored
-        self._reporter = Reporter(dirpath, warn=self.emit_warnings)
-        snapshots = Snapshots(
-            self.snapshot_device,
-            self.snapshot_sharding,  # the deferred candidates shard the same way
-            self.snapshot_async if self.sync_mode == "every_step" else False,  # deferred: synchronous candidates
-        )
-        recovery = Recovery(
-            dirpath,
-            snapshots,
-            self.skip_batches_after_rollback,
-            self.lr_backoff,
-            self.retry_transient,
-            self.quarantine,
-        )
-        spike = SpikeGuard(
-            self.spike_action,
-            self.spike_sigma,
-            self.spike_window,
-            self.spike_warmup,
-            self.spike_rollback_after,
-            self.overflow_headroom,
-        )
-        reader.spike = spike
-        settings = Settings(
-            self.action,
-            self.replay,
-            self.max_rollbacks,
-            self.snapshot_every_n_steps,
-            self.quarantine,
-            self.retry_transient,
-            self.spike_action,
-            self.spike_window,
-            self.spike_rollback_after,
-        )
-        self._pipeline = StepPipeline(
-            settings,
-            recorder,
-            reader,
-            snapshots,
-            recovery,
-            Ledger(self._reporter),
-            spike,
-            conventions,
-            AmpCounters(),
-            self._reporter,
-        )
+        settings = Settings(**{f.name: getattr(self, f.name) for f in fields(Settings)})
+        self._pipeline = StepPipeline.build(settings, dirpath)
+        self._reporter = self._pipeline.reporter
         self._coverage = CoverageCheck(self.check_optimizer_coverage)
         self._progress = FitProgress()
         self._deferred = DeferredRead(self._pipeline) if self.sync_mode == "deferred" else None
@@ -280,10 +227,7 @@ class NumGuardCallback(Callback):
     def __getstate__(self) -> dict[str, Any]:
         # Hooks, the op-guard mode and the step record belong to a running fit; setup rebuilds them.
         state = self.__dict__.copy()
-        recorder = StepRecorder(self.check, self.watch_modules, self.ignore_modules, self.watch_depth)
-        reader = StepRead(self.check, self.max_abs_input, recorder)
-        reader.spike = self._pipeline.spike
-        state["_pipeline"] = replace(self._pipeline, recorder=recorder, reader=reader)
+        state["_pipeline"] = self._pipeline.without_instruments()
         state["_deferred"] = None
         return state
 
@@ -324,7 +268,7 @@ class NumGuardCallback(Callback):
         # the fused check writes the same bits back: only while no snapshot is copied on another thread
         p.reader.state_rewritable = not p.snapshots.async_on
         if bad:
-            self._halt_at_fit_start(trainer, bad)
+            p.halt_at_fit_start(trainer, bad)
         if self._deferred is not None:
             self._deferred.at_fit_start(trainer, pl_module)
 
@@ -396,35 +340,18 @@ class NumGuardCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        p = self._pipeline
         if self._deferred is not None:
             self._deferred.at_train_end(trainer, pl_module)
-        # The last step's update has not been checked yet: check it once (one sync per fit).
-        end = p.recovery.at_train_end(trainer, pl_module, p.reader, self.action == "warn")
-        if end is not None:
-            bad, action, details = end
-            p.ledger.count({"rollbacks": int(action == "rollback")})  # the repair restored from the snapshot
-            finding = Finding("nonfinite_param", bad, details, p.recovery.bad_rank)
-            p.ledger.record(trainer, [p.ledger.event(trainer, finding, trainer.global_step, action)])
+        self._pipeline.at_train_end(trainer, pl_module)  # the last step's update: checked once (one sync per fit)
 
     @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Last line of defence: no checkpoint written during the run holds non-finite weights.
-
-        Runs for every checkpoint any callback saves (``ModelCheckpoint``, ``OnExceptionCheckpoint``,
-        ``trainer.save_checkpoint``), on every rank. A weight or optimizer state that went non-finite
-        in the optimizer step itself is only seen at the next step's read; if a checkpoint is written
-        in between, its model and optimizer states are replaced by the last verified-finite snapshot.
-        """
-        p = self._pipeline
-        if self.action == "warn" or not p.recovery.swap_checkpoint(trainer, checkpoint, p.reader.unchecked_buffers):
-            return
-        assert p.snapshots.snapshot is not None
-        details = {"when": "while saving a checkpoint", "snapshot_step": p.snapshots.snapshot.step}
-        finding = Finding("nonfinite_param", ["checkpoint"], details, p.recovery.bad_rank)
-        p.ledger.record(trainer, [p.ledger.event(trainer, finding, trainer.global_step, "none")])
+        """Last line of defence: no checkpoint written during the run holds non-finite weights (see
+        :meth:`StepPipeline.swap_checkpoint <lightning_numguard.callbacks._pipeline.StepPipeline.swap_checkpoint>`)."""
+        if self.action != "warn":
+            self._pipeline.swap_checkpoint(trainer, checkpoint)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -448,16 +375,6 @@ class NumGuardCallback(Callback):
         self._pipeline.recovery.logged.release()
         if self._reporter is not None:
             self._reporter.close()
-
-    def _halt_at_fit_start(self, trainer: pl.Trainer, bad: list[str]) -> None:
-        ledger = self._pipeline.ledger
-        finding = Finding("nonfinite_param", bad, {"when": "fit start"})
-        ledger.record(trainer, [ledger.event(trainer, finding, 0, "none")])
-        if self.action != "warn":
-            raise NonFiniteError(
-                f"NumGuard: the weights or optimizer state are already non-finite at fit start ({bad[:3]}); "
-                "there is no finite state to protect. Resume from an earlier checkpoint."
-            )
 
 
 # LightningCLI's --help prints the Args: entries: plain text there, RST in the source.
