@@ -31,6 +31,11 @@ class Ledger:
         self.rollbacks_this_fit = 0  # what max_rollbacks limits (``counters["rollbacks"]`` carries over a resume)
         self.reporter = reporter
 
+    def load(self, counters: Mapping[str, int], incidents_by_kind: Mapping[str, int]) -> None:
+        """The counters and incident counts of a checkpoint (already validated): a resumed run goes on counting."""
+        self.counters.update(counters)
+        self.incidents_by_kind = dict(incidents_by_kind)
+
     def count(self, counts: Mapping[str, int]) -> None:
         """Move the counters by a decision's ``counts`` (``incidents`` is counted from recorded events)."""
         for name, n in counts.items():

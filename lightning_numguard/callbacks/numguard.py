@@ -220,8 +220,7 @@ class NumGuardCallback(Callback):
                 f"NumGuard: the callback state in this checkpoint is malformed at 'spike' ({err}); the checkpoint's "
                 "weights are unaffected: resume without this callback's state, or from another checkpoint."
             ) from None
-        self.counters.update(parsed["counters"])
-        self._pipeline.ledger.incidents_by_kind = parsed["incidents_by_kind"]
+        self._pipeline.ledger.load(parsed["counters"], parsed["incidents_by_kind"])
         self._pipeline.recovery.quarantine.load_state_dict(parsed)
 
     def __getstate__(self) -> dict[str, Any]:
