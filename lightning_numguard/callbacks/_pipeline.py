@@ -179,7 +179,9 @@ class StepPipeline:
             if late:
                 f.details.update({"deferred": True, "read_at_step": trainer.global_step})
             events.append(self.ledger.event(trainer, f, rec.step, decision.action, rec.epoch, rec.batch_idx))
-        rec.decision, rec.events = decision, events
+        if rec.decision is None or decision.action != "none":  # a further optimizer's clean read keeps the first's
+            rec.decision = decision
+        rec.events = rec.events + events
         self.ledger.count(decision.counts)
         if late and decision.action != "none":
             log.info("numguard (deferred) step %s, read at step %s: %s", rec.step, trainer.global_step, decision.action)

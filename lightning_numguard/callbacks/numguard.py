@@ -324,14 +324,12 @@ class NumGuardCallback(Callback):
         if not rec.read_done:
             if _compat.should_accumulate(trainer):
                 return  # the window's records are read at its optimizer step
-            if self._deferred is None:
-                p.read(trainer, pl_module, None)
+            p.read(trainer, pl_module, None)  # a batch without an optimizer step is read at its end
         p.recorder.end()
         p.spike.push()  # before the action: a rollback puts back the window of its snapshot
         if self._deferred is not None:
-            self._deferred.after_step(trainer, pl_module)
-        else:
-            p.finish(trainer, pl_module, rec)
+            self._deferred.after_step(trainer, pl_module)  # a late decision taken during this batch
+        p.finish(trainer, pl_module, rec)
         self._progress.after_step(trainer, pl_module, rec, p.snapshots.snapshot, self.counters)
         p.amp.log(trainer, pl_module, self.counters["amp_overflow_steps"])
         # host numbers: the counters and the spike statistics of the step's one read, no device read
