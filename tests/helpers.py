@@ -20,7 +20,7 @@ site           what goes non-finite
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -193,11 +193,11 @@ QUIET: dict[str, Any] = dict(
 
 
 def quiet_trainer(
-    callbacks: Iterable[Any] = (), trainer_class: Callable[..., Any] = pl.Trainer, **overrides: Any
+    callbacks: list[Any] | None = None, trainer_class: Callable[..., Any] = pl.Trainer, **overrides: Any
 ) -> Any:
     """The one quiet CPU Trainer of the tests: ``QUIET``, then ``overrides`` (any ``Trainer`` argument, one of
     ``QUIET``'s included); ``trainer_class`` is ``pl.Trainer`` or ``lightning.pytorch.Trainer``."""
-    return trainer_class(callbacks=list(callbacks), **{**QUIET, **overrides})
+    return trainer_class(callbacks=callbacks, **{**QUIET, **overrides})
 
 
 def trainer(tmp_path: Any, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:

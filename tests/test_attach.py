@@ -63,7 +63,7 @@ def build(env, callbacks=()):
         os.environ.pop(k, None)
     os.environ.update(env)
     try:
-        tr = quiet_trainer(callbacks, pl.Trainer, max_steps=4, default_root_dir=sys.argv[2])
+        tr = quiet_trainer(list(callbacks), pl.Trainer, max_steps=4, default_root_dir=sys.argv[2])
     except NumGuardConfigError as err:
         return None, {"error": str(err)}
     guards = [c for c in tr.callbacks if isinstance(c, NumGuardCallback)]
