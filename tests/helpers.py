@@ -20,7 +20,7 @@ site           what goes non-finite
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -182,21 +182,28 @@ def loader(data: Dataset, batch_size: int = 8) -> DataLoader:
     return DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=0)
 
 
+#: What every test Trainer leaves out: the GPU, loggers, checkpoints, the progress bar and the model summary.
+QUIET: dict[str, Any] = dict(
+    accelerator="cpu",
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+
+
+def quiet_trainer(
+    callbacks: list[Any] | None = None, trainer_class: Callable[..., Any] = pl.Trainer, **overrides: Any
+) -> Any:
+    """The one quiet CPU Trainer of the tests: ``QUIET``, then ``overrides`` (any ``Trainer`` argument, one of
+    ``QUIET``'s included); ``trainer_class`` is ``pl.Trainer`` or ``lightning.pytorch.Trainer``."""
+    return trainer_class(callbacks=callbacks, **{**QUIET, **overrides})
+
+
 def trainer(tmp_path: Any, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
-    """A quiet CPU Trainer writing under ``tmp_path``."""
-    defaults: dict[str, Any] = dict(
-        default_root_dir=str(tmp_path),
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        deterministic=True,
-    )
-    defaults.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **defaults)
+    """A quiet CPU Trainer writing under ``tmp_path``: one device, one epoch, deterministic."""
+    defaults: dict[str, Any] = dict(default_root_dir=str(tmp_path), max_epochs=1, devices=1, deterministic=True)
+    return quiet_trainer(callbacks, **{**defaults, **kwargs})
 
 
 def all_finite(state: dict[str, Any]) -> bool:

@@ -46,6 +46,7 @@ else:
     import pytorch_lightning as pl
     from lightning_numguard import NumGuardCallback
 from lightning_numguard.errors import NumGuardConfigError
+from tests.helpers import quiet_trainer
 
 class M(pl.LightningModule):
     def __init__(self):
@@ -62,8 +63,7 @@ def build(env, callbacks=()):
         os.environ.pop(k, None)
     os.environ.update(env)
     try:
-        tr = pl.Trainer(callbacks=list(callbacks), logger=False, enable_checkpointing=False, max_steps=4,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=sys.argv[2])
+        tr = quiet_trainer(list(callbacks), pl.Trainer, max_steps=4, default_root_dir=sys.argv[2])
     except NumGuardConfigError as err:
         return None, {"error": str(err)}
     guards = [c for c in tr.callbacks if isinstance(c, NumGuardCallback)]

@@ -27,6 +27,7 @@ from tensorboard.util import tensor_util  # noqa: E402
 import lightning_numguard  # noqa: E402
 from lightning_numguard.errors import NumGuardWarning  # noqa: E402
 from lightning_numguard.lightning import NumGuardCallback  # noqa: E402
+from tests.helpers import quiet_trainer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:The number of training batches .* logging interval")
 
@@ -66,11 +67,6 @@ def _data() -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)), batch_size=8)
 
 
-def _quiet(**kw: Any) -> dict[str, Any]:
-    base = dict(accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False, max_epochs=1)
-    return {**base, **kw}
-
-
 def test_the_class_is_a_lightning_callback_with_the_shared_state_key() -> None:
     assert issubclass(NumGuardCallback, L.Callback)
     assert issubclass(NumGuardCallback, lightning_numguard.NumGuardCallback)  # one implementation
@@ -82,8 +78,8 @@ def test_the_class_is_a_lightning_callback_with_the_shared_state_key() -> None:
 def test_rollback_and_tensorboard_text_under_l_trainer(tmp_path: Path) -> None:
     cb = NumGuardCallback(action="rollback", snapshot_every_n_steps=1)
     logger = TensorBoardLogger(tmp_path, name="tb")
-    trainer = L.Trainer(
-        **_quiet(default_root_dir=tmp_path, logger=logger, enable_checkpointing=False, log_every_n_steps=50)
+    trainer = quiet_trainer(
+        trainer_class=L.Trainer, default_root_dir=tmp_path, logger=logger, devices=1, max_epochs=1, log_every_n_steps=50
     )
     trainer.callbacks.append(cb)  # appended after construction: the same as callbacks=[cb] for the guard
     model = LModel(bad_step=3)
@@ -151,8 +147,7 @@ def test_checkpoint_state_moves_between_the_two_packages(tmp_path: Path) -> None
     """A checkpoint written under ``L.Trainer`` resumes under ``pl.Trainer``, the guard's counters included."""
     l_cb = NumGuardCallback(action="rollback")
     # no ModelCheckpoint: its state would not follow the changed default_root_dir (Lightning warns), and is not the point
-    quiet = {"logger": False, "enable_checkpointing": False}
-    l_trainer = L.Trainer(**_quiet(default_root_dir=tmp_path / "l", **quiet), callbacks=[l_cb])
+    l_trainer = quiet_trainer([l_cb], L.Trainer, default_root_dir=tmp_path / "l", devices=1, max_epochs=1)
     with pytest.warns(NumGuardWarning):
         l_trainer.fit(LModel(bad_step=3), _data())
     ckpt = tmp_path / "l.ckpt"
@@ -161,7 +156,7 @@ def test_checkpoint_state_moves_between_the_two_packages(tmp_path: Path) -> None
 
     l_window = l_cb._pipeline.spike.window.valid() if l_cb._pipeline.spike.window is not None else None
     pl_cb = lightning_numguard.NumGuardCallback(action="rollback")
-    pl_trainer = pl.Trainer(**_quiet(default_root_dir=tmp_path / "pl", max_epochs=2, **quiet), callbacks=[pl_cb])
+    pl_trainer = quiet_trainer([pl_cb], pl.Trainer, default_root_dir=tmp_path / "pl", devices=1, max_epochs=2)
     pl_trainer.fit(PLModel(bad_step=-1), _data(), ckpt_path=ckpt)
     assert l_trainer.global_step == 8 and pl_trainer.global_step == 16  # it trained on from the checkpoint
     assert pl_cb.counters == l_cb.counters and pl_cb.counters["rollbacks"] == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -20,6 +21,7 @@ __all__ = [
     "Event",
     "JsonlWriter",
     "counts_as_incident",
+    "field_docs",
     "read_events",
     "validate_event",
 ]
@@ -46,46 +48,71 @@ Action = Literal["warn", "skip", "rollback", "halt"]
 ACTIONS: tuple[str, ...] = (*get_args(Action), "none")
 
 
+def _doc(line: str) -> dict[str, str]:
+    """A field's metadata: its one documentation line."""
+    return {"doc": line}
+
+
 @dataclass
 class Event:
-    """One incident.
+    """One incident, as ``callback.events`` holds it and each ``events.jsonl`` line writes it.
 
-    Attributes:
-        kind: one of :data:`KINDS`.
-        step: the global step (optimizer steps completed before this one).
-        epoch: the epoch.
-        batch_idx: the batch index within the epoch.
-        rank: the global rank where the value was seen (the lowest, when several).
-        where: names of what went bad: ``batch['x']``, a module's qualified name, a parameter's
-            name, an op's name.
-        action: what was done: one of :data:`ACTIONS`.
-        message: one human sentence with the hint.
-        details: numbers behind the message (counts, max-|x|, first bad indices…).
-        op: the op that made the values non-finite (``div``, ``SqrtBackward0``), when named.
-        module: the module that op ran in, when known.
-        site: for ``nonfinite_param``, what holds the values: ``"param"``, ``"buffer"`` or
-            ``"optimizer_state"``.
-        source: ``"file:line"`` of the user's code that ran the op.
-        root_cause: ``False`` for a consequence of an earlier event of the same step (not counted
-            as an incident).
-        consequence_of: for a consequence, the kind of its step's root cause.
+    Each field's documentation is declared with it (``field_docs``); ``docs/reference.md`` renders
+    the same declaration as its table of fields.
     """
 
-    kind: str
-    step: int
-    epoch: int
-    batch_idx: int
-    rank: int
-    where: list[str]
-    action: str
-    message: str
-    details: dict[str, Any] = field(default_factory=dict)
-    op: str | None = None
-    module: str | None = None
-    site: str | None = None
-    source: str | None = None
-    root_cause: bool = True
-    consequence_of: str | None = None
+    kind: str = field(metadata=_doc("one of the incident kinds (``KINDS``, in causal order; the README lists them)"))
+    step: int = field(metadata=_doc("the global step (optimizer steps completed before this one)"))
+    epoch: int = field(metadata=_doc("the epoch"))
+    batch_idx: int = field(metadata=_doc("the batch index within the epoch"))
+    rank: int = field(metadata=_doc("the global rank that saw it (the lowest, when several did)"))
+    where: list[str] = field(
+        metadata=_doc(
+            "names of what went bad, all of one kind: batch paths (``batch['x']``), a module's qualified name, "
+            "parameters, buffers or optimizer-state entries, or an op"
+        )
+    )
+    action: str = field(
+        metadata=_doc(
+            "what was done: "
+            + ", ".join(f"``{a}``" for a in ACTIONS[:-1])
+            + f", or ``{ACTIONS[-1]}`` for a finding only reported"
+        )
+    )
+    message: str = field(metadata=_doc("one human sentence with the hint"))
+    details: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=_doc(
+            "the numbers behind the message, by kind: values, counts, max-|x|, first bad indices, the replay's op "
+            "and node, ``lr_after_backoff``, ``retry``, ``quarantined``; for spikes ``value``, ``zscore``, "
+            "``sigma``, ``window`` (and ``escalated``); for ``overflow_risk`` ``peak``, ``dtype``, ``limit``, "
+            "``headroom`` (limit / peak), ``factor``, …"
+        ),
+    )
+    op: str | None = field(
+        default=None,
+        metadata=_doc(
+            "the first op that made the values non-finite (``div``, ``SqrtBackward0``), when the replay named it"
+        ),
+    )
+    module: str | None = field(default=None, metadata=_doc("the module that op ran in, when known"))
+    site: str | None = field(
+        default=None,
+        metadata=_doc("for ``nonfinite_param``, what holds the values: ``param``, ``buffer`` or ``optimizer_state``"),
+    )
+    source: str | None = field(
+        default=None, metadata=_doc("``file:line`` of the user's code that ran the op, when known")
+    )
+    root_cause: bool = field(
+        default=True,
+        metadata=_doc(
+            "``false`` for a consequence of an earlier event of the same step (consequences are not counted as "
+            "incidents)"
+        ),
+    )
+    consequence_of: str | None = field(
+        default=None, metadata=_doc("for a consequence, the kind of its step's root cause")
+    )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (non-finite floats become the strings ``"nan"``, ``"inf"``, ``"-inf"``)."""
@@ -105,6 +132,32 @@ REQUIRED_FIELDS: Mapping[str, type] = MappingProxyType(
         if f.default is MISSING and f.default_factory is MISSING
     }
 )
+
+
+def field_docs(cls: type = Event) -> dict[str, str]:
+    """Each field of the dataclass ``cls`` with its documentation line, in declaration order.
+
+    Raises:
+        TypeError: a field was declared without one (``metadata["doc"]``).
+    """
+    docs = {f.name: f.metadata.get("doc", "") for f in fields(cls)}
+    missing = [name for name, doc in docs.items() if not doc]
+    if missing:
+        raise TypeError(
+            f"{cls.__name__} fields {missing} have no documentation; declare each with "
+            "field(metadata={'doc': 'one line'})"
+        )
+    return docs
+
+
+def _attributes_section(docs: Mapping[str, str]) -> str:
+    lines = ["", "    Attributes:"]
+    for name, doc in docs.items():
+        lines += textwrap.wrap(f"{name}: {doc}", 100, initial_indent=" " * 8, subsequent_indent=" " * 12)
+    return "\n".join(lines) + "\n"
+
+
+Event.__doc__ = (Event.__doc__ or "").rstrip() + "\n" + _attributes_section(field_docs(Event))
 
 
 def _json_safe(obj: Any) -> Any:

@@ -1,8 +1,11 @@
-"""The one walker over nested batches, module outputs and states.
+"""The walker over nested batches, module outputs and states.
 
 A *tree* is any nesting of tensors in mappings, lists, tuples, namedtuples and dataclass
-instances; anything else is a leaf. Everything in the package that looks inside such a nesting
-goes through :func:`tensor_leaves` (read) or :func:`map_tree` (rebuild):
+instances; anything else is a leaf. Reading a batch or an output, and copying, moving or
+converting a state, goes through :func:`tensor_leaves` (read) or :func:`map_tree` (rebuild).
+Two modules walk their own data by their own recursion: :mod:`.sharding` flattens a state
+(dicts, lists, tuples) into one buffer per dtype and rebuilds it from its skeleton, and
+:mod:`.events` makes an event's record JSON-safe.
 
 * :func:`tensor_leaves` / :func:`floating_leaves` / :func:`tensors`: the tensors, with paths that
   read like Python (``batch['image']``, ``batch[0]``, ``batch.pixels``);

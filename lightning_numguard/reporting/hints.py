@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from lightning_numguard.core.findings import AFTER_FORWARD
+
 __all__ = [
     "COVERAGE_PROBLEMS",
     "FILL_VALUES",
@@ -137,14 +139,10 @@ def op_domain_hint(op: str) -> str | None:
     return OP_DOMAIN_HINTS.get(op)
 
 
-def _upstream_hint(module: str) -> str:
-    return f"the input is already non-finite upstream: first non-finite module was `{module}`"
-
-
 # --------------------------------------------------------------------------- overflow from finite values
 
-#: Largest finite value per low-precision dtype.
-_LOW_PRECISION_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
+#: float16's largest finite value.
+_FLOAT16_MAX = 65504.0
 
 #: Inputs at least this large (in float32 or wider) mean the values themselves grew out of bounds.
 HUGE_INPUT = 1e15
@@ -168,9 +166,9 @@ def overflow_hint(replay: Mapping[str, Any]) -> str | None:
     op, dtype, peak = replay.get("op"), replay.get("dtype"), replay.get("max_abs_in")
     if not isinstance(peak, (int, float)) or not math.isfinite(peak):
         return None
-    if dtype == "float16" and peak < _LOW_PRECISION_MAX["float16"]:
+    if dtype == "float16" and peak < _FLOAT16_MAX:
         return (
-            f"`{op}` overflowed float16 (max 65504) from finite inputs (largest |x| {peak:.3g}) under mixed "
+            f"`{op}` overflowed float16 (max {_FLOAT16_MAX:g}) from finite inputs (largest |x| {peak:.3g}) under mixed "
             "precision: run this op in float32 (`with torch.autocast(device_type, enabled=False)` and `.float()` "
             "inputs), scale before the product (q / sqrt(d) for attention logits), or train in bf16-mixed"
         )
@@ -243,10 +241,14 @@ _AUTOGRAD_HINTS: Mapping[str, str] = MappingProxyType(
             "torch.linalg.vector_norm for norms."
         ),
         "ExpBackward": "exp overflowed: subtract the max first (logsumexp) or clamp the exponent.",
-        "AcosBackward": "acos'/asin' gradient is infinite at +-1: clamp the input to (-1 + eps, 1 - eps).",
-        "AsinBackward": "acos'/asin' gradient is infinite at +-1: clamp the input to (-1 + eps, 1 - eps).",
-        "NormBackward": "the gradient of a norm at a zero vector is 0/0: add an eps, or use a squared norm.",
-        "LinalgVectorNormBackward": "the gradient of a norm at a zero vector is 0/0: add an eps.",
+        **dict.fromkeys(
+            ("AcosBackward", "AsinBackward"),
+            "acos'/asin' gradient is infinite at +-1: clamp the input to (-1 + eps, 1 - eps).",
+        ),
+        **dict.fromkeys(
+            ("NormBackward", "LinalgVectorNormBackward"),
+            "the gradient of a norm at a zero vector is 0/0: add an eps, or use a squared norm.",
+        ),
     }
 )
 
@@ -350,8 +352,9 @@ def event_hint(kind: str, details: Mapping[str, Any]) -> str:
     """The advice for one event: what a live message ends with and what ``numguard explain`` shows.
 
     The most specific hint known: a finding that follows the step's root cause (``details["after"]``)
-    points at it; a fill value, a guarded op, a replayed autograd op or a coverage problem gets
-    its own hint; anything else the hint of its kind.
+    points at it; a fill value, a guarded op, a replayed forward op (a fully masked row, an overflow
+    from finite inputs, inputs already bad), a replayed autograd op or a coverage problem gets its own
+    hint; anything else the hint of its kind.
 
     Args:
         kind: the event's kind.
@@ -362,40 +365,26 @@ def event_hint(kind: str, details: Mapping[str, Any]) -> str:
         One sentence; :func:`kind_hint` for a kind without anything more specific.
     """
     after = details.get("after")
-    downstream = kind in _DOWNSTREAM_KINDS or (
-        kind == "nonfinite_param" and details.get("when") == "after the forward pass"
-    )
-    if after and downstream:
+    if after and (kind in _DOWNSTREAM_KINDS or (kind == "nonfinite_param" and details.get("when") == AFTER_FORWARD)):
         return consequence_hint(after)
+    replay = details.get("replay")
+    replay = replay if isinstance(replay, Mapping) else {}
+    specific: Any = None
     if kind == "suspicious_input":
         fill = fill_value_name(details.get("max_abs"))
-        if fill:
-            return fill_value_hint(fill)
+        specific = fill and fill_value_hint(fill)
     elif kind == "op_domain":
-        op = details.get("op")
-        hint = details.get("hint") or (op_domain_hint(op) if isinstance(op, str) else None)
-        upstream = details.get("upstream")
-        if upstream:
-            hint = (hint + "; " if hint else "") + _upstream_hint(upstream)
-        if hint:
-            return str(hint)
-    elif kind in ("nonfinite_output", "nonfinite_loss"):
-        replay = details.get("replay")
-        if isinstance(replay, Mapping):
-            specific = masked_row_hint(replay) or overflow_hint(replay)
-            if specific is None and replay.get("stage") == "inputs" and not replay.get("op"):
-                checked = details.get("checked") or ()
-                specific = INPUTS_ALREADY_BAD_HINT if "inputs" in checked else _INPUTS_UNCHECKED_HINT
-            if specific:
-                return specific
-    elif kind == "nonfinite_grad":
-        replay = details.get("replay")
-        op = replay.get("op") if isinstance(replay, Mapping) else None
-        specific = op_hint(op) if isinstance(op, str) else None
-        if specific:
-            return specific
-    elif kind == "optimizer_coverage":
-        hint = details.get("hint")
-        if isinstance(hint, str):
-            return hint
-    return kind_hint(kind)
+        op, upstream = details.get("op"), details.get("upstream")
+        own = details.get("hint") or (op_domain_hint(op) if isinstance(op, str) else None)
+        below = f"the input is already non-finite upstream: first non-finite module was `{upstream}`"
+        specific = "; ".join(str(part) for part in (own, upstream and below) if part)
+    elif kind in ("nonfinite_output", "nonfinite_loss") and replay:
+        specific = masked_row_hint(replay) or overflow_hint(replay)
+        if specific is None and replay.get("stage") == "inputs" and not replay.get("op"):
+            checked = "inputs" in (details.get("checked") or ())
+            specific = INPUTS_ALREADY_BAD_HINT if checked else _INPUTS_UNCHECKED_HINT
+    elif kind == "nonfinite_grad" and isinstance(replay.get("op"), str):
+        specific = op_hint(replay["op"])
+    elif kind == "optimizer_coverage" and isinstance(details.get("hint"), str):
+        specific = details["hint"]
+    return str(specific) if specific else kind_hint(kind)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_numguard import NumGuardCallback
 from tests.callbacks.test_setups_accumulation import TwoOptimizerGAN
 from tests.callbacks.test_setups_matrix import CompiledLogHeadModel
-from tests.helpers import FaultData, FaultModel
+from tests.helpers import FaultData, FaultModel, quiet_trainer
 
 INPUTS = ("input", "accumulate")  # sites whose fault is a NaN batch
 MODES = (*INPUTS, "manual", "compile")  # sites not injected by FaultModel
@@ -141,18 +141,9 @@ def sharded_main(out: Path, fault_rank: int, action: str, asynchronous: bool = F
 def ddp_trainer(max_steps: int, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
     """A 2-process gloo DDP Trainer on the CPU, quiet, each rank feeding its own data (``strategy="ddp"`` unless
     ``kwargs`` names another)."""
-    kwargs.setdefault("strategy", "ddp")
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=callbacks,
-        **kwargs,
-    )
+    settings: dict[str, Any] = dict(devices=2, strategy="ddp", max_steps=max_steps, use_distributed_sampler=False)
+    # checkpointing on: some fits bring their own ModelCheckpoint
+    return quiet_trainer(callbacks, **{**settings, "enable_checkpointing": True, **kwargs})
 
 
 def save_sharded_result(

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.core.syncs import SyncCounter
+from tests.helpers import quiet_trainer
 
 STEPS = 5
 FAULTS = {
@@ -222,17 +223,13 @@ def run(out: Path, layout: str, name: str) -> None:
     savers: list[Any] = []
     if scenario == "opt_state":  # saves the poisoned state of step 2's end, seen by the guard at step 3
         savers.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=1, save_top_k=-1))
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        ([guard] if guard is not None else []) + savers,
         devices=world,
         strategy=strategy(layout, folder),
         max_steps=STEPS,
         max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=scenario == "opt_state",
-        callbacks=([guard] if guard is not None else []) + savers,
         default_root_dir=str(out),
         use_distributed_sampler=False,
         accumulate_grad_batches=2 if scenario == "accumulate" else 1,

@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_numguard import NumGuardCallback
+from tests.helpers import quiet_trainer
 
 #: layout: (data_parallel_size, tensor_parallel_size)
 LAYOUTS = {"fsdp2": (2, 1), "tp": (1, 2), "2d": (2, 2)}
@@ -193,17 +194,12 @@ def fit(root: Path, layout: str, name: str) -> None:
     guard = None if settings is None else NumGuardCallback(dirpath=str(out / "ng"), **settings)
     report = Report(guard)
     dp, tp = LAYOUTS[layout]
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        [c for c in (guard, report) if c is not None],
         devices=dp * tp,
         strategy=ModelParallelStrategy(dp, tp, timeout=timedelta(seconds=90)),
         max_steps=spec.get("steps", STEPS),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         use_distributed_sampler=False,
-        callbacks=[c for c in (guard, report) if c is not None],
     )
     model = ShardedMLP(layout, spec.get("fault"), spec.get("omit", ()))
     ckpt = root / spec["resume"] / "ng" / "last_finite.ckpt" if "resume" in spec else None

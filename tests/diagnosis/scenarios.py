@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.helpers import quiet_trainer
+
 BAD_STEP = 1
 
 
@@ -217,19 +219,7 @@ def make_trainer(case: Case, callbacks: list[Any], root: str, **extra: Any) -> p
     kwargs = dict(case.trainer_kwargs)
     if kwargs.pop("__fp16__", False):
         kwargs.update(_fp16())
-    return pl.Trainer(
-        max_steps=case.steps,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        default_root_dir=root,
-        **kwargs,
-        **extra,
-    )
+    return quiet_trainer(callbacks, max_steps=case.steps, devices=1, default_root_dir=root, **kwargs, **extra)
 
 
 def run_guarded(case: Case, root: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_numguard import NumGuardCallback
+from tests.helpers import quiet_trainer
 
 BAD_STEP = 4  # in optimizer steps: two per batch, so the third batch
 
@@ -75,17 +76,7 @@ class OptimizerStateSpy(pl.Callback):
 def _fit(tmp_path: Any, callbacks: list[Any]) -> pl.Trainer:
     torch.manual_seed(0)
     x = torch.randn(48, 4, generator=torch.Generator().manual_seed(0))
-    trainer = pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        callbacks=callbacks,
-    )
+    trainer = quiet_trainer(callbacks, max_epochs=1, devices=1, default_root_dir=str(tmp_path))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(TinyGAN(), DataLoader(TensorDataset(x), batch_size=8))

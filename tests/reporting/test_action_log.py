@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import pytorch_lightning as pl
 
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.errors import NonFiniteError, NumGuardWarning
 from lightning_numguard.reporting.explain import explain
-from tests.helpers import EVERY_CHECK, FaultData, FaultModel, loader, trainer
+from tests.helpers import EVERY_CHECK, FaultData, FaultModel, loader, quiet_trainer, trainer
 
 LEDGER = "lightning_numguard"  # the action lines go to the package logger, where users look
 
@@ -94,15 +93,7 @@ def test_no_logger_no_checkpointing_no_dirpath_writes_nothing_in_the_cwd(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     cb = NumGuardCallback(action="halt", replay=False, check=EVERY_CHECK)
-    tr = pl.Trainer(  # no default_root_dir: the working directory
-        callbacks=[cb],
-        max_steps=6,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    tr = quiet_trainer([cb], max_steps=6)  # no default_root_dir: the working directory
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tr.fit(FaultModel(site="loss", step=3), loader(FaultData()))
