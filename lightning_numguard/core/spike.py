@@ -96,8 +96,8 @@ def _roots(values: torch.Tensor, marked: bool = True) -> torch.Tensor:
     else ``NaN`` (missing); no sync."""
     if marked:
         values = torch.where(values > NOT_JUDGED, values, math.nan)
-    root = torch.copysign(values.abs().pow(1.0 / 3.0), values)
-    return root.nan_to_num(nan=math.nan, posinf=math.nan, neginf=math.nan)  # +-Inf: missing too
+    root = values.abs().pow_(1.0 / 3.0).copysign_(values)  # in place on the one new tensor: no further allocation
+    return root.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)  # +-Inf: missing too
 
 
 def _stats(window: torch.Tensor, warmup: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +168,9 @@ class SpikeWindow:
 
     def roots(self, values: torch.Tensor, marked: bool = True) -> torch.Tensor:
         """Raw ``[loss, grad_norm]`` as the window keeps them (cube roots, ``NaN`` when missing); no sync."""
-        return _roots(values.to(self.values.device, torch.float32), marked)
+        if values.device != self.values.device or values.dtype != torch.float32:
+            values = values.to(self.values.device, torch.float32)
+        return _roots(values, marked)
 
     def scores(self, values: torch.Tensor, roots: torch.Tensor | None = None) -> torch.Tensor:
         """The z-scores of this step's raw ``[loss, grad_norm]`` (or of their :meth:`roots`) against the window
