@@ -69,6 +69,8 @@ _F32_MAX = torch.finfo(torch.float32).max
 def as_f32(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32 with finite values beyond float32's range clamped to its max (float64 ``1e100`` is
     finite and huge, not ``inf``); NaN and ±Inf stay as they are. No sync."""
+    if x.dtype == torch.float32:
+        return x
     if x.dtype == torch.float64:
         x = torch.where(torch.isfinite(x), x.clamp(-_F32_MAX, _F32_MAX), x)
     return x.float()
@@ -222,10 +224,16 @@ def max_abs(
     return torch.stack(parts).abs().amax(dim=1)
 
 
+#: On the CPU a tensor of fewer elements gets its ``(min, max)`` from ``amin`` and ``amax``: two passes over data
+#: in cache beat ``aminmax``'s one (one thread: 14 vs 19 us for 64k float32, 45 vs 68 us for 256k); from about
+#: 1M elements, data that no longer fits the core's cache, they cost the same.
+CPU_TWO_PASS_MAX = 1 << 20
+
+
 def _extremes(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(min, max)`` of ``c`` (NaN propagates); on the CPU two vectorised passes, faster there than ``aminmax``'s
-    one (~30 % on 100k floats), elsewhere one fused ``aminmax``."""
-    if c.is_cpu:
+    """``(min, max)`` of ``c``, NaN propagating: ``amin`` and ``amax`` for a CPU tensor below
+    :data:`CPU_TWO_PASS_MAX` elements, else one fused ``aminmax`` (the same values)."""
+    if c.is_cpu and c.numel() < CPU_TWO_PASS_MAX:
         return c.amin(), c.amax()
     return torch.aminmax(c)
 

@@ -300,11 +300,11 @@ def global_norm(groups: Sequence[Sequence[torch.Tensor]], device: torch.device) 
     Non-finite when a tensor is, or when a norm overflowed float32 (elements above ~1e19): then the NaN guard
     confirms which, exactly, after the read, as for any candidate of the ``NORMS`` slot.
     """
-    squares = []
+    norms = []
     for tensors in groups:
-        if tensors:
-            total = torch.stack(foreach_norm_f32(list(tensors))).square().sum()
-            squares.append(total if total.device == device else total.to(device, non_blocking=True))
-    if not squares:
+        if tensors:  # the group's L2 norm: the norm of its tensors' norms (two ops)
+            total = torch.linalg.vector_norm(torch.stack(foreach_norm_f32(list(tensors))))
+            norms.append(total if total.device == device else total.to(device, non_blocking=True))
+    if not norms:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return (squares[0] if len(squares) == 1 else torch.stack(squares).sum()).sqrt()
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
