@@ -105,7 +105,7 @@ class _Timer:
             if owner is None or not hasattr(owner, name):
                 continue
             self._undo.append((owner, name, vars(owner).get(name)))
-            setattr(owner, name, self.wrap(path, getattr(owner, name)))
+            setattr(owner, name, self.wrap(f"{module_name.rsplit('.', 1)[-1]}:{path}", getattr(owner, name)))
 
     def uninstall(self) -> None:
         for owner, name, original in reversed(self._undo):
@@ -134,7 +134,8 @@ def hook_times(spec: bench_models.ModelSpec, variant: str, args: argparse.Namesp
         timer.uninstall()
     steps = max(started[0] - args.warmup, 1)
     rows = {k: (1e6 * s / steps, timer.calls[k] / steps) for k, s in timer.seconds.items()}
-    hooks = sum(us for k, (us, _) in rows.items() if k.split(".", 1)[-1] in HOOKS or k in HOOKS)
+    paths = {k: k.split(":", 1)[1] for k in rows}
+    hooks = sum(us for k, (us, _) in rows.items() if paths[k] in HOOKS or paths[k].split(".", 1)[-1] in HOOKS)
     cpu = clock.cpu_step_ms()[args.warmup :]
     return {"step_cpu_ms": statistics.median(cpu) if cpu else None, "hooks_us": hooks, "rows": rows}
 
