@@ -153,7 +153,13 @@ class TotalPlan:
             large, small = groups.setdefault((t.device, t.dtype), ([], []))
             (large if t.device.type == "cpu" and t.numel() >= CPU_SUM_MIN_NUMEL else small).append(i)
         self.groups = [(dev, dtype, large, small) for (dev, dtype), (large, small) in groups.items()]
+        self.members = [large + small for _, _, large, small in self.groups]  # per group: every index, large first
         self.size = len(like)
+
+    def grouped(self, tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """``tensors`` (laid out as this plan's ``like``) split into its groups (one device and dtype each), large
+        tensors first: the groups :func:`~lightning_numguard.core.spike.global_norm` takes; no per-step grouping."""
+        return [[tensors[i] for i in members] for members in self.members]
 
     def total(self, tensors: Sequence[torch.Tensor], device: torch.device, *, rewritable: bool = False) -> torch.Tensor:
         """:func:`norm_total` of ``tensors`` (laid out as this plan's ``like``); no sync."""
