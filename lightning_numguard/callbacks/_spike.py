@@ -82,7 +82,8 @@ class SpikeGuard:
         self._layout: list[tuple[Any, int]] = []  # this step's watch buffers, in the order laid end to end
         self.reduced: torch.Tensor | None = None  # this step's reduced extras, on the device (for push)
         self.last: tuple[int, list[float]] | None = None  # the latest host-read extras and their step
-        self._constants: dict[torch.device, torch.Tensor] = {}
+        # per device: NaN, the not-judged scores, the headroom's and the ranks' defaults (views made once)
+        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._calls = 0
         self._single = True  # one process: the raw values need no mark for the reduce
         self._roots: torch.Tensor | None = None  # this step's values as the window keeps them (one process)
@@ -115,23 +116,25 @@ class SpikeGuard:
         """
         const = self._constants.get(device)
         if const is None:  # [NaN, NOT_JUDGED x2, 0, -1, 0, 0]: reused every step
-            const = torch.tensor([math.nan, NOT_JUDGED, NOT_JUDGED, 0.0, -1.0, 0.0, 0.0], device=device)
-            self._constants[device] = const
-        nan = const[0]
-        raw = torch.stack([nan if loss is None else loss.reshape(()), nan if grad_norm is None else grad_norm]).float()
+            values = torch.tensor([math.nan, NOT_JUDGED, NOT_JUDGED, 0.0, -1.0, 0.0, 0.0], device=device)
+            const = self._constants[device] = (values[0], values[1:3], values[3:5], values[5:7])
+        nan, not_judged, no_head, no_ranks = const
+        raw = torch.stack([nan if loss is None else loss.reshape(()), nan if grad_norm is None else grad_norm])
+        if raw.dtype != torch.float32:
+            raw = raw.float()
         self._single = world == 1
         if not self._single:  # a finite mark for "missing" survives the MAX all-reduce; NaN might not
             raw = raw.nan_to_num(nan=NOT_JUDGED, posinf=NOT_JUDGED, neginf=NOT_JUDGED)
-        z = const[1:3]
+        z = not_judged
         if self.window is not None:
             roots = self.window.to(device).roots(raw, marked=not self._single)
             z = self.window.scores(raw, roots)
             self._roots = roots  # one process: what push adds, without computing it again
         self._calls += 1
         due = self.headroom is not None and watch is not None and watch.records and self._calls % HEADROOM_EVERY == 1
-        head = self._headroom(watch, device) if due else const[3:5]
+        head = self._headroom(watch, device) if due else no_head
         if world == 1:  # the lowest rank that saw a spike or a risk can only be this one
-            return torch.cat([raw, z, head, const[5:7]])
+            return torch.cat([raw, z, head, no_ranks])
         mark = torch.full((2,), float(world - rank), device=device)
         ranks = torch.where(torch.stack([z[0] > self.sigma, head[1] >= 0]), mark, 0.0)
         return torch.cat([raw, z, head, ranks])

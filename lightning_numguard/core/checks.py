@@ -69,6 +69,8 @@ _F32_MAX = torch.finfo(torch.float32).max
 def as_f32(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32 with finite values beyond float32's range clamped to its max (float64 ``1e100`` is
     finite and huge, not ``inf``); NaN and ±Inf stay as they are. No sync."""
+    if x.dtype == torch.float32:
+        return x
     if x.dtype == torch.float64:
         x = torch.where(torch.isfinite(x), x.clamp(-_F32_MAX, _F32_MAX), x)
     return x.float()
@@ -151,7 +153,13 @@ class TotalPlan:
             large, small = groups.setdefault((t.device, t.dtype), ([], []))
             (large if t.device.type == "cpu" and t.numel() >= CPU_SUM_MIN_NUMEL else small).append(i)
         self.groups = [(dev, dtype, large, small) for (dev, dtype), (large, small) in groups.items()]
+        self.members = [large + small for _, _, large, small in self.groups]  # per group: every index, large first
         self.size = len(like)
+
+    def grouped(self, tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """``tensors`` (laid out as this plan's ``like``) split into its groups (one device and dtype each), large
+        tensors first: the groups :func:`~lightning_numguard.core.spike.global_norm` takes; no per-step grouping."""
+        return [[tensors[i] for i in members] for members in self.members]
 
     def total(self, tensors: Sequence[torch.Tensor], device: torch.device, *, rewritable: bool = False) -> torch.Tensor:
         """:func:`norm_total` of ``tensors`` (laid out as this plan's ``like``); no sync."""
@@ -222,6 +230,20 @@ def max_abs(
     return torch.stack(parts).abs().amax(dim=1)
 
 
+#: On the CPU a tensor of fewer elements gets its ``(min, max)`` from ``amin`` and ``amax``: two passes over data
+#: in cache beat ``aminmax``'s one (one thread: 14 vs 19 us for 64k float32, 45 vs 68 us for 256k); from about
+#: 1M elements, data that no longer fits the core's cache, they cost the same.
+CPU_TWO_PASS_MAX = 1 << 20
+
+
+def _extremes(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of ``c``, NaN propagating: ``amin`` and ``amax`` for a CPU tensor below
+    :data:`CPU_TWO_PASS_MAX` elements, else one fused ``aminmax`` (the same values)."""
+    if c.is_cpu and c.numel() < CPU_TWO_PASS_MAX:
+        return c.amin(), c.amax()
+    return torch.aminmax(c)
+
+
 def max_abs_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """0-d float32 on ``device``: the largest |x| over all ``tensors`` (NaN propagates); no sync.
 
@@ -232,12 +254,23 @@ def max_abs_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     for t in tensors:
         c = _checkable(t)
         if c is not None:
-            parts.extend(torch.aminmax(c.detach()))
+            parts.extend(_extremes(c.detach()))
     if not parts:
         return torch.zeros((), dtype=torch.float32, device=device)
     if any(p.device != device or p.dtype != torch.float32 for p in parts):
         parts = [as_f32(p).to(device=device, non_blocking=True) for p in parts]
     return torch.stack(parts).abs().amax()
+
+
+_FINFO_MAX: dict[torch.dtype, float] = {}
+
+
+def _finfo_max(dtype: torch.dtype) -> float:
+    """``torch.finfo(dtype).max``, looked up once per dtype."""
+    value = _FINFO_MAX.get(dtype)
+    if value is None:
+        value = _FINFO_MAX[dtype] = torch.finfo(dtype).max
+    return value
 
 
 def input_maxima(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,13 +287,15 @@ def input_maxima(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple
     for t in tensors:
         c = _checkable(t)
         if c is not None:
-            by_dtype.setdefault(c.dtype, []).extend(torch.aminmax(c.detach()))
+            by_dtype.setdefault(c.dtype, []).extend(_extremes(c.detach()))
     totals: list[torch.Tensor] = []
     unmasked: list[torch.Tensor] = []
     for dtype, parts in by_dtype.items():
-        ends = torch.stack([p.to(device=device, non_blocking=True) for p in parts]).abs()
+        if any(p.device != device for p in parts):
+            parts = [p.to(device=device, non_blocking=True) for p in parts]
+        ends = torch.stack(parts).abs()
         totals.append(as_f32(ends.amax()))
-        unmasked.append(as_f32(ends.masked_fill(ends == torch.finfo(dtype).max, 0).amax()))
+        unmasked.append(as_f32(ends.masked_fill(ends == _finfo_max(dtype), 0).amax()))
     if not totals:
         zero = torch.zeros((), dtype=torch.float32, device=device)
         return zero, zero

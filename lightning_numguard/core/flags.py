@@ -52,6 +52,17 @@ INPUT, NORMS, OUTPUT, LOSS, SUSPICIOUS, OP, QUARANTINE = range(len(SLOTS))
 LOCAL_SLOTS: tuple[int, ...] = (INPUT, SUSPICIOUS, OUTPUT, OP, LOSS)
 
 
+_TOTALS_MASK: dict[torch.device, torch.Tensor] = {}
+
+
+def _totals_mask(device: torch.device) -> torch.Tensor:
+    """``[True] * 4 + [False] * 3`` on ``device``: which slots of :data:`SLOTS` are totals (made once per device)."""
+    mask = _TOTALS_MASK.get(device)
+    if mask is None:
+        mask = _TOTALS_MASK[device] = torch.tensor([i <= LOSS for i in range(len(SLOTS))], device=device)
+    return mask
+
+
 def pack(
     *,
     input_max: torch.Tensor,
@@ -67,6 +78,11 @@ def pack(
     The first four are *totals* (a NaN or Inf anywhere propagates into a max or sum, so the slot is
     seen when the total is non-finite); the last three are already 0/1 flags.
     """
+    values = (input_max, norm_total, output_total, loss_total, suspicious, op, quarantine)
+    device = input_max.device
+    if all(v.dtype == torch.float32 and v.device == device for v in values):  # the usual step: four ops
+        raw = torch.stack(values)
+        return torch.where(_totals_mask(device), raw.isfinite().logical_not_(), raw)
     totals = torch.stack([input_max, norm_total, output_total, loss_total]).to(torch.float32)
     flags = torch.stack([suspicious, op, quarantine]).to(device=totals.device, dtype=torch.float32)
     return torch.cat([(~torch.isfinite(totals)).to(torch.float32), flags])

@@ -80,7 +80,7 @@ class Stateful(Protocol):
 def rng_state() -> dict[str, Any]:
     """The torch CPU, CUDA (when initialised) and Python RNG states."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized() and torch.cuda.is_available():  # the cheap test first: this runs every step
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

@@ -96,8 +96,8 @@ def _roots(values: torch.Tensor, marked: bool = True) -> torch.Tensor:
     else ``NaN`` (missing); no sync."""
     if marked:
         values = torch.where(values > NOT_JUDGED, values, math.nan)
-    root = torch.copysign(values.abs().pow(1.0 / 3.0), values)
-    return root.nan_to_num(nan=math.nan, posinf=math.nan, neginf=math.nan)  # +-Inf: missing too
+    root = values.abs().pow_(1.0 / 3.0).copysign_(values)  # in place on the one new tensor: no further allocation
+    return root.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)  # +-Inf: missing too
 
 
 def _stats(window: torch.Tensor, warmup: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +168,9 @@ class SpikeWindow:
 
     def roots(self, values: torch.Tensor, marked: bool = True) -> torch.Tensor:
         """Raw ``[loss, grad_norm]`` as the window keeps them (cube roots, ``NaN`` when missing); no sync."""
-        return _roots(values.to(self.values.device, torch.float32), marked)
+        if values.device != self.values.device or values.dtype != torch.float32:
+            values = values.to(self.values.device, torch.float32)
+        return _roots(values, marked)
 
     def scores(self, values: torch.Tensor, roots: torch.Tensor | None = None) -> torch.Tensor:
         """The z-scores of this step's raw ``[loss, grad_norm]`` (or of their :meth:`roots`) against the window
@@ -298,11 +300,11 @@ def global_norm(groups: Sequence[Sequence[torch.Tensor]], device: torch.device) 
     Non-finite when a tensor is, or when a norm overflowed float32 (elements above ~1e19): then the NaN guard
     confirms which, exactly, after the read, as for any candidate of the ``NORMS`` slot.
     """
-    squares = []
+    norms = []
     for tensors in groups:
-        if tensors:
-            total = torch.stack(foreach_norm_f32(list(tensors))).square().sum()
-            squares.append(total if total.device == device else total.to(device, non_blocking=True))
-    if not squares:
+        if tensors:  # the group's L2 norm: the norm of its tensors' norms (two ops)
+            total = torch.linalg.vector_norm(torch.stack(foreach_norm_f32(list(tensors))))
+            norms.append(total if total.device == device else total.to(device, non_blocking=True))
+    if not norms:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return (squares[0] if len(squares) == 1 else torch.stack(squares).sum()).sqrt()
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checks import as_f32
+from .checks import CPU_TWO_PASS_MAX, as_f32
 from .dtensor import local
 from .tree import floating_leaves
 
@@ -152,8 +152,8 @@ class _Hook:
 class _Slots:
     """A preallocated ``[n, 2]`` (min, max) buffer of one device and dtype, with a view pair per slot.
 
-    ``torch.aminmax(out, out=views[slot])`` writes a module's range into its row: one fused
-    reduction, no new tensor, no Python allocation beyond the call.
+    ``torch.aminmax(out, out=views[slot])`` (on the CPU ``amin`` and ``amax``, faster there) writes a module's
+    range into its row: no new tensor, no Python allocation beyond the call.
     """
 
     __slots__ = ("values", "views")
@@ -247,7 +247,8 @@ class OutputWatch:
             if output is self._last_out or not output.is_floating_point():
                 return
             self._last_out = output
-            shard = local(output.detach())  # a DTensor output: this rank's shard (the flags are all-reduced)
+            # a DTensor output: this rank's shard (the flags are all-reduced); a plain tensor skips the lookup
+            shard = output.detach() if type(output) is torch.Tensor else local(output.detach())
             if shard.numel():
                 self._record(slot, shard)
             return
@@ -265,7 +266,12 @@ class OutputWatch:
         slots = self._buffers.get(key)
         if slots is None:  # once per device and dtype
             slots = self._buffers[key] = _Slots(len(self.names), t.device, t.dtype)
-        torch.aminmax(t, out=slots.views[slot])
+        lo, hi = slots.views[slot]
+        if key[0].type == "cpu" and t.numel() < CPU_TWO_PASS_MAX:  # see checks.extremes
+            torch.amin(t, out=lo)
+            torch.amax(t, out=hi)
+        else:
+            torch.aminmax(t, out=(lo, hi))
         self.records.append((slot, key))
 
     def total(self, device: torch.device) -> torch.Tensor:
@@ -278,7 +284,9 @@ class OutputWatch:
             return torch.zeros((), dtype=torch.float32, device=device)
         # max-|x| in each buffer's own dtype, then to float32 with finite float64 values clamped: NaN and
         # Inf propagate, huge finite values (1e100 under 64-true) never look non-finite
-        parts = [as_f32(s.values.abs().amax()).to(device, non_blocking=True) for s in self._buffers.values()]
+        parts = [as_f32(s.values.abs().amax()) for s in self._buffers.values()]
+        if any(p.device != device for p in parts):
+            parts = [p.to(device, non_blocking=True) for p in parts]
         extras = [t for _, where in self.records if isinstance(where[0], torch.Tensor) for t in where]
         if extras:
             parts.append(as_f32(torch.stack([t.to(device).double() for t in extras]).abs().amax()))

@@ -163,3 +163,28 @@ def test_cpu_total_of_huge_finite_values_is_only_a_candidate():
     assert checks.confirm_nonfinite(tensors) == [False]
     wide = [torch.full((checks.CPU_SUM_MIN_NUMEL,), 1e300, dtype=torch.float64)]
     assert checks.confirm_nonfinite(wide) == [False]
+
+
+@pytest.mark.parametrize("numel", [1000, checks.CPU_TWO_PASS_MAX])  # amin + amax below, aminmax from it
+@pytest.mark.parametrize("value", [None, *VALUES, torch.finfo(torch.float32).min])
+def test_input_maxima_are_exact_on_both_sides_of_the_cpu_two_pass_threshold(numel, value):
+    x = torch.linspace(-3.0, 2.0, numel)
+    if value is not None:
+        x[numel // 2] = value
+    total, unmasked = checks.input_maxima([x], torch.device("cpu"))
+    expected = x.abs().max()  # NaN propagates
+    assert torch.equal(total, expected) or (total.isnan() and expected.isnan())
+    if value == torch.finfo(torch.float32).min:  # a dtype extreme is a mask: not counted
+        assert unmasked.item() == 2.0
+    else:
+        assert torch.equal(unmasked, total) or (unmasked.isnan() and total.isnan())
+    assert torch.equal(checks.max_abs_total([x], torch.device("cpu")), total) or total.isnan()
+
+
+def test_total_plan_groups_tensors_by_device_and_dtype_in_plan_order():
+    like = [torch.zeros(4), torch.zeros(3, dtype=torch.float64), torch.zeros(checks.CPU_SUM_MIN_NUMEL), torch.zeros(2)]
+    plan = checks.TotalPlan(like)
+    fresh = [t + i for i, t in enumerate(like)]
+    grouped = plan.grouped(fresh)
+    assert [[t is f for t in g for f in fresh].count(True) for g in grouped] == [3, 1]
+    assert grouped[0] == [fresh[2], fresh[0], fresh[3]] and grouped[1] == [fresh[1]]  # large first, then small

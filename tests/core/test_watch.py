@@ -209,3 +209,30 @@ def test_a_long_list_is_watched_at_every_stride_th_block_and_still_catches_a_bad
     m(torch.randn(3, 2))
     assert not math.isfinite(w.total(torch.device("cpu")).item())
     assert w.first_bad()[0][0] == "trunk.layers.12"  # the next watched block; the replay names the exact one
+
+
+def test_a_block_range_is_exact_on_both_sides_of_the_cpu_two_pass_threshold():
+    from lightning_numguard.core.checks import CPU_TWO_PASS_MAX
+
+    class Widen(nn.Module):  # a block whose output has n elements
+        def __init__(self, n):
+            super().__init__()
+            self.n = n
+
+        def forward(self, x):
+            return x.sum() + torch.linspace(-3.0, 5.0, self.n)
+
+    for n in (1000, CPU_TWO_PASS_MAX):  # amin + amax below the threshold, aminmax from it
+        m = nn.Sequential(nn.Linear(2, 1), Widen(n))
+        w = OutputWatch(m, depth=1)
+        w.attach()
+        x = torch.zeros(1, 2)
+        out = m(x)
+        (rows,) = [r for _, r in w.ranges()]
+        assert rows[1].tolist() == [out.min().item(), out.max().item()]
+        w.reset()
+        m[1].n = n  # a NaN in the block's output: both ends NaN, the block named
+        m[0].bias.data.fill_(float("nan"))
+        m(x)
+        assert [name for name, lo, hi in w.first_bad()] == ["0", "1"]
+        assert all(math.isnan(v) for v in w.first_bad()[1][1:])

@@ -1,0 +1,163 @@
+"""Where the guard's own time per step goes: thread CPU time inside its hooks and their parts, by function.
+
+    python -m benchmarks.hook_profile [--models mlp,lm] [--variants numguard_default,floor_default] [--steps 60]
+
+Each named function below is wrapped with ``time.thread_time`` (inclusive times: a part is also counted in its
+caller) for one fit per model and variant on one torch thread, the steps after ``--warmup`` only. Unlike cProfile,
+which multiplies the cost of every Python call, the wrappers cost about a microsecond per call, so the hook totals
+compare with :class:`benchmarks.floor.FloorGuard`'s ``step_hook_ms``. On a shared machine a tiny op's time varies
+several-fold between runs: compare variants of the same run, and totals rather than single small rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks import bench_models
+from benchmarks.harness import StepClock, quiet, run_fit
+
+__all__ = ["TARGETS", "hook_times"]
+
+#: ``module:qualified name`` of every function timed (missing ones are skipped: other revisions lack some).
+TARGETS = (
+    "lightning_numguard.callbacks.numguard:NumGuardCallback.on_train_batch_start",
+    "lightning_numguard.callbacks.numguard:NumGuardCallback.on_before_backward",
+    "lightning_numguard.callbacks.numguard:NumGuardCallback.on_after_backward",
+    "lightning_numguard.callbacks.numguard:NumGuardCallback.on_before_optimizer_step",
+    "lightning_numguard.callbacks.numguard:NumGuardCallback.on_train_batch_end",
+    "lightning_numguard.callbacks.numguard:NumGuardCallback._finish",
+    "lightning_numguard.callbacks._inspector:StepInspector.begin",
+    "lightning_numguard.callbacks._inspector:StepInspector.read",
+    "lightning_numguard.callbacks._inspector:StepInspector.slot_values",
+    "lightning_numguard.callbacks._inspector:StepInspector._norm_total",
+    "lightning_numguard.callbacks._inspector:StepInspector.grads",
+    "lightning_numguard.callbacks._inspector:StepInspector.end",
+    "lightning_numguard.callbacks._zerosync:DeferredSync.before_step",
+    "lightning_numguard.callbacks._zerosync:DeferredSync.after_step",
+    "lightning_numguard.callbacks._zerosync:DeferredSync.late",
+    "lightning_numguard.callbacks._zerosync:pack",
+    "lightning_numguard.core.pending:PendingFlags.push",
+    "lightning_numguard.core.pending:arm_device_skip",
+    "lightning_numguard.core.flags:pack",
+    "lightning_numguard.core.watch:OutputWatch.keep",
+    "lightning_numguard.callbacks._recovery:Recovery.take",
+    "lightning_numguard.callbacks._metrics:LoggedValues.mark",
+    "lightning_numguard.callbacks._spike:SpikeGuard.extras",
+    "lightning_numguard.callbacks._spike:SpikeGuard.push",
+    "lightning_numguard.callbacks._progress:FitProgress.after_step",
+    "lightning_numguard.reporting.report:Reporter.series",
+    "lightning_numguard.core.checks:input_maxima",
+    "lightning_numguard.core.spike:global_norm",
+    "lightning_numguard.core.spike:SpikeWindow.scores",
+    "lightning_numguard.core.spike:SpikeWindow.push",
+    "lightning_numguard.core.snapshot:rng_state",
+    "lightning_numguard.core.watch:_Hook.__call__",
+    "lightning_numguard.core.watch:OutputWatch.total",
+    "lightning_numguard.core.watch:OutputWatch.reset",
+    "lightning_numguard.core.flags:stack_raw",
+    "benchmarks.floor:FloorGuard.on_train_batch_start",
+    "benchmarks.floor:FloorGuard.on_before_backward",
+    "benchmarks.floor:FloorGuard.on_before_optimizer_step",
+    "benchmarks.floor:_SumHook.__call__",
+)
+#: The guard's entry points: their sum is its time per step (the op guard's wrappers time the op they wrap too).
+HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
+HOOKS += ("on_train_batch_end", "_Hook.__call__", "_SumHook.__call__")
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.on = False
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, key: str, func: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.thread_time
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return func(*args, **kwargs)
+            t0 = clock()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.seconds[key] += clock() - t0
+                self.calls[key] += 1
+
+        return timed
+
+    def install(self) -> None:
+        for target in TARGETS:
+            module_name, path = target.split(":")
+            owner: Any = importlib.import_module(module_name)
+            *parents, name = path.split(".")
+            for part in parents:
+                owner = getattr(owner, part, None)
+            if owner is None or not hasattr(owner, name):
+                continue
+            self._undo.append((owner, name, vars(owner).get(name)))
+            setattr(owner, name, self.wrap(f"{module_name.rsplit('.', 1)[-1]}:{path}", getattr(owner, name)))
+
+    def uninstall(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            if original is None:  # inherited: drop the wrapper
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._undo.clear()
+
+
+def hook_times(spec: bench_models.ModelSpec, variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One fit of ``variant``: per step, the median thread CPU time and the mean time in each timed function."""
+    timer = _Timer()
+    clock = StepClock(args.device)
+    started = [0]
+
+    def on_start() -> None:
+        started[0] += 1
+        timer.on = started[0] > args.warmup
+
+    clock.on_start.insert(0, on_start)
+    timer.install()
+    try:
+        run_fit(spec, variant, args, args.steps, clock)
+    finally:
+        timer.uninstall()
+    steps = max(started[0] - args.warmup, 1)
+    rows = {k: (1e6 * s / steps, timer.calls[k] / steps) for k, s in timer.seconds.items()}
+    paths = {k: k.split(":", 1)[1] for k in rows}
+    hooks = sum(us for k, (us, _) in rows.items() if paths[k] in HOOKS or paths[k].split(".", 1)[-1] in HOOKS)
+    cpu = clock.cpu_step_ms()[args.warmup :]
+    return {"step_cpu_ms": statistics.median(cpu) if cpu else None, "hooks_us": hooks, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hook_profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="mlp,lm")
+    p.add_argument("--variants", default="numguard_default,floor_default")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    args = p.parse_args(argv)
+    args.device, args.precision, args.lm_size, args.float_causal_mask = "cpu", "32", "small", False
+    torch.set_num_threads(1)
+    quiet()
+    for model in args.models.split(","):
+        spec = bench_models.build(model, args.steps + 2, "cpu", "small", float_mask=False)
+        for variant in args.variants.split(","):
+            out = hook_times(spec, variant, args)
+            print(f"{model} {variant}: step {out['step_cpu_ms']:.2f} ms thread CPU, hooks {out['hooks_us']:.0f} us")
+            for key, (us, calls) in sorted(out["rows"].items(), key=lambda kv: -kv[1][0]):
+                print(f"  {us:8.1f} us/step  {calls:5.2f} calls/step  {key}")
+
+
+if __name__ == "__main__":
+    main()
