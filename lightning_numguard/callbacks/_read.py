@@ -72,6 +72,7 @@ class StepRead:
         # values ride after the flag slots in the one read; the global gradient norm is the grads' check
         self.spike: Any = None
         self._grad_norm: torch.Tensor | None = None
+        self._zeros: dict[torch.device, torch.Tensor] = {}
 
     @property
     def start_buffer_map(self) -> dict[str, torch.Tensor]:
@@ -181,7 +182,9 @@ class StepRead:
             segments["grads"] = self.grads(optimizer)
         if every_buffer:  # buffers after the forward pass (BatchNorm running stats)
             segments["live_buffers"] = self.checked_buffers
-        zero = torch.zeros((), dtype=torch.float32, device=device)
+        zero = self._zeros.get(device)
+        if zero is None:  # a 0-d zero per device, made once (never written to)
+            zero = self._zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
         input_max = unmasked = zero
         if rec.inputs:
             input_max = rec.inputs[0][1] if len(rec.inputs) == 1 else torch.stack([v for _, v in rec.inputs]).amax()
@@ -229,7 +232,7 @@ class StepRead:
                     grads = self._grads if self._grads_plan is not None else [t for _, t in named]
                     if plan.local:  # DTensors (FSDP2, tensor parallel): this rank's shards; the reduce takes the max
                         grads = [local(t) for t in grads]
-                    groups = [[grads[i] for i in large + small] for _, _, large, small in plan.groups]
+                    groups = plan.grouped(grads)
                     self._grad_norm = spike.global_norm(groups, device)
                     totals.append(self._grad_norm)
                 elif self._grads_plan is not None:  # grads() found every gradient: its plan and tensor list

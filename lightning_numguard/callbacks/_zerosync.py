@@ -79,7 +79,7 @@ class DeferredRead:
         packed = p.reader.pack(trainer, pl_module, optimizer, due)
         n = len(flags.SLOTS)
         if p.settings.action != "warn":
-            bad = packed[:n].amax() > 0
+            bad = packed.narrow(0, 0, n).any()
             if p.spike.acting and packed.numel() > n:  # a spike is skipped on the device too
                 bad = bad | p.spike.device_flag(packed[n:])
             if rec.forced_skip is not None:

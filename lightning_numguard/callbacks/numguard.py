@@ -333,7 +333,8 @@ class NumGuardCallback(Callback):
         self._progress.after_step(trainer, pl_module, rec, p.snapshots.snapshot, self.counters)
         p.amp.log(trainer, pl_module, self.counters["amp_overflow_steps"])
         # host numbers: the counters and the spike statistics of the step's one read, no device read
-        self._reporter.series(trainer, rec.step, {**counter_scalars(self.counters), **p.spike.scalars()})
+        if self._reporter.series_due(trainer, rec.step):
+            self._reporter.series(trainer, rec.step, {**counter_scalars(self.counters), **p.spike.scalars()})
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -117,14 +117,19 @@ class Reporter:
             except Exception as err:  # a broken logger must not kill training
                 log.warning("numguard could not write to logger %s: %s", type(lg).__name__, err)
 
+    @staticmethod
+    def series_due(trainer: pl.Trainer, step: int) -> bool:
+        """Whether :meth:`series` writes at ``step`` (a multiple of ``log_every_n_steps``, rank 0, a logger)."""
+        every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 1))
+        return not step % every and trainer.is_global_zero and bool(trainer.loggers)
+
     def series(self, trainer: pl.Trainer, step: int, scalars: Mapping[str, float]) -> None:
         """``scalars`` to every logger at ``step`` when it is a multiple of ``trainer.log_every_n_steps`` (from 0).
 
         Called at every batch end (global rank 0 writes); a tag already written at ``step`` (by an incident of
         that step) is not written again. No flush: the loggers flush on their own schedule and at the end.
         """
-        every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 1))
-        if step % every or not trainer.is_global_zero or not trainer.loggers:
+        if not self.series_due(trainer, step):
             return
         last_step, tags = self._written
         due = {k: v for k, v in scalars.items() if not (step == last_step and k in tags)}
