@@ -197,8 +197,9 @@ class Recovery:
         if decision.keep_start:
             self.snapshots.take(trainer, pl_module, rec)
 
-    def at_late_read(self, trainer: pl.Trainer, step: int, decision: Decision) -> None:
-        """Read one step late: verify or drop the candidates; a skipped step's LR schedule is put back."""
+    def at_late_read(self, trainer: pl.Trainer, step: int, decision: Decision, forced: bool = False) -> None:
+        """Read one step late: verify or drop the candidates; the LR schedule of a step skipped for what it held is
+        put back (not a ``forced`` skip's: after a late rollback, the snapshot's schedule stands)."""
         if decision.keep_start:
             self.snapshots.verify(step)
         elif decision.drop_start:
@@ -206,7 +207,7 @@ class Recovery:
         schedule = self._schedules.pop(step, None)
         for old in [s for s in self._schedules if s < step]:
             del self._schedules[old]
-        if decision.skips and schedule is not None:  # the schedule as the bad step found it
+        if decision.skips and not forced and schedule is not None:  # the schedule as the bad step found it
             for config, state in zip(trainer.lr_scheduler_configs, schedule[0]):
                 config.scheduler.load_state_dict(state)
             for opt, lrs in zip(trainer.optimizers, schedule[1]):

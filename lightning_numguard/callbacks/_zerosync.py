@@ -120,8 +120,9 @@ class DeferredRead:
         p = self.pipeline
         n = len(flags.SLOTS)
         reading = Reading(flags.decode(values[:n], trainer.world_size), {}, values[n:])
+        forced = rec.forced_skip is not None or reading.flags.seen(flags.QUARANTINE)
         decision = p.judge(trainer, pl_module, StepView(rec, reading, kept), due=False)
-        p.recovery.at_late_read(trainer, step, decision)
+        p.recovery.at_late_read(trainer, step, decision, forced)
         if decision.restore and optimizer is not None:  # the step in flight started from the state to replace
             p.recovery.skip_in_flight(optimizer, pl_module.device)
             current = p.recorder.record
