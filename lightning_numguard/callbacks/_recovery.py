@@ -30,29 +30,12 @@ from lightning_numguard.core.judge import Decision
 from lightning_numguard.core.pending import arm_device_skip, disarm_device_skip
 from lightning_numguard.core.quarantine import Quarantine, sample_indices
 from lightning_numguard.core.snapshot import Stateful
-from lightning_numguard.core.stateful import MetricState, NumpyRNG, PrecisionState, apply_lr_backoff
+from lightning_numguard.core.stateful import apply_lr_backoff
 from lightning_numguard.core.tree import clone_tree, tensors, to_plain
 
-__all__ = ["Recovery", "stateful_objects"]
+__all__ = ["Recovery"]
 
 log = logging.getLogger(__name__)
-
-
-def stateful_objects(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Stateful]:
-    """Everything besides the module and optimizers that a bitwise rollback must restore."""
-    out: dict[str, Stateful] = {}
-    for i, config in enumerate(trainer.lr_scheduler_configs):
-        out[f"lr_scheduler:{i}"] = config.scheduler
-    plugin = trainer.precision_plugin
-    if getattr(plugin, "scaler", None) is not None:
-        out["precision"] = PrecisionState(plugin)
-    from torchmetrics import Metric  # a dependency of Lightning
-
-    for name, module in pl_module.named_modules():
-        if isinstance(module, Metric):
-            out[f"metric:{name}"] = MetricState(module)
-    out["numpy_rng"] = NumpyRNG()
-    return out
 
 
 class Recovery:
@@ -192,10 +175,15 @@ class Recovery:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, decision: Decision, optimizer: Any
     ) -> None:
         """Read at the step, before its optimizer step: drop the gradients of a skipped step; keep a verified start."""
-        if decision.skips and optimizer is not None:  # the step becomes a no-op: no momentum, decay or step count
-            optimizer.zero_grad(set_to_none=True)
+        if decision.skips and optimizer is not None:
+            self.drop_gradients(optimizer)
         if decision.keep_start:
             self.snapshots.take(trainer, pl_module, rec)
+
+    @staticmethod
+    def drop_gradients(optimizer: Any) -> None:
+        """A skipped step's optimizer step becomes a no-op: no momentum, weight decay or step count moves."""
+        optimizer.zero_grad(set_to_none=True)
 
     def at_late_read(self, trainer: pl.Trainer, step: int, decision: Decision, forced: bool = False) -> None:
         """Read one step late: verify or drop the candidates; the LR schedule of a step skipped for what it held is

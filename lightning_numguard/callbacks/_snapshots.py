@@ -26,8 +26,26 @@ from lightning_numguard.core.snapshot import (
     restore,
     start_capture,
 )
+from lightning_numguard.core.stateful import MetricState, NumpyRNG, PrecisionState
 
-__all__ = ["Snapshots"]
+__all__ = ["Snapshots", "stateful_objects"]
+
+
+def stateful_objects(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Stateful]:
+    """Everything besides the module and optimizers that a bitwise rollback must restore."""
+    out: dict[str, Stateful] = {}
+    for i, config in enumerate(trainer.lr_scheduler_configs):
+        out[f"lr_scheduler:{i}"] = config.scheduler
+    plugin = trainer.precision_plugin
+    if getattr(plugin, "scaler", None) is not None:
+        out["precision"] = PrecisionState(plugin)
+    from torchmetrics import Metric  # a dependency of Lightning
+
+    for name, module in pl_module.named_modules():
+        if isinstance(module, Metric):
+            out[f"metric:{name}"] = MetricState(module)
+    out["numpy_rng"] = NumpyRNG()
+    return out
 
 
 class Snapshots:

@@ -34,9 +34,8 @@ from lightning_numguard.callbacks._coverage import CoverageCheck
 from lightning_numguard.callbacks._doc import DOC
 from lightning_numguard.callbacks._pipeline import Settings, StepPipeline
 from lightning_numguard.callbacks._progress import FitProgress
-from lightning_numguard.callbacks._recovery import stateful_objects
 from lightning_numguard.callbacks._sharded import SHARDING
-from lightning_numguard.callbacks._snapshots import Snapshots
+from lightning_numguard.callbacks._snapshots import Snapshots, stateful_objects
 from lightning_numguard.callbacks._spike import STATEFUL_KEY
 from lightning_numguard.callbacks._strategies import check_strategy
 from lightning_numguard.callbacks._types import Backoff, NonNegativeInt, PositiveFloat, PositiveInt, plain_args
@@ -301,7 +300,7 @@ class NumGuardCallback(Callback):
         if rec is None:  # an optimizer step outside a training batch (manual loops)
             return
         if rec.read_done and rec.bad:  # a further optimizer of a bad batch (manual optimization)
-            optimizer.zero_grad(set_to_none=True)
+            self._pipeline.recovery.drop_gradients(optimizer)
             return
         if rec.read_done:  # a further optimizer of a clean batch: its gradients only
             recorder.forget_forward()

@@ -180,3 +180,31 @@ def test_deferred_mode_stops_acting_on_a_field_flagged_step_after_step(tmp_path)
     # read one step late: step 3 was already skipped on the device when step 2's flags declared the field
     assert max(e["step"] for e in guard.events) == 3
     assert guard.counters["skipped_steps"] == 4 and guard.counters["rollbacks"] == 0
+
+
+def test_a_late_rollback_backs_the_lr_off_opens_the_skip_window_and_writes_last_finite(tmp_path):
+    """One pipeline: a rollback decided one step late does what any rollback does (issue 18)."""
+    final_lr = {}
+    for backoff in (1.0, 0.5):
+        torch.manual_seed(0)
+        model = FusedModel(site="param", step=3)
+        guard = NumGuardCallback(
+            action="rollback",
+            dirpath=str(tmp_path / str(backoff)),
+            sync_mode="deferred",
+            snapshot_every_n_steps=2,
+            lr_backoff=backoff,
+            skip_batches_after_rollback=1,
+            emit_warnings=False,
+        )
+        t = trainer(tmp_path / str(backoff), [guard], max_steps=8)
+        t.fit(model, loader(FaultData()))
+        final_lr[backoff] = t.optimizers[0].param_groups[0]["lr"]
+        first = guard.events[0]
+        assert (first["kind"], first["step"], first["action"]) == ("nonfinite_param", 3, "rollback")
+        assert (tmp_path / str(backoff) / "last_finite.ckpt").exists()
+        # step 3 (skipped on the device), step 4 (in flight when step 3 was read), step 5 (the skip window)
+        assert (guard.counters["rollbacks"], guard.counters["skipped_steps"]) == (1, 3)
+        assert all_finite(model.state_dict())
+    assert "lr_after_backoff" in first["details"]
+    assert final_lr[0.5] == pytest.approx(final_lr[1.0] / 2)
