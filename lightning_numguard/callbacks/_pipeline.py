@@ -191,7 +191,7 @@ class StepPipeline:
         """Batch end: carry out the step's decision and record its events (a halt's first: ``last_finite.ckpt``
         counts its incident)."""
         decision = rec.decision
-        if decision is None:
+        if decision is None or (decision.action == "none" and not rec.events):  # a clean step: nothing left to do
             return
         if decision.action == "halt":
             self.ledger.record(trainer, rec.events)
