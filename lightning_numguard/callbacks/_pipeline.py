@@ -89,10 +89,7 @@ class StepPipeline:
     @classmethod
     def build(cls, s: Settings, dirpath: Path | None) -> StepPipeline:
         """The parts of a fit, wired (``dirpath``: where files go; ``None``: no file is written)."""
-        recorder = StepRecorder(s.check, s.watch_modules, s.ignore_modules, s.watch_depth)
-        reader = StepRead(s.check, s.max_abs_input, recorder)
         conventions = InputConventions()  # batch fields flagged step after step: no longer checked
-        recorder.ignored_inputs = conventions.ignored
         reporter = Reporter(dirpath, warn=s.emit_warnings)
         # the deferred candidates shard the same way; they are copied synchronously
         snapshots = Snapshots(
@@ -104,7 +101,7 @@ class StepPipeline:
         spike = SpikeGuard(
             s.spike_action, s.spike_sigma, s.spike_window, s.spike_warmup, s.spike_rollback_after, s.overflow_headroom
         )
-        reader.spike = spike
+        recorder, reader = _instruments(s, spike, conventions)
         return cls(
             s, recorder, reader, snapshots, recovery, Ledger(reporter), spike, conventions, AmpCounters(), reporter
         )
@@ -112,10 +109,7 @@ class StepPipeline:
     def without_instruments(self) -> StepPipeline:
         """A copy with a new recorder and read (hooks, the op-guard mode and the step record belong to a running
         fit: pickling keeps the rest; ``setup`` builds them again)."""
-        s = self.settings
-        recorder = StepRecorder(s.check, s.watch_modules, s.ignore_modules, s.watch_depth)
-        reader = StepRead(s.check, s.max_abs_input, recorder)
-        reader.spike = self.spike
+        recorder, reader = _instruments(self.settings, self.spike, self.conventions)
         return replace(self, recorder=recorder, reader=reader)
 
     def due(self, step: int) -> bool:
@@ -271,3 +265,13 @@ class StepPipeline:
         for event in events:
             self.reporter.say_once(trainer, f"convention {event['where']}", event["message"])
         return events
+
+
+def _instruments(s: Settings, spike: SpikeGuard, conventions: InputConventions) -> tuple[StepRecorder, StepRead]:
+    """A fit's step recorder and read: the recorder leaves out the fields declared conventions; the read carries the
+    spike statistics after its flags."""
+    recorder = StepRecorder(s.check, s.watch_modules, s.ignore_modules, s.watch_depth)
+    recorder.ignored_inputs = conventions.ignored
+    reader = StepRead(s.check, s.max_abs_input, recorder)
+    reader.spike = spike
+    return recorder, reader
