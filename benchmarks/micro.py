@@ -225,7 +225,7 @@ def snapshot_and_restore(
 class _TimedGuard(OpGuard):
     """``OpGuard`` that adds up the thread CPU time of its own work inside a forward: entering and leaving, and each
     guarded call's dispatch, check, record and sanitising (the original op excluded; the wrapper that calls
-    ``_call``, a thread-local lookup, is not timed)."""
+    ``call``, a thread-local lookup, is not timed)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -246,11 +246,11 @@ class _TimedGuard(OpGuard):
         finally:
             self.spent_s += time.thread_time() - t0
 
-    def _call(self, func: Any, args: Any, kwargs: Any) -> Any:
+    def call(self, func: Any, args: Any, kwargs: Any) -> Any:
         self.calls += 1
         t0 = time.thread_time()
         try:
-            return super()._call(func, args, kwargs)
+            return super().call(func, args, kwargs)
         finally:
             self.spent_s += time.thread_time() - t0
 

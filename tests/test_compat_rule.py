@@ -29,27 +29,7 @@ PACKAGE_NAME = PACKAGE.name
 COMPAT = "lightning_numguard/_compat.py"
 
 #: ``(path, expression) -> why it cannot go through _compat``. Keep it small; every entry must still match.
-#: These are the package's own private names crossing between two of its modules, not another package's.
-ALLOWED: dict[tuple[str, str], str] = {
-    ("lightning_numguard/core/watch.py", "watch._exit"): (
-        "the watch's own forward hook, which holds the watch by weakref (a module must not keep it alive), "
-        "calling back into it; same module, no foreign name"
-    ),
-    ("lightning_numguard/core/opguard/patch.py", "guard._forms"): (
-        "the OpGuard <-> patch protocol (typed by patch's `_Guard` Protocol), in the same sub-package: the "
-        "patched function's hot path asks the innermost guard whether it guards `func`; no foreign name"
-    ),
-    ("lightning_numguard/core/opguard/patch.py", "guard._call"): (
-        "the same OpGuard <-> patch protocol: a patched function hands its call to the guard; no foreign name"
-    ),
-    ("lightning_numguard/core/opguard/mode.py", "signatures._Form"): (
-        "the sibling module's (core/opguard/signatures.py) argument-form type, used in OpGuard's annotations; "
-        "no foreign name"
-    ),
-    ("lightning_numguard/core/opguard/mode.py", "signatures._Call"): (
-        "the sibling module's argument reader, built by OpGuard for each guarded call; no foreign name"
-    ),
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 OWN_RECEIVERS = frozenset({"self", "cls"})
 NAMEDTUPLE_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults"})

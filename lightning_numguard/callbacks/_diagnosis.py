@@ -229,7 +229,8 @@ def op_findings(records: list[Any], first_module: str | None, rank: int, late: b
     """Op calls whose inputs were outside their domain."""
     if not records:
         return []
-    values = torch.stack([r.flag.detach().to(torch.float32).reshape(()).cpu() for r in records]).tolist()
+    device = records[0].flag.device  # one stack on the flags' device, one read (not a read per record)
+    values = torch.stack([r.flag.detach().to(device, torch.float32).reshape(()) for r in records]).tolist()
     out: list[Finding] = []
     for record, flag in zip(records, values):
         if flag:

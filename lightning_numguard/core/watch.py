@@ -146,7 +146,7 @@ class _Hook:
         watch = self.watch()
         if watch is None or id(module) != self.module_id:
             return
-        watch._exit(self.slot, output)
+        watch.record_output(self.slot, output)
 
 
 class _Slots:
@@ -240,7 +240,7 @@ class OutputWatch:
             self._used = [False] * len(self.names)
         self._last_out = None
 
-    def _exit(self, slot: int, output: Any) -> None:
+    def record_output(self, slot: int, output: Any) -> None:
         if not self.enabled or not torch.is_grad_enabled():
             return
         if isinstance(output, torch.Tensor):

@@ -187,7 +187,7 @@ class OpGuard:
         self.module_resolver: Callable[[], str | None] | None = None
         self.records: list[OpRecord] = []
         self.enabled = True
-        self._forms = {func: form for func, form in signatures.FORMS.items() if form.op in selected}
+        self.forms = {func: form for func, form in signatures.FORMS.items() if form.op in selected}
         self._entered: list[bool] = []  # per entry: whether it wrapped the functions itself
         self._held = False
 
@@ -196,14 +196,14 @@ class OpGuard:
         if self._held:  # the functions are wrapped already: only this thread's stack changes
             patch.active_guards().append(self)
         else:
-            patch.install(self, self._forms)
+            patch.install(self, self.forms)
         self._entered.append(not self._held)
         return self
 
     def __exit__(self, *exc: object) -> None:
         """Put the original functions back (exceptions pass through)."""
         if self._entered:
-            patch.uninstall(self, self._forms if self._entered.pop() else ())
+            patch.uninstall(self, self.forms if self._entered.pop() else ())
 
     def hold(self) -> None:
         """Keep the guarded functions intercepted until :meth:`release`, entered or not (idempotent).
@@ -214,17 +214,17 @@ class OpGuard:
         """
         if not self._held:
             self._held = True
-            patch.acquire(self._forms)
+            patch.acquire(self.forms)
 
     def release(self) -> None:
         """Undo :meth:`hold` (idempotent): the originals come back once nothing else needs them."""
         if self._held:
             self._held = False
-            patch.release(self._forms)
+            patch.release(self.forms)
 
-    def _call(self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    def call(self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """Run ``func``; check (and maybe sanitise) its inputs first when it is a guarded op."""
-        form = self._forms.get(func)
+        form = self.forms.get(func)
         if form is None:
             return func(*args, **kwargs)
         if not self.check_cpu_calls and func not in _IN_PLACE and _on_cpu(args, kwargs):
@@ -244,9 +244,9 @@ class OpGuard:
         """The guarded function itself (a seam: ``benchmarks.micro`` times the guard's own work without it)."""
         return func(*args, **kwargs)
 
-    def _checked(self, form: signatures._Form, args: Sequence[Any], kwargs: Mapping[str, Any]) -> signatures._Call:
+    def _checked(self, form: signatures.Form, args: Sequence[Any], kwargs: Mapping[str, Any]) -> signatures.Call:
         """The call's arguments after every rule of ``form``: each checked and recorded, and maybe sanitised."""
-        call = signatures._Call(form, args, kwargs)
+        call = signatures.Call(form, args, kwargs)
         for rule in form.check(form.op, call):
             self._apply(form.op, call, rule)
         return call
@@ -265,7 +265,7 @@ class OpGuard:
             return torch.zeros(0, dtype=torch.float32, device=device)
         return torch.stack([record.flag.to(device) for record in self.records]).to(torch.float32)
 
-    def _apply(self, op: str, call: signatures._Call, rule: ArgRule) -> None:
+    def _apply(self, op: str, call: signatures.Call, rule: ArgRule) -> None:
         """Record whether ``call``'s argument ``rule.arg`` breaks the rule; replace bad values by ``rule.fill``."""
         tensor: torch.Tensor = call.get(rule.arg)
         bad = violations(op, tensor, rule.low, rule.high, rule.ignore_index)

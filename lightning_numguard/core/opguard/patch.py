@@ -43,9 +43,9 @@ __all__ = ["acquire", "active_guards", "install", "release", "uninstall"]
 
 class _Guard(Protocol):
     enabled: bool
-    _forms: dict[Callable[..., Any], Any]
+    forms: dict[Callable[..., Any], Any]
 
-    def _call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+    def call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
 class _Local(threading.local):
@@ -93,10 +93,10 @@ def _wrap(func: Callable[..., Any]) -> Callable[..., Any]:
         guards = local.guards
         if guards and not local.busy:
             for guard in reversed(guards):  # the innermost enabled guard that guards this function
-                if guard.enabled and func in guard._forms:
+                if guard.enabled and func in guard.forms:
                     local.busy = True
                     try:
-                        return guard._call(func, args, kwargs)
+                        return guard.call(func, args, kwargs)
                     finally:
                         local.busy = False
         return func(*args, **kwargs)

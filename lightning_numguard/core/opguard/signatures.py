@@ -2,8 +2,8 @@
 
 One op has several spellings (``F.cross_entropy``, ``torch._C._nn.cross_entropy_loss``;
 ``torch.gather``, ``Tensor.gather``), each with its own parameter order and names. A
-:class:`_Form` maps the canonical parameter names the rules use to positions and keywords
-of one spelling; :class:`_Call` reads and replaces arguments by those names.
+:class:`Form` maps the canonical parameter names the rules use to positions and keywords
+of one spelling; :class:`Call` reads and replaces arguments by those names.
 
 The table is tolerant: every function is looked up by name with ``getattr(..., None)``
 and a name this torch lacks (a private ``torch._C._nn`` binding renamed or removed) is
@@ -31,13 +31,13 @@ from lightning_numguard.core.opguard.rules import (
     check_probabilities,
 )
 
-__all__ = ["FORMS"]
+__all__ = ["FORMS", "Call", "Form"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _Form:
+class Form:
     """How one function object spells one guarded op: its parameters and its check."""
 
     op: str
@@ -46,12 +46,12 @@ class _Form:
     keywords: dict[str, tuple[str, ...]]
 
 
-class _Call:
+class Call:
     """The arguments of one call, readable and replaceable by canonical parameter name."""
 
     __slots__ = ("args", "form", "kwargs")
 
-    def __init__(self, form: _Form, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    def __init__(self, form: Form, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         self.form = form
         self.args = list(args)
         self.kwargs = dict(kwargs)
@@ -78,12 +78,12 @@ class _Call:
                 return
 
 
-def _form(op: str, check: Check, params: Sequence[str], aliases: Mapping[str, str] | None = None) -> _Form:
+def _form(op: str, check: Check, params: Sequence[str], aliases: Mapping[str, str] | None = None) -> Form:
     """A form whose positional parameters are ``params`` (canonical names), plus keyword aliases."""
     keywords: dict[str, tuple[str, ...]] = {name: (name,) for name in params}
     for keyword, name in (aliases or {}).items():
         keywords[name] = (*keywords.get(name, ()), keyword)
-    return _Form(op, check, {name: i for i, name in enumerate(params)}, keywords)
+    return Form(op, check, {name: i for i, name in enumerate(params)}, keywords)
 
 
 _SELF = {"self": "input"}
@@ -123,7 +123,7 @@ def _build_forms(
     functional: object = F,
     torch_ns: object = torch,
     tensor: object = torch.Tensor,
-) -> dict[Callable[..., Any], _Form]:
+) -> dict[Callable[..., Any], Form]:
     """The table from function object to form, built from the namespaces given.
 
     Args:
@@ -136,7 +136,7 @@ def _build_forms(
         One entry per function the namespaces have; a name one of them lacks is left out
         and logged once, at DEBUG, with every other missing name.
     """
-    entries: list[tuple[object, str, str, _Form]] = [
+    entries: list[tuple[object, str, str, Form]] = [
         (functional, "F", "binary_cross_entropy", _form("binary_cross_entropy", check_probabilities, _BCE)),
         (nn, "torch._C._nn", "binary_cross_entropy", _form("binary_cross_entropy", check_probabilities, _BCE, _SELF)),
         (functional, "F", "nll_loss", _form("nll_loss", check_class_targets, _LOSS)),
@@ -181,7 +181,7 @@ def _build_forms(
         for namespace, label, name in namespaced:
             entries.append((namespace, label, name, _form(op, check_dim_index, _DIM_INDEX, _SELF)))
 
-    forms: dict[Callable[..., Any], _Form] = {}
+    forms: dict[Callable[..., Any], Form] = {}
     missing: list[str] = []
     for namespace, label, name, form in entries:
         func = getattr(namespace, name, None)
@@ -194,5 +194,5 @@ def _build_forms(
     return forms
 
 
-FORMS: dict[Callable[..., Any], _Form] = _build_forms(nn_bindings())
+FORMS: dict[Callable[..., Any], Form] = _build_forms(nn_bindings())
 """Every guarded function object of this torch, to its form."""
