@@ -119,29 +119,34 @@ def diagnose(
         result = _replay(trainer, pl_module, recorder, rec)
     stage = result.get("stage")
     sites = result.pop("op_sites", {}) or {}
-    forward_culprit = stage == "forward" and result.get("op_module") is not None
-    if output is None and result.get("forward_module") and (stage != "forward" or forward_culprit):
+    if output is None and result.get("forward_module") and stage != "forward":
         output = Finding("nonfinite_output", [result["forward_module"]], {}, rank)
         found.append(output)
-    if output is not None and result.get("forward_module") and result["forward_module"] != output.where[0]:
+    culprit = _culprit_finding(result, output, type(pl_module).__name__, rank) if stage == "forward" else None
+    if culprit is not None:  # the op that made the value, where it ran; the module that showed it received it
+        if output is not None and output in found:
+            found.insert(found.index(output), culprit)
+        else:
+            found.append(culprit)
+        if output is not None and _inside(culprit.where[0], output.where[0]):  # the block that made it
+            found.remove(output)
+            culprit.details.update({k: v for k, v in output.details.items() if k not in culprit.details})
+        elif output is not None:
+            output.details["received_from"] = culprit.where[0]
+    elif output is not None and result.get("forward_module") and result["forward_module"] != output.where[0]:
         # the per-step watch names a block; the replay, watching every module, names the exact one
         output.details["block"] = output.where[0]
         output.where[0] = result["forward_module"]
-    if output is not None and forward_culprit and result["op_module"] != output.where[0]:
-        # the module that ran the culprit op, not the first one its bad value reached (a fully masked softmax
-        # row in `attn` is seen first at the output of `attn.proj`)
-        output.details["first_bad_output"] = output.where[0]
-        output.where[0] = result["op_module"]
-    if output is not None and not late:
-        output.details["replay"] = result
-        if forward_culprit:
-            _name_op(output, result)
-    first_module = output.where[0] if output is not None else None
+    for shown in (culprit, output):
+        if shown is not None and not late:
+            shown.details["replay"] = result
+    first_module = (culprit or output).where[0] if (culprit or output) is not None else None
 
     if seen.seen(flags.OP):
         for finding in op_findings(op_records, first_module, rank, late):
             op, module = finding.where[0], finding.details.get("module")
-            line = sites.get(op) or {}
+            calls = sites.get(op) or []
+            line = calls[min(finding.details.pop("call", 0), len(calls) - 1)] if calls else {}
             if not late:
                 finding.where, finding.op, finding.module = [op], op, module
             if line.get("file"):
@@ -152,7 +157,7 @@ def diagnose(
         found.append(loss)
         if result:
             loss.details["replay"] = result
-            if stage == "forward" and not forward_culprit:  # an op outside every submodule: the loss code
+            if stage == "forward" and culprit is None:  # no module output went bad: the loss code made it
                 _name_op(loss, result)
     if grad_bad:
         grad = Finding("nonfinite_grad", grad_bad, {}, seen.rank(flags.NORMS))
@@ -232,9 +237,12 @@ def op_findings(records: list[Any], first_module: str | None, rank: int, late: b
     device = records[0].flag.device  # one stack on the flags' device, one read (not a read per record)
     values = torch.stack([r.flag.detach().to(device, torch.float32).reshape(()) for r in records]).tolist()
     out: list[Finding] = []
+    calls: dict[str, int] = {}
     for record, flag in zip(records, values):
+        call = calls.get(record.op, 0)
+        calls[record.op] = call + 1
         if flag:
-            details = dict(OpGuard.describe(record))
+            details = {**OpGuard.describe(record), "call": call}
             if first_module and not late:
                 details["upstream"] = first_module
             out.append(Finding("op_domain", [record.op] + ([record.module] if record.module else []), details, rank))
@@ -251,6 +259,28 @@ def loss_finding(rec: StepRecord, rank: int) -> Finding | None:
 
 def _live_ops(recorder: StepRecorder) -> list[Any]:
     return recorder.opguard.records if recorder.opguard is not None else []
+
+
+def _culprit_finding(result: dict[str, Any], output: Finding | None, root: str, rank: int) -> Finding | None:
+    """The root cause of a forward culprit that reached a module's output: ``nonfinite_output`` in the module that
+    ran the op (``root``, the LightningModule's class name, for its own ``forward`` or ``training_step``).
+
+    ``None`` when no module output went non-finite (the loss code made the value: the loss finding names it).
+    """
+    if output is None and not result.get("forward_module") and not result.get("op_module"):
+        return None
+    module = result.get("op_module") or root
+    finding = Finding("nonfinite_output", [module], {"own_code": True} if not result.get("op_module") else {}, rank)
+    _name_op(finding, result)
+    finding.module = module
+    if output is not None and module != output.where[0] and _inside(module, output.where[0]):
+        finding.details["block"] = output.where[0]
+    return finding
+
+
+def _inside(module: str, block: str) -> bool:
+    """Whether ``module`` is ``block`` or one of its submodules (by qualified name)."""
+    return module == block or module.startswith(block + ".")
 
 
 def _name_op(finding: Finding, result: dict[str, Any]) -> None:

@@ -87,7 +87,7 @@ def replay_batch(
             stack.enter_context(_patched(opt, step=_closure_only))
         stack.enter_context(trainer.precision_plugin.train_step_context())
         stack.enter_context(_eager())
-        return replay(pl_module, run_step, rng, sites=True, agree=_agreement(trainer))
+        return replay(pl_module, run_step, rng, sites=True, agree=_agreement(trainer), batch=batch)
 
 
 def _agreement(trainer: pl.Trainer) -> Callable[[bool], bool] | None:

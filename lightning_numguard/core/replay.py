@@ -1,4 +1,4 @@
-"""Find the first op that made a step non-finite, given a closure that runs the step.
+"""Find the op that made a step non-finite, given a closure that runs the step.
 
 Runs only after an incident, never on clean steps. ``run_step`` is a closure that runs the
 step's forward pass and returns what ``training_step`` returns (a loss tensor, a dict with a
@@ -6,18 +6,23 @@ step's forward pass and returns what ``training_step`` returns (a loss tensor, a
 trace the backward pass) from the same RNG state. The caller restores the training state
 afterwards: the replay's forward pass changes BatchNorm buffers and leaves gradients.
 
-The rule (``result["stage"]``):
+The rule, by definition: **the culprit is the first op, in execution order, that wrote a NaN or Inf
+that none of its inputs held, and whose value reaches the bad value the step detected** (the first
+module output that went non-finite, or the loss). :class:`~lightning_numguard.core.provenance.Provenance`
+records every op at the dispatcher, in place and ``__setitem__`` included, and walks back from the bad
+value to the op that made it (``result["stage"]``):
 
-- ``"forward"``: the forward pass went non-finite: the culprit is the first forward op whose
-  inputs were finite and whose output was not (``op``, the user's ``file``/``line``/``code``);
-- ``"inputs"``: the first non-finite value of the forward pass came from an op's inputs (the
-  batch or the weights were already bad), or from another rank through a collective
-  (``from_another_rank``: tensor parallelism's all-reduce): no op is named;
+- ``"forward"``: an op made it: ``op``, the module running it (``op_module``; ``None`` for the root
+  module's own code) and the user's ``file``/``line``/``code`` *of that call*;
+- ``"inputs"``: the value was already bad where the forward pass started: a parameter, a buffer or a
+  batch field (``leaf``), or it came from another rank through a collective (``from_another_rank``:
+  tensor parallelism's all-reduce): no op is named;
 - ``"backward"``: the whole forward pass was finite: the culprit is the first autograd node whose
   gradients went non-finite from finite ones (``sqrt(0)``'s ``SqrtBackward0``).
 
-Infinities written on purpose (``masked_fill(mask, -inf)`` before a softmax) are not culprits;
-the NaN the softmax makes of a fully masked row is.
+Non-finite values that never reach the bad value are never culprits (T5's ``log(0)`` in its position
+buckets, a causal mask's ``-inf``); a NaN made from an Inf written on purpose is (a softmax over a fully
+masked row: ``inf_in``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import linecache
 import logging
-import math
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -39,8 +43,9 @@ from lightning_numguard._compat import caller_frame
 
 from .dtensor import local
 from .opguard import OpGuard
+from .provenance import Origin, Provenance
 from .snapshot import rng_state, set_rng_state
-from .tree import tensors
+from .tree import tensor_leaves, tensors
 from .usercode import is_library_file, user_site
 
 __all__ = ["first_bad_node", "loss_of", "op_name", "replay"]
@@ -51,13 +56,10 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)')
 _ALIASES = {"truediv": "div", "rtruediv": "div", "rdiv": "div", "radd": "add", "rsub": "sub", "rmul": "mul"}
 _ALIASES.update({"rpow": "pow", "rmatmul": "matmul", "iadd": "add_", "imul": "mul_", "itruediv": "div_"})
 _IGNORED = {"__get__", "__set__", "__getitem__", "__setitem__", "__len__", "__format__", "__repr__"}
-# Ops whose output is uninitialised memory (it may hold any bits, NaN included, until written): FSDP2 allocates
-# its all-gather buffers with them, and the collective that fills a buffer is not a torch function call.
-_UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
-# Ops called by torch.distributed's own code (FSDP2's copies into and out of its all-gather buffers, which hold
-# uninitialised memory until a collective the trace does not see has filled them) are not watched; its
-# collectives are, as the way another rank's values arrive.
+# Calls made by torch.distributed's own code (FSDP2's copies into and out of its all-gather buffers) are not
+# the model's: they get no user line.
 _DISTRIBUTED = "/torch/distributed/"
+_OWN = tuple(f"/lightning_numguard/core/{name}.py" for name in ("replay", "provenance", "dtensor", "tree"))
 
 
 def _local_tensors(obj: Any) -> list[torch.Tensor]:
@@ -86,82 +88,39 @@ def op_name(func: Any) -> str:
     return _ALIASES.get(bare, bare) if name.startswith("__") else name
 
 
-def _has(obj: Any, test: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    return any(bool(test(t).any()) for t in _local_tensors(obj) if t.is_floating_point())
-
-
-def _scalars_finite(args: Any, kwargs: dict[str, Any]) -> bool:
-    values = list(args) + list(kwargs.values())
-    return all(math.isfinite(v) for v in values if isinstance(v, float))
-
-
 def _site(file: str, line: int) -> dict[str, Any]:
     return {"file": file, "line": line, "code": linecache.getline(file, line).strip()}
 
 
-def _overflow_facts(inputs: Any, out: Any) -> dict[str, Any]:
-    """The culprit op's output dtype and its inputs' largest finite ``|x|`` (an overflow from finite values)."""
-    floats = [t for t in _local_tensors(out) if t.is_floating_point()]
-    facts: dict[str, Any] = {"dtype": str(floats[0].dtype).replace("torch.", "")} if floats else {}
-    with torch.no_grad():
-        peaks = [
-            float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
-            for t in _local_tensors(inputs)
-            if t.is_floating_point() and t.numel()
-        ]
-    peaks += [abs(v) for v in inputs[0] if isinstance(v, float) and math.isfinite(v)]
-    if peaks:
-        facts["max_abs_in"] = max(peaks)
-    if _has(inputs, torch.isinf):  # NaN from ±Inf (a fully masked softmax row): the inputs were not finite
-        facts["inf_in"] = True
-    return facts
+class _Calls(TorchFunctionMode):
+    """The torch-level call running now (``linear`` while its ``addmm`` runs) and every call's user line.
 
+    ``sites``: op name -> the user's ``file``/``line``/``code`` of each call of it, in call order (one per
+    call, never one per name: two calls of ``div`` at two lines are two sites).
+    """
 
-class _ForwardTrace(TorchFunctionMode):
-    """Watches every torch call of the forward pass for the first non-finite value and where it came from."""
-
-    def __init__(self, stack: list[str]) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.stack = stack
-        self.culprit: dict[str, Any] | None = None  # finite inputs, non-finite output
-        self.inputs_bad: dict[str, Any] | None = None  # the first non-finite output came from bad inputs
-        self.constant: dict[str, Any] | None = None  # a non-finite constant argument (`loss * inf`)
-        self.sites: dict[str, dict[str, Any]] = {}  # the first user site of every op called
+        self.current: str | None = None
+        self.sites: dict[str, list[dict[str, Any]]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
-        if self.culprit is not None or name in _IGNORED or name in _UNINITIALISED:
-            return out
-        if _DISTRIBUTED in _caller_file(caller_frame(1)) and not _collective(func):
-            return out  # torch.distributed's own bookkeeping (FSDP2 copies into and out of its all-gather buffers)
+        if name in _IGNORED and name != "__setitem__":
+            return func(*args, **kwargs)
+        caller = _caller_file(caller_frame(1))
+        if caller.endswith(_OWN):  # the replay's own checks (module hooks), not the model's
+            return func(*args, **kwargs)
         op = op_name(func)
-        if op not in self.sites:
+        if _DISTRIBUTED not in caller:
             where = user_site(caller_frame(1))
-            self.sites[op] = _site(*where) if where else {}
-        nan_out, inf_out = _has(out, torch.isnan), _has(out, torch.isinf)
-        if not (nan_out or inf_out):
-            return out
-        inputs = [args, list(kwargs.values())]
-        scalars_ok = _scalars_finite(args, kwargs)
-        nan_in = _has(inputs, torch.isnan) or any(
-            isinstance(v, float) and math.isnan(v) for v in list(args) + list(kwargs.values())
-        )
-        entry = {"op": op, "module": self.stack[-1] if self.stack else None, **self.sites[op]}
-        made_here = (nan_out and not nan_in) or (inf_out and scalars_ok and _finite(inputs))
-        if _collective(func):  # another rank's values arrived (tensor parallelism's all-reduce); the all-reduce's
-            # output may be checked before they did (an asynchronous collective tensor), and first seen non-finite
-            # as the input of the op that waits for it (``_c10d_functional._wrap_tensor_autograd``)
-            if self.inputs_bad is None and self.constant is None:
-                self.inputs_bad = {**entry, "from_another_rank": True}
-        elif made_here:
-            self.culprit = {**entry, **_overflow_facts(inputs, out)}
-        elif not _finite(inputs) and self.inputs_bad is None and self.constant is None:
-            self.inputs_bad = entry
-        elif not scalars_ok and self.constant is None:
-            self.constant = entry
-        return out
+            self.sites.setdefault(op, []).append(_site(*where) if where else {})
+        outer, self.current = self.current, op
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.current = outer
 
 
 def _caller_file(frame: Any) -> str:
@@ -169,13 +128,6 @@ def _caller_file(frame: Any) -> str:
     while frame is not None and frame.f_code.co_filename.replace("\\", "/").endswith("/torch/_ops.py"):
         frame = frame.f_back
     return frame.f_code.co_filename.replace("\\", "/") if frame is not None else ""
-
-
-def _collective(func: Any) -> bool:
-    """Whether ``func`` is a ``torch.distributed`` collective: its output holds other ranks' values, so a NaN it
-    returns from this rank's finite inputs was made elsewhere (that rank's replay names it)."""
-    module = str(getattr(func, "__module__", "") or "")  # torch.ops._c10d_functional.*, torch.distributed.*
-    return module.startswith("torch.distributed") or "c10d" in module
 
 
 def _graph_nodes(root: Any) -> list[Any]:
@@ -231,27 +183,29 @@ def first_bad_node(run_step: Callable[[], Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _module_hooks(root: nn.Module, first_fwd: list[str], first_bwd: list[str], stack: list[str]) -> Iterator[None]:
+def _module_hooks(root: nn.Module, seen: _Seen, stack: list[str]) -> Iterator[None]:
     names = {m: n for n, m in root.named_modules() if n}
 
     def pre_hook(module: nn.Module, args: Any) -> None:
         stack.append(names.get(module, type(module).__name__))
 
     def fwd_hook(module: nn.Module, args: Any, output: Any) -> None:
+        if seen.first_output is None and seen.provenance is not None and not _finite(output):
+            origin = seen.provenance.origin_of(output)
+            seen.first_output = (names.get(module, type(module).__name__), origin)
         if stack:
             stack.pop()
-        if not first_fwd and not _finite(output):
-            first_fwd.append(names.get(module, type(module).__name__))
 
     def bwd_hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
-        if not first_bwd and _finite(grad_output) and not _finite(grad_input):
-            first_bwd.append(names.get(module, type(module).__name__))
+        if seen.first_backward is None and _finite(grad_output) and not _finite(grad_input):
+            seen.first_backward = names.get(module, type(module).__name__)
 
     handles = []
     try:
         for module in names:
             handles.append(module.register_forward_pre_hook(pre_hook))
-            handles.append(module.register_forward_hook(fwd_hook))
+            # always_call: the stack is popped even when a later hook raises
+            handles.append(module.register_forward_hook(fwd_hook, always_call=True))
             if not any(True for _ in module.children()):
                 handles.append(module.register_full_backward_hook(bwd_hook))
         yield
@@ -260,27 +214,88 @@ def _module_hooks(root: nn.Module, first_fwd: list[str], first_bwd: list[str], s
             h.remove()
 
 
-def _forward(root: nn.Module, run_step: Callable[[], Any], result: dict[str, Any]) -> _ForwardTrace:
-    """The forward (and backward) pass under the trace; fills ``forward_module``, ``module``, ``error``."""
-    first_fwd: list[str] = []
-    first_bwd: list[str] = []
+class _Seen:
+    """What the instrumented forward and backward passes saw."""
+
+    def __init__(self) -> None:
+        self.provenance: Provenance | None = None
+        self.first_output: tuple[str, Origin | None] | None = None  # the first module whose output went bad
+        self.first_backward: str | None = None
+        self.loss: Origin | None = None
+        self.loss_finite = True
+
+
+def _leaf_map(root: nn.Module, batch: Any) -> Callable[[], dict[int, tuple[str, str]]]:
+    """``() -> {storage: (source, name)}`` of ``root``'s parameters and buffers and the batch's tensors."""
+
+    def build() -> dict[int, tuple[str, str]]:
+        found: dict[int, tuple[str, str]] = {}
+        for path, t in tensor_leaves(batch) if batch is not None else []:
+            _add(found, t, ("input", path))
+        for name, t in root.named_buffers():
+            _add(found, t, ("buffer", name))
+        for name, t in root.named_parameters():
+            _add(found, t, ("param", name))
+        return found
+
+    return build
+
+
+def _add(found: dict[int, tuple[str, str]], t: Any, value: tuple[str, str]) -> None:
+    if isinstance(t, torch.Tensor):
+        with contextlib.suppress(Exception):  # no storage (a tensor subclass): not a leaf the trace can match
+            found[int(local(t).untyped_storage().data_ptr())] = value
+
+
+def _forward(root: nn.Module, run_step: Callable[[], Any], result: dict[str, Any], batch: Any) -> _Seen:
+    """The forward (and backward) pass under the trace; fills ``module``, ``error``, ``op_sites``."""
+    seen = _Seen()
     stack: list[str] = []
-    trace = _ForwardTrace(stack)
-    with _module_hooks(root, first_fwd, first_bwd, stack):
+    calls = _Calls()
+    provenance = Provenance(stack, _leaf_map(root, batch), current_call=lambda: calls.current)
+    seen.provenance = provenance
+    with _module_hooks(root, seen, stack):
         try:
-            with OpGuard(), trace:
+            with OpGuard(), calls, provenance:
                 loss = loss_of(run_step())
-            result["loss_finite"] = loss is None or _finite(loss)
+                seen.loss_finite = loss is None or _finite(loss)
+                if not seen.loss_finite:
+                    seen.loss = provenance.origin_of(loss)
             if loss is not None and loss.requires_grad:
                 loss.backward()
         except Exception as err:  # the replay is a diagnosis: never fail the run over it
             result["error"] = f"{type(err).__name__}: {err}"
-    if first_fwd:
-        result["forward_module"] = first_fwd[0]
-    if first_bwd:
-        result["module"] = first_bwd[0]
-    result["op_sites"] = trace.sites
-    return trace
+    if seen.first_output is not None:
+        result["forward_module"] = seen.first_output[0]
+    if seen.first_backward is not None:
+        result["module"] = seen.first_backward
+    result["op_sites"] = calls.sites
+    return seen
+
+
+def _chosen(seen: _Seen) -> Origin | None:
+    """The rule's culprit: of the bad values the forward pass made (the first bad module output, the loss),
+    the earliest origin in execution order, walked back past NaN made of an accidental Inf."""
+    found = [o for o in (seen.first_output[1] if seen.first_output else None, seen.loss) if o is not None]
+    culprits = [Provenance.culprit(o) for o in found]
+    return min(culprits, key=lambda o: o.seq) if culprits else None
+
+
+def _describe(origin: Origin, result: dict[str, Any]) -> None:
+    """The result's fields for a forward culprit (``stage="forward"``) or a leaf (``stage="inputs"``)."""
+    if origin.source == "op":
+        result.update(stage="forward", op=origin.op, op_module=origin.module)
+        if origin.site is not None:
+            result.update(_site(*origin.site))
+            result["forward_trace"] = f"{result['file']}:{result['line']}: {result.get('code', '')}"
+        result.update({k: v for k, v in origin.facts.items() if k in ("dtype", "max_abs_in", "inf_in", "literal")})
+        result["forward_op"], result["forward_op_module"] = origin.op, origin.module
+    elif origin.source == "rank":
+        result.update(stage="inputs", first_bad_op=origin.op, from_another_rank=True)
+    else:
+        result.update(stage="inputs")
+        if origin.name is not None:
+            result["leaf"] = {"source": origin.source, "name": origin.name}
 
 
 def replay(
@@ -289,21 +304,24 @@ def replay(
     rng: dict[str, Any] | None = None,
     sites: bool = False,
     agree: Callable[[bool], bool] | None = None,
+    batch: Any = None,
 ) -> dict[str, Any]:
     """Run ``run_step`` (and its backward) from ``rng``; return what went non-finite first.
 
     Returns a dict with ``stage`` (see the module docstring) when anything went non-finite, and:
-    ``op``, ``file``, ``line``, ``code`` (the culprit op and the user's line; ``op`` is a forward op
-    such as ``div`` when the stage is ``"forward"`` and an autograd node such as ``SqrtBackward0``
-    when it is ``"backward"``), ``op_module`` (the innermost module running it), ``forward_module``
-    (the first module whose output went non-finite), ``module`` (the first module, in backward
-    order, whose input gradient went non-finite from a finite one), ``forward_op`` /
-    ``forward_op_module`` (the forward culprit, kept for older readers), ``forward_trace``,
-    ``op_sites`` (op name -> the user's first line calling it) and ``error`` if the replay itself
-    raised (it never propagates). The replay runs under
-    :class:`~lightning_numguard.core.opguard.OpGuard`, so it cannot trip a device-side assert
-    either. The RNG state is put back afterwards. ``sites``: keep ``op_sites`` even when nothing
-    went non-finite (the op guard's findings take their user line from it).
+    ``op``, ``file``, ``line``, ``code`` (the culprit op and the user's line of that call; ``op`` is a
+    forward op such as ``div`` when the stage is ``"forward"`` and an autograd node such as
+    ``SqrtBackward0`` when it is ``"backward"``), ``op_module`` (the innermost module running it; ``None``:
+    the root module's own code), ``forward_module`` (the first module whose output went non-finite: it
+    received the value, it may not have made it), ``module`` (the first module, in backward order, whose
+    input gradient went non-finite from a finite one), ``leaf`` (``stage="inputs"``: the parameter, buffer or
+    batch field that held the value), ``forward_op`` / ``forward_op_module`` (the forward culprit, kept for
+    older readers), ``forward_trace``, ``op_sites`` (op name -> the user's line of each call, in call order)
+    and ``error`` if the replay itself raised (it never propagates). The replay runs under
+    :class:`~lightning_numguard.core.opguard.OpGuard`, so it cannot trip a device-side assert either. The
+    RNG state is put back afterwards. ``sites``: keep ``op_sites`` even when nothing went non-finite (the op
+    guard's findings take their user line from it). ``batch``: the batch replayed, so that a value already
+    bad in it is named by its path.
 
     ``agree``: for a step whose passes are collective (FSDP2's all-gathers, tensor parallelism's
     all-reduces), a collective "does any rank want it?" of this rank's wish for the second pass: every
@@ -317,21 +335,11 @@ def replay(
             if rng is not None:
                 set_rng_state(rng)
             root.zero_grad(set_to_none=True)
-            trace = _forward(root, run_step, result)
-            chosen = trace.culprit or (None if trace.inputs_bad else trace.constant)
+            seen = _forward(root, run_step, result, batch)
+            chosen = _chosen(seen)
             if chosen is not None:
-                result.update(stage="forward", op=chosen["op"], op_module=chosen["module"])
-                facts = ("file", "line", "code", "dtype", "max_abs_in", "inf_in")
-                result.update({k: chosen[k] for k in facts if k in chosen})
-                result["forward_op"], result["forward_op_module"] = chosen["op"], chosen["module"]
-                if "file" in chosen:
-                    result["forward_trace"] = f"{chosen['file']}:{chosen['line']}: {chosen.get('code', '')}"
-            elif trace.inputs_bad is not None:
-                result.update(stage="inputs", first_bad_op=trace.inputs_bad["op"])
-                if trace.inputs_bad.get("from_another_rank"):
-                    result["from_another_rank"] = True
-            wish = chosen is None and trace.inputs_bad is None
-            wish = wish and result.get("loss_finite", True) and "error" not in result
+                _describe(chosen, result)
+            wish = chosen is None and seen.loss_finite and "error" not in result
             if agree(wish) if agree is not None else wish:
                 if rng is not None:
                     set_rng_state(rng)
@@ -347,7 +355,6 @@ def replay(
     finally:
         root.zero_grad(set_to_none=True)
         set_rng_state(saved_rng)
-    result.pop("loss_finite", None)
     if "stage" not in result and not sites:
         result.pop("op_sites", None)
     log.debug("numguard replay: %s", result)

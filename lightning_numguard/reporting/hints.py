@@ -192,6 +192,10 @@ MASKED_ROW_HINT = (
     "rows with nothing to attend to (leave one position unmasked, or zero those rows' outputs)"
 )
 
+LITERAL_HINT = (
+    "a NaN/Inf literal is written into a tensor there (`x[i] = float('nan')`, `* float('inf')`, `fill_`): "
+    "remove it, or keep a finite value and a separate mask"
+)
 INPUTS_ALREADY_BAD_HINT = (
     "the batch and the weights were finite when checked, so the NaN/Inf was made after the batch check and "
     "before this module ran: look at what training_step does before calling it (an edit of the batch, a value "
@@ -379,7 +383,7 @@ def event_hint(kind: str, details: Mapping[str, Any]) -> str:
         below = f"the input is already non-finite upstream: first non-finite module was `{upstream}`"
         specific = "; ".join(str(part) for part in (own, upstream and below) if part)
     elif kind in ("nonfinite_output", "nonfinite_loss") and replay:
-        specific = masked_row_hint(replay) or overflow_hint(replay)
+        specific = masked_row_hint(replay) or overflow_hint(replay) or (replay.get("literal") and LITERAL_HINT)
         if specific is None and replay.get("stage") == "inputs" and not replay.get("op"):
             checked = "inputs" in (details.get("checked") or ())
             specific = INPUTS_ALREADY_BAD_HINT if checked else _INPUTS_UNCHECKED_HINT

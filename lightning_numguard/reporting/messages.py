@@ -75,9 +75,18 @@ def incident_message(
         text = f"suspiciously large finite value {value:.6g} in {names} {at}" if value else f"huge value in {names}"
         if fill_value_name(value):
             return f"{text}: {hint}"
+    elif kind == "nonfinite_output" and details.get("received_from"):
+        text = f"module {names} received non-finite values from `{details['received_from']}` {at}"
     elif kind == "nonfinite_output":
         text = f"module {names} produced the first non-finite output {at}"
-        if op:
+        if details.get("own_code"):
+            text = f"the LightningModule's own code ({names}, outside every submodule) made the first non-finite "
+            text += f"value {at}"
+        if op and replay.get("literal"):
+            text += (
+                f"; replay traced it to op `{op}`" + (f" at {source}" if source else "") + ", writing a NaN/Inf literal"
+            )
+        elif op:
             # kept word for word from earlier versions: "replay traced it to op `div` in `norm`"
             text += f"; replay traced it to op `{op}`" + (f" in `{module}`" if module else "")
             text += f" at {source}" if source else ""

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from lightning_numguard.reporting.summary import rich_table, summarize, summary_
 from tests.helpers import all_finite, trainer
 
 BAD_STEP = 3
+_SOURCE = Path(__file__).read_text().splitlines()
 
 
 class Attention(nn.Module):
@@ -92,7 +94,8 @@ def test_a_fully_masked_row_names_the_module_that_ran_the_softmax(tmp_path):
     first = guard.events[0]
     assert (first["kind"], first["step"], first["op"]) == ("nonfinite_output", BAD_STEP, "softmax")
     assert first["where"] == ["blocks.0.attn"] and first["module"] == "blocks.0.attn"
-    assert first["source"].endswith("test_true_words.py:39")
+    line = next(i for i, text in enumerate(_SOURCE, 1) if "scores.softmax(dim=-1)" in text)
+    assert first["source"].endswith(f"test_true_words.py:{line}")
     message = first["message"]
     assert "from finite inputs" not in message and "±Inf" in message
     assert "fully masked" in message and "finfo" in message
@@ -108,11 +111,18 @@ def test_a_fully_masked_row_names_the_module_that_ran_the_softmax(tmp_path):
 
 
 def test_nan_written_into_the_batch_in_training_step_says_one_consistent_thing(tmp_path):
-    """Before: "so no op is to blame; look in this module for division by a zero std" in one message."""
+    """The in-place write of a NaN literal is the culprit, at its line; the module that received it is a consequence.
+
+    Before: the root cause named `inp`, which only received the value ("no op inside it is to blame").
+    """
     guard, _ = _fit(tmp_path, "nan_in_step")
     first = guard.events[0]
-    assert (first["kind"], first["where"], first["step"]) == ("nonfinite_output", ["inp"], BAD_STEP)
+    assert (first["kind"], first["where"], first["step"]) == ("nonfinite_output", ["Encoder"], BAD_STEP)
+    assert (first["op"], first["module"]) == ("setitem", "Encoder")
+    line = next(i for i, text in enumerate(_SOURCE, 1) if 'x[0, 0, 0] = float("nan")' in text)
+    assert first["source"].endswith(f"test_true_words.py:{line}")
     message = first["message"]
-    assert "no op inside it is to blame" in message
+    assert "own code" in message and "literal" in message and "no op inside it is to blame" not in message
     assert KIND_HINTS["nonfinite_output"] not in message and "zero std" not in message
-    assert "training_step" in message  # where to look instead: what runs before the module
+    received = next(e for e in guard.events if e["where"] == ["inp"])
+    assert received["root_cause"] is False and "received non-finite values from `Encoder`" in received["message"]
