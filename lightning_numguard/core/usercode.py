@@ -14,21 +14,37 @@ from lightning_numguard._compat import caller_frame
 
 __all__ = ["is_library_file", "user_frame", "user_site"]
 
-_LIBRARIES = ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics", "lightning_numguard")
+_LIBRARIES = (
+    "torch",
+    "pytorch_lightning",
+    "lightning",
+    "lightning_fabric",
+    "lightning_utilities",
+    "torchmetrics",
+    "lightning_numguard",
+    "jsonargparse",
+    "tqdm",
+    "rich",
+)
 
 
-def _library_dirs() -> tuple[str, ...]:
+def _library_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(the libraries' own directories, the standard library's)``."""
     dirs = []
     for name in _LIBRARIES:
         module = sys.modules.get(name)
         file = getattr(module, "__file__", None)
         if file:
             dirs.append(os.path.dirname(os.path.abspath(file)) + os.sep)
+    stdlib = []
     for key in ("stdlib", "platstdlib"):
         path = sysconfig.get_paths().get(key)
         if path:
-            dirs.append(os.path.abspath(path) + os.sep)
-    return tuple(dirs)
+            stdlib.append(os.path.abspath(path) + os.sep)
+    return tuple(dirs), tuple(stdlib)
+
+
+_INSTALLED = ("site-packages", "dist-packages")
 
 
 def is_library_file(filename: str) -> bool:
@@ -36,7 +52,14 @@ def is_library_file(filename: str) -> bool:
     if filename.startswith("<"):
         return True
     path = os.path.abspath(filename)
-    return path.startswith(_library_dirs()) or f"{os.sep}site-packages{os.sep}typing_extensions" in path
+    if f"{os.sep}site-packages{os.sep}typing_extensions" in path:
+        return True
+    libraries, stdlib = _library_dirs()
+    if path.startswith(libraries):
+        return True
+    # a virtual environment's stdlib directory holds its site-packages: an installed model library
+    # (transformers, timm) is the model's code, not the standard library
+    return path.startswith(stdlib) and not any(f"{os.sep}{d}{os.sep}" in path for d in _INSTALLED)
 
 
 def user_frame(start: FrameType | None = None) -> FrameType | None:
