@@ -127,6 +127,10 @@ class Provenance(TorchDispatchMode):
         self._current_call = current_call
         self._seq = 0
         self.tags: dict[str, dict[int, Origin]] = {NAN: {}, INF: {}}
+        # several processes: a NaN no traced op wrote arrived through torch.distributed's own code (an all-reduce
+        # inside a DTensor redistribution); alone, it is a literal made outside the trace
+        dist = torch.distributed
+        self._elsewhere = "rank" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else ""
 
     # ------------------------------------------------------------------------------------------- queries
 
@@ -136,7 +140,10 @@ class Provenance(TorchDispatchMode):
         tagged = self.tags[kind].get(key) if key is not None else None
         if tagged is not None:
             return tagged
-        return self._leaf(key)
+        leaf = self._leaf(key)
+        if leaf.source == "constant" and kind == NAN and self._elsewhere:
+            return Origin(self._elsewhere, self._seq)  # it arrived when this op read it
+        return leaf
 
     def origin_of(self, obj: Any) -> Origin | None:
         """The earliest origin of the non-finite values in ``obj`` (a tensor or a nest of them), or ``None``."""
@@ -206,9 +213,21 @@ class Provenance(TorchDispatchMode):
                 self.tags[kind][key] = origin
 
     def _origin_of_write(self, func: Any, name: str, kind: str, args: Any, kwargs: Any) -> Origin | None:
-        namespace = str(getattr(func, "namespace", ""))
-        if namespace in _COLLECTIVES:
+        if _from_distributed():
+            return None  # torch.distributed's own copies and collectives (FSDP2's all-gathers): not the model's
+        if str(getattr(func, "namespace", "")) in _COLLECTIVES:
             return Origin("rank", self._seq, op=name, module=self._module())
+        if name.startswith("lift"):  # torch.tensor(nan): the literal, made where the user wrote it
+            site = user_site(caller_frame(1))
+            return Origin(
+                "op",
+                self._seq,
+                op=self._call_name(name),
+                module=self._module(),
+                site=site,
+                deliberate=kind == INF,
+                facts={"literal": True},
+            )
         inputs = [a for a in _flat((args, kwargs)) if isinstance(a, torch.Tensor)]
         scalars = [a for a in _flat((args, kwargs)) if isinstance(a, float)]
         carried: list[Origin] = []
@@ -226,8 +245,6 @@ class Provenance(TorchDispatchMode):
                 inf_from.append(self.origin(t, INF))
         if carried:
             return min(carried, key=lambda o: o.seq)
-        if _from_distributed():
-            return None  # torch.distributed's own copies into and out of its buffers (FSDP2): not the model's
         site = user_site(caller_frame(1))
         origin = Origin("op", self._seq, op=self._call_name(name), module=self._module(), site=site)
         origin.deliberate = kind == INF and constant  # an Inf written from a literal: a mask

@@ -291,7 +291,9 @@ def _describe(origin: Origin, result: dict[str, Any]) -> None:
         result.update({k: v for k, v in origin.facts.items() if k in ("dtype", "max_abs_in", "inf_in", "literal")})
         result["forward_op"], result["forward_op_module"] = origin.op, origin.module
     elif origin.source == "rank":
-        result.update(stage="inputs", first_bad_op=origin.op, from_another_rank=True)
+        result.update(stage="inputs", from_another_rank=True)
+        if origin.op:
+            result["first_bad_op"] = origin.op
     else:
         result.update(stage="inputs")
         if origin.name is not None:

@@ -93,7 +93,8 @@ def incident_message(
             text += " from inputs holding ±Inf but no NaN" if replay.get("inf_in") else " from finite inputs"
         elif replay.get("from_another_rank"):
             via = replay.get("first_bad_op")
-            text += f"; its values came from another rank through `{via}`, so no op on this rank is to blame"
+            text += "; its values came from another rank" + (f" through `{via}`" if via else "")
+            text += ", so no op on this rank is to blame"
         elif replay.get("stage") == "inputs":
             text += "; the values entering it were already non-finite, so no op inside it is to blame"
         elif replay.get("error"):
