@@ -17,6 +17,9 @@ __all__ = ["is_library_file", "user_frame", "user_site"]
 _LIBRARIES = ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics", "lightning_numguard")
 
 
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
 def _library_dirs() -> tuple[str, ...]:
     dirs = []
     for name in _LIBRARIES:
@@ -24,19 +27,25 @@ def _library_dirs() -> tuple[str, ...]:
         file = getattr(module, "__file__", None)
         if file:
             dirs.append(os.path.dirname(os.path.abspath(file)) + os.sep)
-    for key in ("stdlib", "platstdlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            dirs.append(os.path.abspath(path) + os.sep)
     return tuple(dirs)
 
 
+def _stdlib_dirs() -> tuple[str, ...]:
+    """The standard library's folders. In a virtual environment ``platstdlib`` is the environment's ``lib/pythonX.Y``,
+    which also holds ``site-packages``: an installed package there (``transformers``, the user's own) is not stdlib."""
+    paths = (sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib"))
+    return tuple(os.path.abspath(path) + os.sep for path in paths if path)
+
+
 def is_library_file(filename: str) -> bool:
-    """Whether ``filename`` belongs to torch, Lightning, torchmetrics, this package or the stdlib."""
+    """Whether ``filename`` belongs to torch, Lightning, torchmetrics, this package or the stdlib (any other installed
+    package, model code such as ``transformers`` included, is user code: its line is where an op was called)."""
     if filename.startswith("<"):
         return True
     path = os.path.abspath(filename)
-    return path.startswith(_library_dirs()) or f"{os.sep}site-packages{os.sep}typing_extensions" in path
+    if path.startswith(_library_dirs()) or f"{os.sep}site-packages{os.sep}typing_extensions" in path:
+        return True
+    return path.startswith(_stdlib_dirs()) and not any(part in path for part in _INSTALLED)
 
 
 def user_frame(start: FrameType | None = None) -> FrameType | None:

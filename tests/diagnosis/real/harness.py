@@ -74,6 +74,7 @@ class Row:
     steps: int = 3
     note: str = ""  # how the fault is reproduced honestly (precision, accumulation, ...)
     batch_idx: int | None = None  # the micro-batch the guard must name (accumulation)
+    rank: int | None = None  # the rank the guard must name (sharded)
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,8 @@ def wrong_fields(row: Row, want: Expected, event: dict[str, Any], root_name: str
             wrong.append(f"source {event.get('source')!r}")
     if row.batch_idx is not None and event.get("batch_idx") != row.batch_idx:
         wrong.append(f"batch_idx {event.get('batch_idx')}")
+    if row.rank is not None and event.get("rank") != row.rank:
+        wrong.append(f"rank {event.get('rank')}")
     return wrong
 
 
@@ -243,3 +246,36 @@ def run_detect_anomaly(row: Row, root: str) -> str:
         except Exception as err:  # what a user would see
             return f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
     return "said nothing"
+
+
+def launch_fsdp2(root: str) -> list[dict[str, Any]]:
+    """Run ``fsdp2_script.py`` (2 gloo processes); each rank's result (its events, or its traceback)."""
+    import json
+    import socket
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).with_name("fsdp2_script.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        env["MASTER_PORT"] = str(s.getsockname()[1])
+    proc = subprocess.run(
+        [sys.executable, str(script), root], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"fsdp2_script exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return [json.loads((Path(root) / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def run_fsdp2(row: Row, root: str) -> Result:
+    """The FSDP2 row's root-cause event (rank 0's record: every rank merges the incident), judged."""
+    ranks = launch_fsdp2(root)
+    for result in ranks:
+        if "error" in result:
+            raise RuntimeError(f"rank {result['rank']} raised:\n{result['error']}")
+    model, _ = row.build()
+    want = expected(row, model)
+    event = root_cause(ranks[0]["events"])
+    wrong = wrong_fields(row, want, event, type(model).__name__)
+    return Result(row, want, event, wrong, type(model).__name__)
