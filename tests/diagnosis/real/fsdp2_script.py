@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.diagnosis.real.harness import BAD_STEP, Leaf, Row  # noqa: E402
-from tests.diagnosis.real.user_code import TinyGPT, gpt_data  # noqa: E402
+from tests.diagnosis.real.harness import BAD_STEP, Leaf, Row
+from tests.diagnosis.real.user_code import TinyGPT, gpt_data
 
 SHARD_RANK = 1
 SHARDED_WEIGHT = "blocks.0.mlp.fc1.weight"
@@ -65,7 +65,7 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     guard = NumGuardCallback(action="skip", dirpath=str(out / "ng"))
     trainer = quiet_trainer(
-        [guard], devices=2, strategy=ModelParallelStrategy(2, 1, timeout=timedelta(seconds=90)), max_steps=3
+        [guard], devices=2, strategy=ModelParallelStrategy(2, 1, timeout=timedelta(seconds=90)), max_steps=ROW.steps
     )
     model, data = ROW.build()
     result: dict[str, Any] = {}

@@ -71,7 +71,7 @@ class Row:
     fault: Marker | LibrarySite | Leaf
     file: str  # the scenario file holding the markers
     trainer: dict[str, Any] = field(default_factory=dict)
-    steps: int = 3
+    steps: int = BAD_STEP + 1  # the fit ends with the step of the fault
     note: str = ""  # how the fault is reproduced honestly (precision, accumulation, ...)
     batch_idx: int | None = None  # the micro-batch the guard must name (accumulation)
     rank: int | None = None  # the rank the guard must name (sharded)
@@ -114,9 +114,9 @@ def enclosing_class(path: str, line: int) -> str | None:
     tree = ast.parse("\n".join(_lines(path)))
     best: ast.ClassDef | None = None
     for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.lineno <= line <= (node.end_lineno or node.lineno):
-            if best is None or node.lineno > best.lineno:
-                best = node
+        inside = isinstance(node, ast.ClassDef) and node.lineno <= line <= (node.end_lineno or node.lineno)
+        if inside and (best is None or node.lineno > best.lineno):
+            best = node  # type: ignore[assignment]
     return best.name if best is not None else None
 
 
@@ -193,7 +193,8 @@ def wrong_fields(row: Row, want: Expected, event: dict[str, Any], root_name: str
         if not (op == want.op or (want.op in WRITE_OPS and op in WRITE_OPS)):
             wrong.append(f"op {op!r}")
         if _split_source(event.get("source")) != (want.file, want.line):
-            wrong.append(f"source {event.get('source')!r}")
+            source = event.get("source")
+            wrong.append(f"source {os.path.basename(source) if source else None}")
     if row.batch_idx is not None and event.get("batch_idx") != row.batch_idx:
         wrong.append(f"batch_idx {event.get('batch_idx')}")
     if row.rank is not None and event.get("rank") != row.rank:

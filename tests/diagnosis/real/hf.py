@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.diagnosis.real.harness import BAD_STEP, LibrarySite, Leaf, Marker, Row, fp16_autocast
+from tests.diagnosis.real.harness import BAD_STEP, Leaf, LibrarySite, Marker, Row, fp16_autocast
 
 VOCAB, SEQ, N, BATCH = 100, 8, 16, 4
 BAD = BAD_STEP * BATCH + 1  # a sample of the batch of BAD_STEP
@@ -135,7 +135,7 @@ def _poison(field: str, make: Callable[[int], torch.Tensor], at: int = BAD) -> C
     def sample(i: int) -> torch.Tensor:
         value = make(i).clone()
         if i == at:
-            value.view(-1)[0] = float("nan")
+            value.view(-1)[0] = float("nan")  # FAULT: nan-batch
         return value
 
     return sample

@@ -149,7 +149,7 @@ class Tabular(pl.LightningModule):
 
     def __init__(self, norm: str = "", log_features: bool = False, grow: float = 1.0) -> None:
         super().__init__()
-        self.gain = nn.Parameter(torch.ones(16))  # a learned per-feature scale
+        self.gain = nn.Parameter(torch.ones(()))  # a learned input scale
         self.norm = FeatureNorm(norm) if norm else nn.Identity()
         self.log_features, self.grow = log_features, grow
         self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 1)
@@ -207,7 +207,7 @@ ROWS = [
         Marker("hook-write", hooked=GPT_HOOKED), _F),
     Row("gpt_attn_scale", GPT, "0/0 in attention scaling (config `attn_scale=0`)",
         lambda: (TinyGPT(attn_scale=0.0), gpt_data()), "nonfinite_output", "div",
-        Marker("attn-scale", instance="blocks.0.attn"), _F, steps=2),
+        Marker("attn-scale", instance="blocks.0.attn"), _F),
     Row("gpt_masked_row", GPT, "softmax over a fully masked row (an all-padding sequence)",
         lambda: (TinyGPT(), gpt_data(fully_padded=True)), "nonfinite_output", "softmax",
         Marker("masked-row", instance="blocks.0.attn"), _F),
