@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.markdown import replace_block
+from lightning_numguard.reporting.logs import explain_log
 from tests.diagnosis.real import FSDP2_ROW, ROWS
 from tests.diagnosis.real.harness import Row, run_detect_anomaly, run_fsdp2, run_guarded
 from tests.diagnosis.real.table import full_table, short_table, versions
@@ -58,8 +59,16 @@ Lightning 2.6, whose range is float32's, so nothing would overflow.
 
 
 def _anomaly(row: Row) -> str:
+    """detect_anomaly's first line, and what ``numguard explain`` reads from its whole log."""
     with tempfile.TemporaryDirectory() as root:
-        return run_detect_anomaly(row, root)
+        said, log = run_detect_anomaly(row, root)
+    matches = explain_log(log)
+    if not matches:
+        return f"{said} | —"
+    first = matches[0]
+    call = first.forward
+    where = f", `{call.op}` at {Path(call.file).name}:{call.line}" if call is not None else ""
+    return f"{said.replace('|', '/')} | {first.name}: {first.guard_kind}{where}"
 
 
 def _block(path: Path, name: str) -> str | None:
@@ -86,13 +95,16 @@ def main() -> None:
     out = Path(args.out)
     anomaly_block = _block(out, "ANOMALY TABLE") if args.no_anomaly else None
     if anomaly_block is None:
-        lines = ["| # | model | fault | `detect_anomaly=True` |", "|---|---|---|---|"]
+        lines = [
+            "| # | model | fault | `detect_anomaly=True` | `numguard explain` on that log: kind, call |",
+            "|---|---|---|---|---|",
+        ]
         for i, row in enumerate(ROWS, 1):
-            lines.append(f"| {i} | {row.model} | {row.story} | {_anomaly(row).replace('|', '/')} |")
+            lines.append(f"| {i} | {row.model} | {row.story} | {_anomaly(row)} |")
         for case in CASES:
             with tempfile.TemporaryDirectory() as root:
                 said = scenario_anomaly(case, root).replace("|", "/")
-            lines.append(f"| — | project scenario | {case.story} | {said} |")
+            lines.append(f"| — | project scenario | {case.story} | {said} | |")
         anomaly_block = "\n".join(lines)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(INTRO.format(versions=versions(), steps=ROWS[0].steps), encoding="utf-8")

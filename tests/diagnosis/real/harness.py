@@ -236,17 +236,23 @@ def run_guarded(row: Row, root: str) -> Result:
     return Result(row, want, event, wrong_fields(row, want, event, name), name)
 
 
-def run_detect_anomaly(row: Row, root: str) -> str:
-    """What ``Trainer(detect_anomaly=True)`` without the guard says: the error's first line, or nothing."""
+def run_detect_anomaly(row: Row, root: str) -> tuple[str, str]:
+    """What ``Trainer(detect_anomaly=True)`` without the guard says: the error's first line (or "said nothing"),
+    and the whole log a user sees on stderr (the warnings as Python prints them, then the traceback)."""
+    import traceback
+
     torch.manual_seed(0)
     model, data = row.build()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
         try:
             _trainer(row, [], root, detect_anomaly=True).fit(model, data)
         except Exception as err:  # what a user would see
-            return f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
-    return "said nothing"
+            log = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in records)
+            return f"{type(err).__name__}: {str(err).splitlines()[0][:100]}", log + "".join(
+                traceback.format_exception(err)
+            )
+    return "said nothing", ""
 
 
 def launch_fsdp2(root: str) -> list[dict[str, Any]]:
