@@ -39,7 +39,10 @@ value. The guard's answer is its **root-cause event** (the first event not marke
 is read from the scenario's source, never written down: the line ending in `# FAULT: <tag>` in the scenario file,
 or the line of the faulty call in the installed library's class, and the module that line runs in (`""` is the
 LightningModule itself). A row is right when the event's kind, module, op and `file:line` are the fault's; for a
-leaf (a parameter or batch field already non-finite), when its kind and `where` name it. fp16 rows use
+leaf (a parameter or batch field already non-finite), when its kind and `where` name it. An op of the
+LightningModule itself may be named `nonfinite_output` or `nonfinite_loss`, its module `""`, none, or the class's
+name; an in-place write (`out[i] = nan`) by `__setitem__` or the aten op it becomes (`index_put_`, `fill_`,
+`copy_`). The module and line columns show the raw fields of the event. fp16 rows use
 `MixedPrecision("16-mixed", "cpu", GradScaler)`: `precision="16-mixed"` on CPU silently becomes bf16 in
 Lightning 2.6, whose range is float32's, so nothing would overflow.
 
@@ -47,6 +50,12 @@ Lightning 2.6, whose range is float32's, so nothing would overflow.
 <!-- /REAL DIAGNOSIS TABLE -->
 
 ## What `Trainer(detect_anomaly=True)` says about the same faults (no guard)
+
+The first line of its error, and what `numguard explain` reads from the whole log (the warnings on stderr and
+the traceback): the forward call from "Traceback of forward call that caused the error" and the kind the guard
+records for it (a forward fault unless the node's gradient is infinite at a finite value, as `SqrtBackward0`).
+Anomaly mode stops at the first backward node that holds NaN, next to the loss: its call is where the NaN was
+seen, rarely where it was made.
 
 <!-- ANOMALY TABLE -->
 <!-- /ANOMALY TABLE -->

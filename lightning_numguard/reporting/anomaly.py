@@ -41,6 +41,7 @@ BACKWARD_ONLY = frozenset(
 #: Forward functions whose output is the loss.
 _LOSSES = re.compile(r"(?:^|_)(?:loss|cross_entropy|nll_loss|mse_loss|l1_loss|binary_cross_entropy\w*|kl_div)$")
 _FILE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\s*$')
+_FUNCTIONAL = re.compile(r"[\\/]torch[\\/](?:nn[\\/])?functional\.py$")
 _START = re.compile(r"Error detected in (?P<node>\w+)\. Traceback of forward call that caused the error:")
 #: Installed packages whose frames are not the user's (as the guard's own ``usercode`` rule).
 _LIBRARIES = ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics", "lightning_numguard")
@@ -67,9 +68,9 @@ class ForwardCall:
     Attributes:
         node: the backward node (``LogSoftmaxBackward0``).
         file, line, code: the user's frame of the call: the innermost frame outside torch, Lightning and the stdlib.
-        op: the forward function: the innermost library frame's function below the user's frame (``cross_entropy``),
-            or, when the user's frame is the innermost (a tensor operator such as ``x * y``), the node's name in
-            snake case without ``Backward`` (``mul``).
+        op: the forward function: the innermost frame's function when it is torch's functional API
+            (``cross_entropy`` for ``F.cross_entropy`` or ``nn.CrossEntropyLoss``), else the node's name in snake
+            case without ``Backward`` (``mul`` for ``x * y``, ``addmm`` for a ``Linear``, ``sqrt``).
     """
 
     node: str
@@ -112,10 +113,10 @@ class ForwardTraces:
         if self._node is not None and self._frames:
             user = [i for i, f in enumerate(self._frames) if not is_library_path(f[0])]
             if user:
-                i = user[-1]
-                below = self._frames[i + 1 :]
-                op = below[0][2] if below else _op_of(self._node)
-                file, line, _, code = self._frames[i]
+                deepest = self._frames[-1]
+                functional = _FUNCTIONAL.search(deepest[0]) is not None  # F.cross_entropy, torch.norm, ...
+                op = deepest[2] if functional else _op_of(self._node)
+                file, line, _, code = self._frames[user[-1]]
                 self.calls.append(ForwardCall(self._node, file, int(line), code, op))
         self._node, self._frames = None, []
 
