@@ -11,15 +11,18 @@ import string
 import textwrap
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from lightning_numguard.reporting.anomaly import ForwardCall, ForwardTraces, backward_only, guard_reading
 from lightning_numguard.reporting.catalogue import ASSERTION, CATALOGUE, DEVICE_ASSERT_OPS, Pattern
 from lightning_numguard.reporting.hints import kind_hint, op_hint
 
 __all__ = ["Match", "explain_log", "format_log_report", "wrap"]
 
 _MAX_QUOTE = 240
+ANOMALY = "anomaly_nan_in_backward"
+_ABOVE = "(anomaly mode prints its forward traceback just above)"
 WIDTH = 100
 
 
@@ -39,6 +42,8 @@ class Match:
         line: that line, stripped (and shortened when very long).
         count: how many lines it matched in all.
         groups: the named groups of the first match (``op`` for anomaly mode, ...).
+        forward: for anomaly mode, the forward call behind the node, read from the log's "Traceback of forward
+            call that caused the error" (``None`` when the log holds none).
     """
 
     pattern: Pattern
@@ -46,6 +51,7 @@ class Match:
     line: str
     count: int = 1
     groups: Mapping[str, str] = field(default_factory=dict)
+    forward: ForwardCall | None = None
 
     @property
     def name(self) -> str:
@@ -67,8 +73,33 @@ class Match:
     def fix(self) -> str:
         """The fix, with an op-specific hint when the match names a known op."""
         fix = _fill(self.pattern.fix, self.groups)
+        call = self.forward
+        if call is not None and backward_only(self.groups.get("op", "")):
+            fix = fix.replace(_ABOVE, f"(its forward call: {call.file}:{call.line})")
+        elif call is not None:
+            fix = (
+                f"The values reaching `{call.op}` at {call.file}:{call.line} were already NaN in the forward pass: "
+                "the op that first made them (this call or one upstream) is the fault, and the guard names it."
+            )
         specific = op_hint(self.groups["op"]) if "op" in self.groups else None
         return fix if specific is None else f"{specific} {fix}"
+
+    @property
+    def _anomaly(self) -> bool:
+        return self.pattern.name == ANOMALY and "op" in self.groups
+
+    @property
+    def guard_kind(self) -> str:
+        """The kind ``NumGuardCallback`` records this failure under (for anomaly mode, read from the node and
+        its forward call: a forward fault is ``nonfinite_output``/``nonfinite_loss``, not ``nonfinite_grad``)."""
+        return guard_reading(self.groups["op"], self.forward)[0] if self._anomaly else self.pattern.hint_kind
+
+    @property
+    def guard(self) -> str:
+        """What ``NumGuardCallback`` records for this failure, in one sentence."""
+        if self._anomaly:
+            return guard_reading(self.groups["op"], self.forward)[1]
+        return f"NumGuardCallback records this as {self.guard_kind}: {kind_hint(self.guard_kind)}"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable view, for ``--json``."""
@@ -80,7 +111,9 @@ class Match:
             "groups": dict(self.groups),
             "cause": self.cause,
             "fix": self.fix,
-            "hint_kind": self.pattern.hint_kind,
+            "hint_kind": self.guard_kind,
+            "guard": self.guard,
+            "forward": None if self.forward is None else asdict(self.forward),
             "follow_on": self.pattern.follow_on,
         }
 
@@ -119,7 +152,9 @@ def explain_log(text: str | Iterable[str], catalogue: Sequence[Pattern] = CATALO
     assertion = False  # an "Assertion ... failed" line is in the log
     op_line: tuple[int, str, str] | None = None  # the last line naming an op that device-asserts, before an assert
     asserted = False  # a "device-side assert triggered" was seen
+    traces = ForwardTraces()  # anomaly mode's forward tracebacks
     for line_no, line in enumerate(lines, start=1):
+        traces.feed(line)
         assertion = assertion or ASSERTION.search(line) is not None
         if "device-side assert triggered" in line:
             asserted = True
@@ -147,7 +182,8 @@ def explain_log(text: str | Iterable[str], catalogue: Sequence[Pattern] = CATALO
             counts[name] = 1
             first[name] = Match(by_name[name], line_no, _quote(line), 1, {"seen_in": "traceback"})
     matches = [
-        Match(match.pattern, match.line_no, match.line, counts[name], match.groups) for name, match in first.items()
+        replace(match, count=counts[name], forward=traces.last(match.groups.get("op")) if name == ANOMALY else None)
+        for name, match in first.items()
     ]
     return sorted(matches, key=lambda match: (match.pattern.follow_on, match.line_no))
 
@@ -172,13 +208,16 @@ def format_log_report(matches: Sequence[Match], source: str | os.PathLike[str]) 
         if index == 1:
             lines += ["Also found (in order of first appearance):", ""]
         times = f", {match.count} matching lines" if match.count > 1 else ""
-        kind = match.pattern.hint_kind
+        call = match.forward
+        forward = [] if call is None else [wrap("  forward call: ", f"{call.file}:{call.line}, op `{call.op}`")]
+        forward += [f"    {call.code}"] if call is not None and call.code else []
         lines += [
             f"{title} {match.name} (line {match.line_no}{times})",
             f"  > {match.line}",
             wrap("  cause: ", match.cause),
+            *forward,
             wrap("  fix:   ", match.fix),
-            wrap("  guard: ", f"NumGuardCallback records this as {kind}: {kind_hint(kind)}"),
+            wrap("  guard: ", match.guard),
             "",
         ]
     return "\n".join(lines).rstrip()

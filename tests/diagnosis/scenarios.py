@@ -272,4 +272,29 @@ def culprit_right(case: Case, event: dict[str, Any]) -> bool:
     return case.hint is None or case.hint in event.get("message", "")
 
 
+def scenario_table() -> str:
+    """The project's scenarios, each run with the guard, as a markdown table (``docs/diagnosis.md``)."""
+    import logging
+    import tempfile
+    from pathlib import Path
+
+    logging.disable(logging.WARNING)
+    rows = [
+        "| scenario | true culprit | guard: first culprit | op | user line | right? | message holds? |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for case in CASES:
+        with tempfile.TemporaryDirectory() as root:
+            event = run_guarded(case, root)["event"]
+        where = ", ".join(event.get("where", [])[:2])
+        source = event.get("source") or "-"
+        line = f"{Path(source.rsplit(':', 1)[0]).name}:{source.rsplit(':', 1)[1]}" if source != "-" else "-"
+        rows.append(
+            f"| {case.story} | {case.culprit} | {event.get('kind', 'nothing found')} `{where}` "
+            f"| {event.get('op') or '-'} | {line} | {'yes' if culprit_right(case, event) else '**no**'} "
+            f"| {'yes' if event and message_holds(event) else 'no'} |"
+        )
+    return "\n".join(rows)
+
+
 SCENARIO_FUNCS: dict[str, Callable[..., Any]] = {"guarded": run_guarded, "anomaly": run_detect_anomaly}
