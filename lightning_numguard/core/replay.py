@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)')
 _ALIASES = {"truediv": "div", "rtruediv": "div", "rdiv": "div", "radd": "add", "rsub": "sub", "rmul": "mul"}
 _ALIASES.update({"rpow": "pow", "rmatmul": "matmul", "iadd": "add_", "imul": "mul_", "itruediv": "div_"})
+_ALIASES["setitem"] = "__setitem__"  # `x[i] = v`: named as Python spells the write
 _IGNORED = {"__get__", "__set__", "__getitem__", "__setitem__", "__len__", "__format__", "__repr__"}
 # Calls made by torch.distributed's own code (FSDP2's copies into and out of its all-gather buffers) are not
 # the model's: they get no user line.
@@ -184,6 +185,11 @@ def first_bad_node(run_step: Callable[[], Any]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _module_hooks(root: nn.Module, seen: _Seen, stack: list[str]) -> Iterator[None]:
+    """Forward hooks only: the module stack at each call, and the first module whose output went non-finite.
+
+    No backward hook here: a full backward hook wraps module outputs in a custom autograd Function, and a user's
+    forward hook that writes into such an output in place (``out[i] = v``) would raise in the replay only.
+    """
     names = {m: n for n, m in root.named_modules() if n}
 
     def pre_hook(module: nn.Module, args: Any) -> None:
@@ -196,18 +202,29 @@ def _module_hooks(root: nn.Module, seen: _Seen, stack: list[str]) -> Iterator[No
         if stack:
             stack.pop()
 
-    def bwd_hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
-        if seen.first_backward is None and _finite(grad_output) and not _finite(grad_input):
-            seen.first_backward = names.get(module, type(module).__name__)
-
     handles = []
     try:
         for module in names:
             handles.append(module.register_forward_pre_hook(pre_hook))
             # always_call: the stack is popped even when a later hook raises
             handles.append(module.register_forward_hook(fwd_hook, always_call=True))
-            if not any(True for _ in module.children()):
-                handles.append(module.register_full_backward_hook(bwd_hook))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _backward_hooks(root: nn.Module, seen: _Seen) -> Iterator[None]:
+    """The first leaf module, in backward order, whose input gradient went non-finite from a finite one."""
+    names = {m: n for n, m in root.named_modules() if n}
+
+    def bwd_hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+        if seen.first_backward is None and _finite(grad_output) and not _finite(grad_input):
+            seen.first_backward = names.get(module, type(module).__name__)
+
+    handles = [m.register_full_backward_hook(bwd_hook) for m in names if not any(True for _ in m.children())]
+    try:
         yield
     finally:
         for h in handles:
@@ -248,7 +265,7 @@ def _add(found: dict[int, tuple[str, str]], t: Any, value: tuple[str, str]) -> N
 
 
 def _forward(root: nn.Module, run_step: Callable[[], Any], result: dict[str, Any], batch: Any) -> _Seen:
-    """The forward (and backward) pass under the trace; fills ``module``, ``error``, ``op_sites``."""
+    """The forward pass under the trace; fills ``forward_module``, ``error``, ``op_sites``."""
     seen = _Seen()
     stack: list[str] = []
     calls = _Calls()
@@ -261,14 +278,10 @@ def _forward(root: nn.Module, run_step: Callable[[], Any], result: dict[str, Any
                 seen.loss_finite = loss is None or _finite(loss)
                 if not seen.loss_finite:
                     seen.loss = provenance.origin_of(loss)
-            if loss is not None and loss.requires_grad:
-                loss.backward()
         except Exception as err:  # the replay is a diagnosis: never fail the run over it
             result["error"] = f"{type(err).__name__}: {err}"
     if seen.first_output is not None:
         result["forward_module"] = seen.first_output[0]
-    if seen.first_backward is not None:
-        result["module"] = seen.first_backward
     result["op_sites"] = calls.sites
     return seen
 
@@ -298,6 +311,34 @@ def _describe(origin: Origin, result: dict[str, Any]) -> None:
         result.update(stage="inputs")
         if origin.name is not None:
             result["leaf"] = {"source": origin.source, "name": origin.name}
+
+
+def _backward(
+    root: nn.Module, run_step: Callable[[], Any], rng: dict[str, Any] | None, result: dict[str, Any], retry: bool
+) -> dict[str, Any]:
+    """The backward pass's first bad autograd node, and (``result["module"]``) the first leaf module whose input
+    gradient went bad. A step that cannot run under module backward hooks runs again without them (``retry``: a
+    single process; under a collective step every rank must run the same passes)."""
+    seen = _Seen()
+    try:
+        with OpGuard(), _backward_hooks(root, seen):
+            node = first_bad_node(run_step)
+    except Exception as err:
+        if not retry:
+            result.setdefault("error", f"{type(err).__name__}: {err}")
+            return {}
+        if rng is not None:
+            set_rng_state(rng)
+        root.zero_grad(set_to_none=True)
+        try:
+            with OpGuard():
+                node = first_bad_node(run_step)
+        except Exception as again:
+            result.setdefault("error", f"{type(again).__name__}: {again}")
+            return {}
+    if seen.first_backward is not None:
+        result["module"] = seen.first_backward
+    return node
 
 
 def replay(
@@ -346,12 +387,7 @@ def replay(
                 if rng is not None:
                     set_rng_state(rng)
                 root.zero_grad(set_to_none=True)
-                try:
-                    with OpGuard():
-                        node = first_bad_node(run_step)
-                except Exception as err:
-                    result.setdefault("error", f"{type(err).__name__}: {err}")
-                    node = {}
+                node = _backward(root, run_step, rng, result, retry=agree is None)
                 if wish and node.get("op"):
                     result.update(stage="backward", op_module=result.get("module"), **node)
     finally:

@@ -128,7 +128,7 @@ def test_a_nan_written_by_a_forward_hook_is_the_write_at_its_line():
 
     model[0].register_forward_hook(poison)
     result = replay(model, lambda: model(torch.randn(2, 4)).sum())
-    assert (result["stage"], result["op"], result["op_module"]) == ("forward", "setitem", "0"), result
+    assert (result["stage"], result["op"], result["op_module"]) == ("forward", "__setitem__", "0"), result
     assert result["line"] == line_of("# FAULT hook setitem") and result["literal"] is True
 
 

@@ -118,7 +118,7 @@ def test_nan_written_into_the_batch_in_training_step_says_one_consistent_thing(t
     guard, _ = _fit(tmp_path, "nan_in_step")
     first = guard.events[0]
     assert (first["kind"], first["where"], first["step"]) == ("nonfinite_output", ["Encoder"], BAD_STEP)
-    assert (first["op"], first["module"]) == ("setitem", "Encoder")
+    assert (first["op"], first["module"]) == ("__setitem__", "Encoder")
     line = next(i for i, text in enumerate(_SOURCE, 1) if 'x[0, 0, 0] = float("nan")' in text)
     assert first["source"].endswith(f"test_true_words.py:{line}")
     message = first["message"]

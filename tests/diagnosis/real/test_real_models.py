@@ -1,8 +1,8 @@
 """The guard's root-cause event names each fault of the real-model table: kind, module, op and ``file:line`` read
 from the scenario's source (see ``harness.py``); and the committed tables are what the generator writes.
 
-Rows in ``WRONG_BEFORE_PROVENANCE`` are named wrong by the culprit heuristics this table was written to replace
-(issue 24): they are ``xfail(strict=False)`` until the provenance rule lands, then the marks go.
+Ten rows were named wrong by the culprit heuristics the provenance rule replaced (``core/provenance.py``); every row
+is now judged strictly.
 """
 
 from __future__ import annotations
@@ -19,18 +19,6 @@ from tests.diagnosis.real.harness import ROOT, Expected, Result, Row, marker_lin
 from tests.diagnosis.real.table import full_table, short_table, versions
 
 REPO = Path(__file__).resolve().parents[3]
-WRONG_BEFORE_PROVENANCE = {
-    "gpt_between": "the first LayerNorm that received the NaN, op masked_fill (the causal mask) blamed",
-    "gpt_temperature": "the head that received the Inf; no op",
-    "gpt_two_divs": "the attention's `/ math.sqrt(d)` line: one site per op name",
-    "gpt_hook_write": "the causal mask's masked_fill; the in-place write is invisible",
-    "tab_log_zero": "the Identity that received -inf; no op",
-    "llama_fp16_up_proj": "the line of the first `linear` (q_proj): one site per op name",
-    "gpt2_hook_write": "the block that received the NaN; no op",
-    "t5_wo_fp32": "T5's relative-position log(0) in block 0's SelfAttention",
-    "t5_wo_fp16": "T5's relative-position log(0) in block 0's SelfAttention",
-    "demo_transformer_hook_write": "the demo's -inf mask (masked_fill), at the trainer.fit line",
-}
 _RESULTS: dict[str, Result] = {}
 
 
@@ -43,9 +31,7 @@ def result(row: Row) -> Result:
 
 
 def _param(row: Row) -> Any:
-    why = WRONG_BEFORE_PROVENANCE.get(row.name)
-    marks = [pytest.mark.xfail(reason=f"named wrong before the provenance rule: {why}", strict=False)] if why else []
-    return pytest.param(row, marks=marks, id=row.name)
+    return pytest.param(row, id=row.name)
 
 
 def _assert_right(res: Result) -> None:
