@@ -304,11 +304,11 @@ class NumGuardCallback(Callback):
             return
         if rec.read_done:  # a further optimizer of a clean batch: its gradients only
             recorder.forget_forward()
+        if rec.forced_skip is None:  # both read schedules: the gradients are known here, read or not
+            self._coverage.at_first_step(trainer, pl_module, optimizer, self._pipeline.ledger)
         if self._deferred is not None:
             self._deferred.before_step(trainer, pl_module, optimizer)
             return
-        if rec.forced_skip is None:
-            self._coverage.at_first_step(trainer, pl_module, optimizer, self._pipeline.ledger)
         self._pipeline.read(trainer, pl_module, optimizer)
 
     @override
