@@ -53,6 +53,8 @@ LOCAL_SLOTS: tuple[int, ...] = (INPUT, SUSPICIOUS, OUTPUT, OP, LOSS)
 
 
 _TOTALS_MASK: dict[torch.device, torch.Tensor] = {}
+#: dtypes one ``torch.stack`` turns into a float32 vector as they are (type promotion: ``True`` is ``1.0``)
+_STACKED = frozenset({torch.float32, torch.bool})
 
 
 def _totals_mask(device: torch.device) -> torch.Tensor:
@@ -80,8 +82,8 @@ def pack(
     """
     values = (input_max, norm_total, output_total, loss_total, suspicious, op, quarantine)
     device = input_max.device
-    if all(v.dtype == torch.float32 and v.device == device for v in values):  # the usual step: four ops
-        raw = torch.stack(values)
+    if input_max.dtype == torch.float32 and all(v.dtype in _STACKED and v.device == device for v in values):
+        raw = torch.stack(values)  # the usual step, four ops: float32 (a bool flag is promoted to 0.0/1.0)
         return torch.where(_totals_mask(device), raw.isfinite().logical_not_(), raw)
     totals = torch.stack([input_max, norm_total, output_total, loss_total]).to(torch.float32)
     flags = torch.stack([suspicious, op, quarantine]).to(device=totals.device, dtype=torch.float32)
@@ -94,6 +96,8 @@ def stack_raw(values: Sequence[torch.Tensor]) -> torch.Tensor:
     One process needs no reduce, so the host can judge the raw values itself (:func:`decode_raw`): one
     ``stack`` instead of :func:`pack`'s eight ops. No sync.
     """
+    if values[0].dtype == torch.float32 and all(v.dtype in _STACKED for v in values):  # a bool is promoted
+        return torch.stack(list(values))
     f32 = torch.float32
     return torch.stack([v if v.dtype == f32 else v.to(f32) for v in values])
 

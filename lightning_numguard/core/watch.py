@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checks import CPU_TWO_PASS_MAX, as_f32
+from .checks import as_f32
 from .dtensor import local
 from .tree import floating_leaves
 
@@ -152,8 +152,8 @@ class _Hook:
 class _Slots:
     """A preallocated ``[n, 2]`` (min, max) buffer of one device and dtype, with a view pair per slot.
 
-    ``torch.aminmax(out, out=views[slot])`` (on the CPU ``amin`` and ``amax``, faster there) writes a module's
-    range into its row: no new tensor, no Python allocation beyond the call.
+    ``torch.aminmax(out, out=views[slot])`` writes a module's range into its row: one kernel, no new tensor, no
+    Python allocation beyond the call.
     """
 
     __slots__ = ("values", "views")
@@ -266,12 +266,7 @@ class OutputWatch:
         slots = self._buffers.get(key)
         if slots is None:  # once per device and dtype
             slots = self._buffers[key] = _Slots(len(self.names), t.device, t.dtype)
-        lo, hi = slots.views[slot]
-        if key[0].type == "cpu" and t.numel() < CPU_TWO_PASS_MAX:  # see checks.extremes
-            torch.amin(t, out=lo)
-            torch.amax(t, out=hi)
-        else:
-            torch.aminmax(t, out=(lo, hi))
+        torch.aminmax(t, out=slots.views[slot])  # one kernel per watched output (see checks._extremes)
         self.records.append((slot, key))
 
     def total(self, device: torch.device) -> torch.Tensor:
