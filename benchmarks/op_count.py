@@ -157,24 +157,27 @@ class _CheckFirst(Callback):
 
 
 class _Window(Callback):
-    """Switches the counter on for steps ``FIRST``..``LAST - 1`` (first callback in, last out)."""
+    """Switches the counter on for the steps from ``FIRST`` on, batch start to batch end (first callback in, last
+    out)."""
 
     def __init__(self, counter: OpCounter, start: bool) -> None:
         self.counter, self.start = counter, start
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.start:
-            self.counter.on = FIRST <= trainer.global_step < LAST
+            self.counter.on = trainer.global_step >= FIRST
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self.start:
             self.counter.on = False
 
 
-def count_ops(model: str, guard_kwargs: dict[str, Any] | None, check_first: bool = False) -> OpCounter:
-    """One fit of ``LAST`` steps of ``model`` (``guard_kwargs=None``: no guard); the ops of steps FIRST..LAST-1.
+def count_ops(
+    model: str, guard_kwargs: dict[str, Any] | None, check_first: bool = False, last: int = LAST
+) -> OpCounter:
+    """One fit of ``last`` steps of ``model`` (``guard_kwargs=None``: no guard); the ops of steps FIRST..last-1.
     ``check_first``: the op guard checks each guarded call first, as on an accelerator."""
-    spec = bench_models.build(model, LAST)
+    spec = bench_models.build(model, last)
     spec.reset()
     torch.manual_seed(1234)
     counter = OpCounter()
@@ -183,7 +186,7 @@ def count_ops(model: str, guard_kwargs: dict[str, Any] | None, check_first: bool
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=1,
-            max_steps=LAST,
+            max_steps=last,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,

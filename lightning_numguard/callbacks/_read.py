@@ -127,8 +127,8 @@ class StepRead:
         watch = self.recorder.watch
         rec.seen_at_read = (len(rec.losses), len(watch.records) if watch is not None else 0)
         rec.step = trainer.global_step
-        slots, segments, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due)
         world = trainer.world_size
+        slots, segments, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due, raw=world == 1)
         n = len(flags.SLOTS)
         if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
             vector = flags.stack_raw(list(slots.values()))
@@ -136,7 +136,7 @@ class StepRead:
                 vector = torch.cat([vector, extras.to(vector.device)])
                 self.spike.reduced = vector[n:]
             values = vector.tolist()
-            return Reading(flags.decode_raw(values[:n]), segments, values[n:])
+            return Reading(flags.decode_raw(values[:n], self.max_abs_input), segments, values[n:])
         values = self.reduce(trainer, slots, extras).tolist()  # the one host read of the step
         return Reading(flags.decode(values[:n], world), segments, values[n:])
 
@@ -164,12 +164,15 @@ class StepRead:
         return reduced
 
     def slot_values(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool, raw: bool = False
     ) -> tuple[dict[str, torch.Tensor], dict[str, Named], torch.Tensor | None]:
         """The step's 0-d slot values on the device, in :data:`~lightning_numguard.core.flags.SLOTS` order, named as
         :func:`~lightning_numguard.core.flags.pack`'s arguments, and the named tensors of its ``NORMS`` slot; no sync.
 
         Shared by :meth:`read` and :meth:`pack`; the third value is the spike statistics' extras (or ``None``).
+        ``raw``: the values go to the host as they are (one process), so the ``suspicious`` slot carries the largest
+        unmasked input value and the host compares it with ``max_abs_input`` (:func:`~lightning_numguard.core.flags.
+        decode_raw`), one kernel fewer; otherwise it is the comparison's bool, on the device.
         """
         rec = self.recorder.record
         assert rec is not None
@@ -208,8 +211,8 @@ class StepRead:
             "norm_total": self.norm_total(segments, device, zero),
             "output_total": watch.total(device) if watch is not None else zero,
             "loss_total": loss_total,
-            # a bool: the pack's one stack makes it 0.0/1.0 (no conversion op of its own)
-            "suspicious": unmasked >= self.max_abs_input if self.max_abs_input is not None else zero,
+            # raw: compared on the host; else a bool, which the pack's one stack makes 0.0/1.0 (no conversion op)
+            "suspicious": zero if self.max_abs_input is None else unmasked if raw else unmasked >= self.max_abs_input,
             "op": _any_flag([r.flag for r in opguard.records], device)
             if opguard is not None and opguard.records
             else zero,
@@ -364,8 +367,9 @@ class StepRead:
 
 
 def _any_flag(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """0-d bool on ``device``: whether any of the op guard's 0-d bool ``flags`` is set (one record: itself, no op;
-    the pack's stack promotes it to 0.0/1.0)."""
-    if len(flags) == 1 and flags[0].device == device:
-        return flags[0]
-    return torch.stack([f.to(device) for f in flags]).any()
+    """0-d bool on ``device``: whether any of the op guard's 0-d bool ``flags`` is set (one record: itself, no op; two:
+    one ``|``; more: ``stack`` and ``any``); the pack's stack promotes it to 0.0/1.0."""
+    flags = [f.to(device) for f in flags]  # no op where a flag is on the device already
+    if len(flags) <= 2:
+        return flags[0] if len(flags) == 1 else flags[0] | flags[1]
+    return torch.stack(flags).any()

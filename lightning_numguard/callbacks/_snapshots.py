@@ -45,6 +45,7 @@ class SnapshotsView:
     guard's own storage: read them, do not write into their tensors."""
 
     __slots__ = ("_of",)
+    _of: Snapshots
 
     def __init__(self, of: Snapshots) -> None:
         object.__setattr__(self, "_of", of)

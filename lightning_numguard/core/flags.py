@@ -102,14 +102,22 @@ def stack_raw(values: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([v if v.dtype == f32 else v.to(f32) for v in values])
 
 
-def decode_raw(values: Sequence[float]) -> StepFlags:
-    """The :class:`StepFlags` of one process's host-read :func:`stack_raw` vector (rank 0 saw what it saw)."""
+def decode_raw(values: Sequence[float], suspicious_at: float | None = None) -> StepFlags:
+    """The :class:`StepFlags` of one process's host-read :func:`stack_raw` vector (rank 0 saw what it saw).
+
+    ``suspicious_at``: the ``SUSPICIOUS`` slot holds the largest unmasked input value, seen when it is at least this
+    (``NumGuardCallback(max_abs_input=...)``; NaN never is); ``None``: it holds a 0/1 flag like the others.
+    """
     if len(values) != len(SLOTS):
         raise ValueError(f"expected {len(SLOTS)} slot values ({', '.join(SLOTS)}), got {len(values)}")
     n_totals = LOSS + 1  # input, norms, output, loss: seen when non-finite; the rest: seen when positive
-    return StepFlags(
-        tuple(0 if (not math.isfinite(v) if i < n_totals else v > 0) else -1 for i, v in enumerate(values))
-    )
+
+    def seen(i: int, v: float) -> bool:
+        if i < n_totals:
+            return not math.isfinite(v)
+        return v >= suspicious_at if i == SUSPICIOUS and suspicious_at is not None else v > 0
+
+    return StepFlags(tuple(0 if seen(i, v) else -1 for i, v in enumerate(values)))
 
 
 def encode_rank(packed: torch.Tensor, rank: int, world: int) -> torch.Tensor:

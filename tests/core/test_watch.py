@@ -234,3 +234,34 @@ def test_a_block_range_is_exact_for_small_and_large_outputs():
         m(x)
         assert [name for name, lo, hi in w.first_bad()] == ["0", "1"]
         assert all(math.isnan(v) for v in w.first_bad()[1][1:])
+
+
+def test_a_block_that_did_not_run_in_a_step_reads_zero_not_an_earlier_steps_range():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+            self.use_b = True
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(h) if self.use_b else h
+
+    m = Branchy()
+    w = OutputWatch(m, depth=1)
+    w.attach()
+    m.b.bias.data.fill_(float("nan"))
+    m(torch.ones(1, 2))  # step 1: `b` runs and goes non-finite
+    assert not math.isfinite(w.total(torch.device("cpu")).item())
+    w.reset()
+    m.use_b = False
+    m(torch.ones(1, 2))  # step 2: `b` does not run: its NaN row is not this step's
+    assert math.isfinite(w.total(torch.device("cpu")).item())
+    (rows,) = [r for _, r in w.ranges()]
+    assert rows[1].tolist() == [0.0, 0.0] and rows[0].isfinite().all()
+    w.reset()
+    m.use_b = True
+    m.b.bias.data.fill_(1.0)
+    out = m(torch.ones(1, 2))  # step 3: it runs again, finite, and its row is written again
+    (rows,) = [r for _, r in w.ranges()]
+    assert rows[1].tolist() == [out.min().item(), out.max().item()]
