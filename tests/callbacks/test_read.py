@@ -81,28 +81,22 @@ def test_gradients_missing_or_sparse_are_left_out_and_the_rest_still_checked():
 def test_state_goes_through_the_rewriting_check_only_while_no_snapshot_copies_it(tmp_path):
     """On the CPU the fused check writes the same bits back: every check reads (and rewrites) the state unchanged,
     finds a NaN weight, and is not used while an asynchronous snapshot may be copying the state on a thread."""
-    import pytorch_lightning as pl
-
+    from benchmarks.op_count import OpCounter
     from lightning_numguard import NumGuardCallback
     from tests.helpers import FaultData, FaultModel, loader, trainer
 
     every = ["inputs", "loss", "grads", "buffers", "params", "optimizer_state"]
-    seen = {}
+    fused = {}  # whether the state went through the fused (rewriting) check, seen at the dispatcher
     for asynchronous in (False, True):
         guard = NumGuardCallback(dirpath=str(tmp_path / str(asynchronous)), check=every, snapshot_async=asynchronous)
-
-        class Probe(pl.Callback):
-            def __init__(self, key: bool, guard: NumGuardCallback) -> None:
-                self.key, self.guard = key, guard
-
-            def on_train_batch_end(self, trainer, pl_module, *args):
-                seen[self.key] = self.guard._pipeline.reader.state_rewritable
-
+        counter = OpCounter()
+        counter.on = True
         torch.manual_seed(0)
-        trainer(tmp_path / str(asynchronous), [guard, Probe(asynchronous, guard)], max_steps=3).fit(
-            FaultModel(), loader(FaultData())
-        )
-    assert seen == {False: True, True: False}
+        with counter:  # the spike statistics' norm takes the gradients: the fused check is the state's alone
+            trainer(tmp_path / str(asynchronous), [guard], max_steps=3).fit(FaultModel(), loader(FaultData()))
+        fused[asynchronous] = counter.by_op["_amp_foreach_non_finite_check_and_unscale_"] > 0
+        assert counter.by_op["_foreach_norm"] > 0  # control: the counter saw the step's checks
+    assert fused == {False: True, True: False}
 
     inspector = StepRead(every, None, StepRecorder(every, [], []))
     inspector.state_rewritable = True
