@@ -41,7 +41,7 @@ TARGETS = (
     "lightning_numguard.callbacks._read:StepRead.read",
     "lightning_numguard.callbacks._read:StepRead.pack",
     "lightning_numguard.callbacks._read:StepRead.slot_values",
-    "lightning_numguard.callbacks._read:StepRead._norm_total",
+    "lightning_numguard.callbacks._read:StepRead.norm_total",
     "lightning_numguard.callbacks._read:StepRead.grads",
     "lightning_numguard.callbacks._zerosync:DeferredRead.before_step",
     "lightning_numguard.callbacks._zerosync:DeferredRead.after_step",

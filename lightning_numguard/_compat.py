@@ -9,9 +9,10 @@ are reached through the trainer passed in), so ``core/`` may use it too.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "calling_owner",
     "clear_found_inf",
     "dtensor_local",
+    "first_frame",
     "foreach_copy_",
     "foreach_nonfinite_",
     "foreach_norm_f32",
@@ -107,18 +109,13 @@ def callbacks_of_trainer_being_built() -> list[Any] | None:
     ``trainer`` attribute. Missing (another caller, a renamed class): ``None``, and the zero-code
     attach adds its callback without looking, as Lightning's own factories do.
     """
-    import inspect
 
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            owner: Any = frame.f_locals.get("self")
-            if type(owner).__name__ == "_CallbackConnector" and hasattr(owner, "trainer"):
-                return list(getattr(owner.trainer, "callbacks", None) or [])
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
+    def is_connector(frame: FrameType) -> bool:
+        owner: Any = frame.f_locals.get("self")
+        return type(owner).__name__ == "_CallbackConnector" and hasattr(owner, "trainer")
+
+    found = first_frame(caller_frame(0), is_connector)
+    return list(getattr(found.f_locals["self"].trainer, "callbacks", None) or []) if found is not None else None
 
 
 def train_results(trainer: Any) -> dict[str, Any] | None:
@@ -330,21 +327,26 @@ _getframe = getattr(sys, "_getframe", None)
 def caller_frame(depth: int = 0) -> FrameType | None:
     """What ``sys._getframe(depth)`` would return in the caller: ``0`` is the caller's own frame, ``1`` its caller.
 
-    Used on hot paths (a counted tensor read, an op of the replay), so it costs one C call. Missing
-    ``sys._getframe``: ``inspect.currentframe()`` walked ``depth + 1`` frames out. ``None`` when the
-    stack is shallower than ``depth`` or the interpreter keeps no frames; every caller takes
-    ``None`` as "no frame to name".
+    Used on hot paths (a counted tensor read, an op of the replay), so it costs one C call. Missing ``sys._getframe``:
+    ``inspect.currentframe()`` walked ``depth + 1`` frames out. ``None`` when the stack is shallower than ``depth``
+    or the interpreter keeps no frames; every caller takes ``None`` as "no frame to name".
     """
     if _getframe is not None:
         try:
             return _getframe(depth + 1)
         except ValueError:  # the stack is not that deep
             return None
-    import inspect
-
     frame = inspect.currentframe()
     for _ in range(depth + 1):
         frame = frame.f_back if frame is not None else None
+    return frame
+
+
+def first_frame(frame: FrameType | None, predicate: Callable[[FrameType], bool]) -> FrameType | None:
+    """The first frame from ``frame`` outwards (itself included) where ``predicate`` holds, else ``None``: the one
+    walk over ``f_back`` (``core.syncs``, ``core.usercode``, ``core.replay``, the two walks above and below)."""
+    while frame is not None and not predicate(frame):
+        frame = frame.f_back
     return frame
 
 
@@ -363,12 +365,12 @@ def calling_owner(names: Mapping[int, str], skip: int) -> str | None:
         frame = _getframe(skip + 1) if _getframe is not None else caller_frame(skip + 1)
     except ValueError:  # the stack is not that deep
         return None
-    while frame is not None:
-        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if owner is not None and id(owner) in names:
-            return names[id(owner)] or None
-        frame = frame.f_back
-    return None
+
+    def owns(f: FrameType) -> bool:
+        return "self" in f.f_code.co_varnames and id(f.f_locals.get("self")) in names
+
+    found = first_frame(frame, owns)
+    return names[id(found.f_locals["self"])] or None if found is not None else None
 
 
 # -------------------------------------------------------------------------------- torchmetrics

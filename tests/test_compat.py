@@ -159,6 +159,22 @@ def test_caller_frame_is_what_getframe_returns_in_the_caller(monkeypatch, withou
     assert too_deep is None
 
 
+def test_first_frame_walks_outwards_from_the_frame_itself_to_the_first_match():
+    def inner():
+        return _compat.caller_frame()
+
+    def outer():
+        return inner()
+
+    own = outer()  # inner's frame, whose f_back is outer's
+    assert _compat.first_frame(own, lambda f: f.f_code.co_name == "inner") is own
+    assert _compat.first_frame(own, lambda f: f.f_code.co_name == "outer").f_code is outer.__code__
+    here = test_first_frame_walks_outwards_from_the_frame_itself_to_the_first_match.__code__
+    assert _compat.first_frame(own, lambda f: f.f_code is here).f_code is here
+    assert _compat.first_frame(own, lambda f: False) is None
+    assert _compat.first_frame(None, lambda f: True) is None
+
+
 class _Owner:
     def run(self, fn):
         return fn()

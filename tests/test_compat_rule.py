@@ -7,7 +7,8 @@ named by ``file:line`` and the expression:
   ``cls``, ``super()`` or ``type(self)``: a private attribute of a foreign object (``torch._C``,
   ``module._modules``, ``guard._recovery``...); ``getattr``/``hasattr``/``setattr``/``delattr`` with a literal
   private name count too;
-* ``f_locals``, ``sys._getframe``, ``inspect.currentframe``/``stack``...: a walk over the caller's frames;
+* ``f_locals``, ``f_back``, ``sys._getframe``, ``inspect.currentframe``/``stack``...: a walk over the caller's
+  frames (``_compat.first_frame`` is the one walk outwards);
 * ``import torch._C``, ``from torch.x._y import z``, ``from torch import _C``: a private name of another package
   (the package's own private modules, ``from lightning_numguard.callbacks import _distributed``, are fine).
 
@@ -29,12 +30,16 @@ PACKAGE_NAME = PACKAGE.name
 COMPAT = "lightning_numguard/_compat.py"
 
 #: ``(path, expression) -> why it cannot go through _compat``. Keep it small; every entry must still match.
-ALLOWED: dict[tuple[str, str], str] = {}
+ALLOWED: dict[tuple[str, str], str] = {
+    # core/replay.py is being rewritten on another branch, which calls `_compat.first_frame` instead; the entry then
+    # has no violation left and `test_the_exceptions_are_still_needed` fails until it is removed
+    ("lightning_numguard/core/replay.py", "frame.f_back"): "replay's `_caller_file`, until its rewrite lands",
+}
 
 OWN_RECEIVERS = frozenset({"self", "cls"})
 NAMEDTUPLE_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults"})
 ATTRIBUTE_BUILTINS = frozenset({"getattr", "hasattr", "setattr", "delattr"})
-FRAME_ATTRIBUTES = frozenset({"f_locals", "_getframe", "_current_frames"})
+FRAME_ATTRIBUTES = frozenset({"f_locals", "f_back", "_getframe", "_current_frames"})
 INSPECT_FRAME_FUNCTIONS = frozenset(
     {"currentframe", "stack", "trace", "getouterframes", "getinnerframes", "getframeinfo"}
 )
@@ -165,6 +170,7 @@ def package_violations() -> list[Violation]:
         ("import torch\nx = torch._C", "torch._C"),
         ("import sys\nf = sys._getframe(1)", "sys._getframe"),
         ("def f(frame):\n    return frame.f_locals.get('self')", "frame.f_locals"),
+        ("def f(frame):\n    while frame is not None:\n        frame = frame.f_back", "frame.f_back"),
         ("import inspect\nf = inspect.currentframe()", "inspect.currentframe"),
         ("from inspect import currentframe", "from inspect import currentframe"),
         ("def f(opt):\n    return opt._step_supports_amp_scaling", "opt._step_supports_amp_scaling"),
@@ -213,7 +219,7 @@ def test_the_checker_catches(source: str, expression: str) -> None:
         "from . import _sibling\nfrom ._sibling import _helper",
         "import lightning_numguard._compat as c\nc.nn_bindings()",
         "from __future__ import annotations",
-        "def f(frame):\n    return frame.f_back, frame.f_code.co_filename, frame.f_lineno",
+        "def f(frame):\n    return frame.f_code.co_filename, frame.f_lineno, frame.f_globals",
         "for _ in range(3):\n    pass",
         "class C:\n    _n = 0\n\n    def f(self):\n        C._n += 1",
         "class Outer:\n    class Inner:\n        def f(self):\n            return Outer._registry",

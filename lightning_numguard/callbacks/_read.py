@@ -71,8 +71,15 @@ class StepRead:
         # Spike statistics and overflow headroom (callbacks/_spike.SpikeGuard), set by the callback: their
         # values ride after the flag slots in the one read; the global gradient norm is the grads' check
         self.spike: Any = None
-        self._grad_norm: torch.Tensor | None = None
+        #: the step's global gradient L2 norm (0-d, on the device) when the spike statistics carry it, else ``None``
+        self.grad_norm: torch.Tensor | None = None
         self._zeros: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def plan_applies(self) -> bool:
+        """Whether the gradients :meth:`grads` last returned are every gradient of the optimizer's checked parameters,
+        so :meth:`norm_total` checks them with the plan resolved once per optimizer (no per-tensor grouping)."""
+        return self._grads_plan is not None
 
     @property
     def start_buffer_map(self) -> dict[str, torch.Tensor]:
@@ -120,8 +127,8 @@ class StepRead:
         watch = self.recorder.watch
         rec.seen_at_read = (len(rec.losses), len(watch.records) if watch is not None else 0)
         rec.step = trainer.global_step
-        slots, segments, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due)
         world = trainer.world_size
+        slots, segments, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due, raw=world == 1)
         n = len(flags.SLOTS)
         if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
             vector = flags.stack_raw(list(slots.values()))
@@ -129,7 +136,7 @@ class StepRead:
                 vector = torch.cat([vector, extras.to(vector.device)])
                 self.spike.reduced = vector[n:]
             values = vector.tolist()
-            return Reading(flags.decode_raw(values[:n]), segments, values[n:])
+            return Reading(flags.decode_raw(values[:n], self.max_abs_input), segments, values[n:])
         values = self.reduce(trainer, slots, extras).tolist()  # the one host read of the step
         return Reading(flags.decode(values[:n], world), segments, values[n:])
 
@@ -157,17 +164,20 @@ class StepRead:
         return reduced
 
     def slot_values(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool, raw: bool = False
     ) -> tuple[dict[str, torch.Tensor], dict[str, Named], torch.Tensor | None]:
         """The step's 0-d slot values on the device, in :data:`~lightning_numguard.core.flags.SLOTS` order, named as
         :func:`~lightning_numguard.core.flags.pack`'s arguments, and the named tensors of its ``NORMS`` slot; no sync.
 
         Shared by :meth:`read` and :meth:`pack`; the third value is the spike statistics' extras (or ``None``).
+        ``raw``: the values go to the host as they are (one process), so the ``suspicious`` slot carries the largest
+        unmasked input value and the host compares it with ``max_abs_input`` (:func:`~lightning_numguard.core.flags.
+        decode_raw`), one kernel fewer; otherwise it is the comparison's bool, on the device.
         """
         rec = self.recorder.record
         assert rec is not None
         device = pl_module.device
-        # Everything state- and gradient-checked goes into one slot (see _norm_total).
+        # Everything state- and gradient-checked goes into one slot (see norm_total).
         segments: dict[str, Named] = {}
         every_buffer = "buffers" in self.check or "params" in self.check
         wanted = {
@@ -185,9 +195,8 @@ class StepRead:
         zero = self._zeros.get(device)
         if zero is None:  # a 0-d zero per device, made once (never written to)
             zero = self._zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
-        input_max = unmasked = zero
+        unmasked = zero  # non-finite exactly when an input is: the input slot's total too (no second reduction)
         if rec.inputs:
-            input_max = rec.inputs[0][1] if len(rec.inputs) == 1 else torch.stack([v for _, v in rec.inputs]).amax()
             unmasked = rec.input_unmasked[0] if len(rec.inputs) == 1 else torch.stack(rec.input_unmasked).amax()
         watch = self.recorder.watch
         watch = watch if watch is not None and watch.enabled else None
@@ -196,14 +205,17 @@ class StepRead:
         loss_total = zero
         if losses:
             loss_total = losses[0] if len(losses) == 1 and losses[0].dim() == 0 else torch.stack(losses).sum()
-        self._grad_norm = None
+        self.grad_norm = None
         slots = {
-            "input_max": input_max,
-            "norm_total": self._norm_total(segments, device, zero),
+            "input_max": unmasked,
+            "norm_total": self.norm_total(segments, device, zero),
             "output_total": watch.total(device) if watch is not None else zero,
             "loss_total": loss_total,
-            "suspicious": (unmasked >= self.max_abs_input).float() if self.max_abs_input is not None else zero,
-            "op": opguard.flags(device).amax() if opguard is not None and opguard.records else zero,
+            # raw: compared on the host; else a bool, which the pack's one stack makes 0.0/1.0 (no conversion op)
+            "suspicious": zero if self.max_abs_input is None else unmasked if raw else unmasked >= self.max_abs_input,
+            "op": _any_flag([r.flag for r in opguard.records], device)
+            if opguard is not None and opguard.records
+            else zero,
             "quarantine": rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
         }
         extras = None
@@ -211,12 +223,15 @@ class StepRead:
             rec.spike_read = True  # the step's first read only (a further optimizer reads its gradients alone)
             loss = loss_total if losses else None
             rank, world = trainer.global_rank, trainer.world_size
-            extras = self.spike.extras(loss, self._grad_norm, watch, device, rank, world)
+            extras = self.spike.extras(loss, self.grad_norm, watch, device, rank, world)
         return slots, segments, extras
 
-    def _norm_total(self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor) -> torch.Tensor:
-        """The ``NORMS`` slot's total: the gradients through the check that may rewrite them (on the CPU: the fused
-        check, which writes the same bits back), the state likewise when :attr:`state_rewritable`, else read-only.
+    def norm_total(self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor) -> torch.Tensor:
+        """The ``NORMS`` slot's total of ``segments`` (name -> named tensors: ``"grads"``, ``"params"``,
+        ``"start_buffers"``, ``"live_buffers"``, ``"opt_state"``), 0-d float32 on ``device``, non-finite when one of
+        them is; ``zero`` when there is nothing to check. No sync. The gradients go through the check that may
+        rewrite them (on the CPU: the fused check, which writes the same bits back), the state likewise when
+        :attr:`state_rewritable`, else read-only.
 
         Each segment's :class:`~lightning_numguard.core.checks.TotalPlan` is kept while the segment is the same
         list object (the parameters and buffers are resolved once per fit, the optimizer state while its
@@ -233,8 +248,8 @@ class StepRead:
                     if plan.local:  # DTensors (FSDP2, tensor parallel): this rank's shards; the reduce takes the max
                         grads = [local(t) for t in grads]
                     groups = plan.grouped(grads)
-                    self._grad_norm = spike.global_norm(groups, device)
-                    totals.append(self._grad_norm)
+                    self.grad_norm = spike.global_norm(groups, device)
+                    totals.append(self.grad_norm)
                 elif self._grads_plan is not None:  # grads() found every gradient: its plan and tensor list
                     totals.append(self._grads_plan.total(self._grads, device, rewritable=True))
                 else:
@@ -349,3 +364,12 @@ class StepRead:
                         out.append((f"optimizer[{i}].state[{self.param_names.get(id(param), '?')}].{key}", value))
         self._opt_state = (live, out)
         return out
+
+
+def _any_flag(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-d bool on ``device``: whether any of the op guard's 0-d bool ``flags`` is set (one record: itself, no op; two:
+    one ``|``; more: ``stack`` and ``any``); the pack's stack promotes it to 0.0/1.0."""
+    flags = [f.to(device) for f in flags]  # no op where a flag is on the device already
+    if len(flags) <= 2:
+        return flags[0] if len(flags) == 1 else flags[0] | flags[1]
+    return torch.stack(flags).any()

@@ -48,7 +48,7 @@ class StepRecord:
     epoch: int
     batch_idx: int
     batch: Any = None
-    # per micro-batch: the floating leaves of the batch and their max-|x| (0-d, NaN propagates)
+    # per micro-batch: the floating leaves of the batch and a 0-d value non-finite exactly when one of them is
     inputs: list[tuple[Named, torch.Tensor]] = field(default_factory=list)
     # per micro-batch: the max-|x| the suspicious-input check reads (dtype extremes, i.e. masks, left out)
     input_unmasked: list[torch.Tensor] = field(default_factory=list)
@@ -167,10 +167,11 @@ class StepRecorder:
             if self.ignored_inputs:
                 leaves = [(p, t) for p, t in leaves if p not in self.ignored_inputs]
             if leaves:
-                total, unmasked = checks.input_maxima([t for _, t in leaves], pl_module.device)
-                rec.inputs.append((leaves, total))
+                # non-finite exactly when an input is (a mask is a finite extreme): both input checks read it
+                unmasked = checks.unmasked_input_max([t for _, t in leaves], pl_module.device)
+                rec.inputs.append((leaves, unmasked))
                 rec.input_unmasked.append(unmasked)
-                micro.input_max = total
+                micro.input_max = unmasked
         return rec
 
     def enter_ops(self) -> None:

@@ -10,7 +10,7 @@ becomes the snapshot when the read of that step comes back clean (:meth:`~Snapsh
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import pytorch_lightning as pl
 
@@ -28,7 +28,55 @@ from lightning_numguard.core.snapshot import (
 )
 from lightning_numguard.core.stateful import MetricState, NumpyRNG, PrecisionState
 
-__all__ = ["Snapshots", "stateful_objects"]
+__all__ = ["LateView", "Snapshots", "SnapshotsView", "stateful_objects"]
+
+
+class LateView(NamedTuple):
+    """The deferred read's snapshots: ``candidates`` not verified yet (``(step, Snapshot)``, oldest first) and
+    ``last``, the last verified one (what a late rollback restores), or ``None``."""
+
+    candidates: tuple[tuple[int, Snapshot], ...]
+    last: tuple[int, Snapshot] | None
+
+
+class SnapshotsView:
+    """A read-only view of a fit's :class:`Snapshots` (``NumGuardCallback.snapshots``): what they hold, none of the
+    verbs (take, restore, verify...), and no attribute can be set through it. The snapshots it shows are the
+    guard's own storage: read them, do not write into their tensors."""
+
+    __slots__ = ("_of",)
+    _of: Snapshots
+
+    def __init__(self, of: Snapshots) -> None:
+        object.__setattr__(self, "_of", of)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"NumGuardCallback.snapshots is read-only (cannot set {name!r})")
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        """The last verified-finite snapshot (``step``, ``nbytes``, ``model``, ``optimizers``...), or ``None``."""
+        return self._of.snapshot
+
+    @property
+    def async_on(self) -> bool:
+        """Whether snapshots are copied asynchronously in this fit (resolved at train start)."""
+        return self._of.async_on
+
+    @property
+    def spare(self) -> Snapshot | None:
+        """The second buffer the asynchronous copies go into (``None`` until one was needed)."""
+        return self._of.spare
+
+    @property
+    def pending(self) -> Any:
+        """The asynchronous candidate in flight, between its batch start and the read (else ``None``)."""
+        return self._of.pending
+
+    @property
+    def late(self) -> LateView:
+        """``sync_mode="deferred"``: the candidates not verified yet and the last verified snapshot."""
+        return LateView(tuple(self._of.late.candidates), self._of.late.last)
 
 
 def stateful_objects(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Stateful]:

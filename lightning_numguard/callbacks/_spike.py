@@ -259,7 +259,9 @@ class SpikeGuard:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a checkpoint without it leaves the fresh window."""
-        self.spike_steps = [int(s) for s in state.get("spike_steps", [])]
+        """Restore :meth:`state_dict`; a checkpoint without it leaves the fresh window. A malformed state raises
+        before anything is changed (the window validates before it assigns)."""
+        spike_steps = [int(s) for s in state.get("spike_steps", [])]
         if self.window is not None and state.get("window"):
             self.window.load_state_dict(state["window"])
+        self.spike_steps = spike_steps

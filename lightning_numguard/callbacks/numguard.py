@@ -35,7 +35,7 @@ from lightning_numguard.callbacks._doc import DOC
 from lightning_numguard.callbacks._pipeline import Settings, StepPipeline
 from lightning_numguard.callbacks._progress import FitProgress
 from lightning_numguard.callbacks._sharded import SHARDING
-from lightning_numguard.callbacks._snapshots import Snapshots, stateful_objects
+from lightning_numguard.callbacks._snapshots import SnapshotsView, stateful_objects
 from lightning_numguard.callbacks._spike import STATEFUL_KEY
 from lightning_numguard.callbacks._strategies import check_strategy
 from lightning_numguard.callbacks._types import Backoff, NonNegativeInt, PositiveFloat, PositiveInt, plain_args
@@ -49,6 +49,8 @@ __all__ = ["CHECKS", "DEFAULT_CHECKS", "NumGuardCallback"]
 log = logging.getLogger(__name__)
 
 _STATE_KEY = "NumGuardCallback"
+#: the layout of :meth:`NumGuardCallback.state_dict`; ``load_state_dict`` refuses any other
+_STATE_VERSION = 1
 
 
 class NumGuardCallback(Callback):
@@ -160,10 +162,10 @@ class NumGuardCallback(Callback):
         return self._pipeline.recovery.quarantine.entries
 
     @property
-    def snapshots(self) -> Snapshots:
-        """The verified-finite snapshots of the current fit, for inspection (``snapshot``, ``async_on``, ``spare``);
-        only the guard changes them."""
-        return self._pipeline.snapshots
+    def snapshots(self) -> SnapshotsView:
+        """A read-only view of the fit's verified-finite snapshots (``snapshot``, ``async_on``, ``spare``,
+        ``pending``, ``late``); only the guard changes them."""
+        return SnapshotsView(self._pipeline.snapshots)
 
     @property
     def snapshot_step(self) -> int | None:
@@ -186,7 +188,7 @@ class NumGuardCallback(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "version": 1,
+            "version": _STATE_VERSION,
             "counters": dict(self.counters),
             "incidents_by_kind": dict(self._pipeline.ledger.incidents_by_kind),
             **self._pipeline.recovery.quarantine.state_dict(),
@@ -195,7 +197,16 @@ class NumGuardCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore counters, the quarantine and incident counts; nothing is changed if any part is malformed."""
+        """Restore counters, the quarantine and incident counts; nothing is changed if any part is malformed or the
+        state is of a version this release does not know."""
+        version = state_dict.get("version", _STATE_VERSION)
+        if type(version) is not int or version != _STATE_VERSION:
+            raise NumGuardError(
+                f"NumGuard: the callback state in this checkpoint has version {version!r}; this release reads version "
+                f"{_STATE_VERSION}. Resume with the release that wrote it (or upgrade lightning-numguard), or resume "
+                "without this callback's state by removing checkpoint['callbacks'] entries for NumGuardCallback; the "
+                "checkpoint's weights are unaffected."
+            )
         parsers = {
             "counters": lambda raw: {str(k): int(v) for k, v in raw.items()},
             "quarantined": lambda raw: parse_state("quarantined", raw),
@@ -304,11 +315,11 @@ class NumGuardCallback(Callback):
             return
         if rec.read_done:  # a further optimizer of a clean batch: its gradients only
             recorder.forget_forward()
+        if rec.forced_skip is None:  # both read schedules: the gradients are known here, read or not
+            self._coverage.at_first_step(trainer, pl_module, optimizer, self._pipeline.ledger)
         if self._deferred is not None:
             self._deferred.before_step(trainer, pl_module, optimizer)
             return
-        if rec.forced_skip is None:
-            self._coverage.at_first_step(trainer, pl_module, optimizer, self._pipeline.ledger)
         self._pipeline.read(trainer, pl_module, optimizer)
 
     @override

@@ -53,6 +53,8 @@ LOCAL_SLOTS: tuple[int, ...] = (INPUT, SUSPICIOUS, OUTPUT, OP, LOSS)
 
 
 _TOTALS_MASK: dict[torch.device, torch.Tensor] = {}
+#: dtypes one ``torch.stack`` turns into a float32 vector as they are (type promotion: ``True`` is ``1.0``)
+_STACKED = frozenset({torch.float32, torch.bool})
 
 
 def _totals_mask(device: torch.device) -> torch.Tensor:
@@ -80,8 +82,8 @@ def pack(
     """
     values = (input_max, norm_total, output_total, loss_total, suspicious, op, quarantine)
     device = input_max.device
-    if all(v.dtype == torch.float32 and v.device == device for v in values):  # the usual step: four ops
-        raw = torch.stack(values)
+    if input_max.dtype == torch.float32 and all(v.dtype in _STACKED and v.device == device for v in values):
+        raw = torch.stack(values)  # the usual step, four ops: float32 (a bool flag is promoted to 0.0/1.0)
         return torch.where(_totals_mask(device), raw.isfinite().logical_not_(), raw)
     totals = torch.stack([input_max, norm_total, output_total, loss_total]).to(torch.float32)
     flags = torch.stack([suspicious, op, quarantine]).to(device=totals.device, dtype=torch.float32)
@@ -94,18 +96,28 @@ def stack_raw(values: Sequence[torch.Tensor]) -> torch.Tensor:
     One process needs no reduce, so the host can judge the raw values itself (:func:`decode_raw`): one
     ``stack`` instead of :func:`pack`'s eight ops. No sync.
     """
+    if values[0].dtype == torch.float32 and all(v.dtype in _STACKED for v in values):  # a bool is promoted
+        return torch.stack(list(values))
     f32 = torch.float32
     return torch.stack([v if v.dtype == f32 else v.to(f32) for v in values])
 
 
-def decode_raw(values: Sequence[float]) -> StepFlags:
-    """The :class:`StepFlags` of one process's host-read :func:`stack_raw` vector (rank 0 saw what it saw)."""
+def decode_raw(values: Sequence[float], suspicious_at: float | None = None) -> StepFlags:
+    """The :class:`StepFlags` of one process's host-read :func:`stack_raw` vector (rank 0 saw what it saw).
+
+    ``suspicious_at``: the ``SUSPICIOUS`` slot holds the largest unmasked input value, seen when it is at least this
+    (``NumGuardCallback(max_abs_input=...)``; NaN never is); ``None``: it holds a 0/1 flag like the others.
+    """
     if len(values) != len(SLOTS):
         raise ValueError(f"expected {len(SLOTS)} slot values ({', '.join(SLOTS)}), got {len(values)}")
     n_totals = LOSS + 1  # input, norms, output, loss: seen when non-finite; the rest: seen when positive
-    return StepFlags(
-        tuple(0 if (not math.isfinite(v) if i < n_totals else v > 0) else -1 for i, v in enumerate(values))
-    )
+
+    def seen(i: int, v: float) -> bool:
+        if i < n_totals:
+            return not math.isfinite(v)
+        return v >= suspicious_at if i == SUSPICIOUS and suspicious_at is not None else v > 0
+
+    return StepFlags(tuple(0 if seen(i, v) else -1 for i, v in enumerate(values)))
 
 
 def encode_rank(packed: torch.Tensor, rank: int, world: int) -> torch.Tensor:

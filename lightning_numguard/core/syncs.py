@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lightning_numguard._compat import caller_frame, to_target_device
+from lightning_numguard._compat import caller_frame, first_frame, to_target_device
 
 __all__ = ["SyncCounter"]
 
@@ -228,21 +228,13 @@ class SyncCounter:
         )
 
     def _hit(self, name: str, t: torch.Tensor, frame: FrameType | None) -> None:
-        caused_at: FrameType | None = None
-        f: FrameType | None = frame
-        while f is not None:
-            if self._is_package(f):
-                caused_at = f
-                break
-            f = f.f_back
+        caused_at = first_frame(frame, self._is_package)
         if caused_at is not None:
             site = _site(caused_at)
         elif frame is None:  # a read with no Python caller (made from C)
             site = "?"
         else:  # the innermost frame outside torch itself (torch internals name their caller)
-            f = frame
-            while f is not None and _module(f).partition(".")[0] == "torch":
-                f = f.f_back
+            f = first_frame(frame, lambda g: _module(g).partition(".")[0] != "torch")
             site = _site(f or frame) + ("" if f is frame else f" -> {_site(frame)}")
         caused = caused_at is not None
         where = "step" if self.in_step else "outside"

@@ -10,7 +10,7 @@ import sys
 import sysconfig
 from types import FrameType
 
-from lightning_numguard._compat import caller_frame
+from lightning_numguard._compat import caller_frame, first_frame
 
 __all__ = ["is_library_file", "user_frame", "user_site"]
 
@@ -64,10 +64,8 @@ def is_library_file(filename: str) -> bool:
 
 def user_frame(start: FrameType | None = None) -> FrameType | None:
     """The innermost frame, from ``start`` (the caller's caller by default) outwards, that is user code."""
-    frame: FrameType | None = start if start is not None else caller_frame(2)
-    while frame is not None and is_library_file(frame.f_code.co_filename):
-        frame = frame.f_back
-    return frame
+    frame = start if start is not None else caller_frame(2)
+    return first_frame(frame, lambda f: not is_library_file(f.f_code.co_filename))
 
 
 def user_site(start: FrameType | None = None) -> tuple[str, int] | None:

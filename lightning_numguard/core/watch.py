@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checks import CPU_TWO_PASS_MAX, as_f32
+from .checks import as_f32
 from .dtensor import local
 from .tree import floating_leaves
 
@@ -152,22 +152,33 @@ class _Hook:
 class _Slots:
     """A preallocated ``[n, 2]`` (min, max) buffer of one device and dtype, with a view pair per slot.
 
-    ``torch.aminmax(out, out=views[slot])`` (on the CPU ``amin`` and ``amax``, faster there) writes a module's
-    range into its row: no new tensor, no Python allocation beyond the call.
+    ``torch.aminmax(out, out=views[slot])`` writes a module's range into its row: one kernel, no new tensor, no
+    Python allocation beyond the call.
     """
 
-    __slots__ = ("values", "views")
+    __slots__ = ("fresh", "stale", "values", "views")
 
     def __init__(self, n: int, device: torch.device, dtype: torch.dtype) -> None:
         self.values = torch.zeros(n, 2, device=device, dtype=dtype)
         self.views = [(row[0], row[1]) for row in self.values.unbind(0)]
+        self.fresh: set[int] = set()  # rows written in this step
+        self.stale: set[int] = set()  # rows written in an earlier step (their block has not run since)
+
+    def clear_stale(self) -> None:
+        """Zero the rows an earlier step wrote and this one did not (a block that did not run): none in the usual
+        step, where every watched block runs, so no kernel."""
+        old = self.stale - self.fresh
+        if old:
+            self.values[sorted(old)] = 0
+        self.stale = set()
 
 
 class OutputWatch:
     """Records, per forward call of each watched module, the min and max of its floating outputs.
 
     The first output of each watched module in a step goes into its row of a preallocated device
-    buffer (one per device and dtype, zeroed by :meth:`reset`) through ``torch.aminmax(out=...)``;
+    buffer (one per device and dtype; a row its block did not write in a step reads 0) through
+    ``torch.aminmax(out=...)``;
     further calls of the same module in the step (a shared module, gradient accumulation) and
     further floating leaves of a structured output are kept as extra records. Nothing is read
     back: :meth:`total` folds everything into one 0-d value that is non-finite when any watched
@@ -232,10 +243,12 @@ class OutputWatch:
         return bool(self._handles)
 
     def reset(self) -> None:
-        """Forget the records of the current step (zeroes the rows written; no new tensor)."""
+        """Forget the records of the current step. No kernel: a row the next step does not write again is zeroed
+        when that step is totalled (:meth:`total`), and only then."""
         if self.records:
             for slots in self._buffers.values():
-                slots.values.zero_()
+                slots.stale |= slots.fresh
+                slots.fresh = set()
             self.records.clear()
             self._used = [False] * len(self.names)
         self._last_out = None
@@ -266,12 +279,8 @@ class OutputWatch:
         slots = self._buffers.get(key)
         if slots is None:  # once per device and dtype
             slots = self._buffers[key] = _Slots(len(self.names), t.device, t.dtype)
-        lo, hi = slots.views[slot]
-        if key[0].type == "cpu" and t.numel() < CPU_TWO_PASS_MAX:  # see checks.extremes
-            torch.amin(t, out=lo)
-            torch.amax(t, out=hi)
-        else:
-            torch.aminmax(t, out=(lo, hi))
+        torch.aminmax(t, out=slots.views[slot])  # one kernel per watched output (see checks._extremes)
+        slots.fresh.add(slot)
         self.records.append((slot, key))
 
     def total(self, device: torch.device) -> torch.Tensor:
@@ -280,17 +289,24 @@ class OutputWatch:
         Non-finite when any output was; finite values can only overflow it into a false
         candidate, which :meth:`first_bad` then clears.
         """
+        self._settle()
         if not self.records:
             return torch.zeros((), dtype=torch.float32, device=device)
         # max-|x| in each buffer's own dtype, then to float32 with finite float64 values clamped: NaN and
         # Inf propagate, huge finite values (1e100 under 64-true) never look non-finite
-        parts = [as_f32(s.values.abs().amax()) for s in self._buffers.values()]
+        # max-|x| in one kernel (the inf-norm propagates NaN, on the CPU and on CUDA)
+        parts = [as_f32(torch.linalg.vector_norm(s.values, float("inf"))) for s in self._buffers.values()]
         if any(p.device != device for p in parts):
             parts = [p.to(device, non_blocking=True) for p in parts]
         extras = [t for _, where in self.records if isinstance(where[0], torch.Tensor) for t in where]
         if extras:
             parts.append(as_f32(torch.stack([t.to(device).double() for t in extras]).abs().amax()))
         return parts[0] if len(parts) == 1 else torch.stack(parts).amax()
+
+    def _settle(self) -> None:
+        """Rows of blocks that did not run in this step: zero, not an earlier step's range."""
+        for slots in self._buffers.values():
+            slots.clear_stale()
 
     def _values(self, device: torch.device) -> list[tuple[float, float]]:
         """Each record's (min, max) on the host. **Syncs.**"""
@@ -314,10 +330,12 @@ class OutputWatch:
     def ranges(self) -> list[tuple[tuple[torch.device, torch.dtype], torch.Tensor]]:
         """This step's ``[blocks, 2]`` (min, max) buffer per (device, dtype) of output, zeros where a block did
         not record (no sync; read by the overflow headroom of ``core/spike.py``)."""
+        self._settle()
         return [(key, s.values) for key, s in self._buffers.items()]
 
     def keep(self) -> tuple[list[tuple[int, Any]], dict[tuple[torch.device, torch.dtype], torch.Tensor]]:
         """This step's records and a device copy of its buffers, for :meth:`first_bad` a step later (no sync)."""
+        self._settle()
         return list(self.records), {key: s.values.clone() for key, s in self._buffers.items()}
 
     def first_bad(

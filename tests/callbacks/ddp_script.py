@@ -312,7 +312,7 @@ def spike_main(out: Path, fault_rank: int, action: str) -> None:
         result = {
             "events": guard.events,
             "counters": dict(guard.counters),
-            "window": guard._pipeline.spike.state_dict(),
+            "window": guard.state_dict()["spike"],
             "params": trainer.strategy.all_gather(flat).cpu(),
         }
         torch.save(result, out / f"spike_{mode}_rank{rank}.pt")

@@ -380,6 +380,9 @@ def test_buffers_non_finite_by_design_are_left_unchecked(tmp_path):
         ({"counters": [1, 2]}, "counters"),
         ({"quarantined": [{"epoch": 0}]}, "quarantined"),
         ({"position_incidents": {"batch:3": None}}, "position_incidents"),
+        # the spike steps are valid, the window is not: neither is taken
+        ({"spike": {"spike_steps": [3], "window": {"values": [1.0, 2.0]}}}, "spike"),
+        ({"spike": {"spike_steps": [3], "window": {"values": [[1.0], [2.0], [3.0]]}}}, "spike"),
     ],
 )
 def test_malformed_callback_state_is_refused_and_nothing_changes(state, key):
@@ -389,3 +392,15 @@ def test_malformed_callback_state_is_refused_and_nothing_changes(state, key):
     with pytest.raises(NumGuardError, match=rf"malformed at '{key}'.*weights are unaffected"):
         guard.load_state_dict(state)
     assert guard.state_dict() == before
+
+
+@pytest.mark.parametrize("version", [2, "1", None])
+def test_a_callback_state_of_an_unknown_version_is_refused_naming_the_fix(version):
+    guard = NumGuardCallback()
+    before = guard.state_dict()
+    assert before["version"] == 1
+    with pytest.raises(NumGuardError, match=rf"version {version!r}.*upgrade lightning-numguard.*removing"):
+        guard.load_state_dict({**before, "version": version, "counters": {"rollbacks": 5}})
+    assert guard.state_dict() == before
+    guard.load_state_dict({"counters": {"rollbacks": 5}})  # a state written before versions: version 1
+    assert guard.counters["rollbacks"] == 5

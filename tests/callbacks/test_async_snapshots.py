@@ -54,6 +54,18 @@ def test_a_candidate_is_never_promoted_when_the_start_of_step_state_is_bad(tmp_p
     assert rollback and rollback[0]["step"] == 3
 
 
+def test_the_snapshots_are_shown_through_a_read_only_view(tmp_path):
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=1)
+    trainer(tmp_path, [guard], max_steps=2).fit(FaultModel(), loader(FaultData()))
+    view = guard.snapshots
+    assert view.snapshot is not None and view.snapshot.step == 1 and view.late.candidates == ()
+    for name in ("restore", "take", "verify", "drop_from", "add_candidate"):
+        assert not hasattr(view, name), name
+    with pytest.raises(AttributeError, match="read-only"):
+        view.snapshot = None  # type: ignore[misc]
+    assert guard.snapshot_step == 1  # nothing was changed through the view
+
+
 def test_snapshot_async_is_validated_and_off_by_default_on_the_cpu(tmp_path):
     with pytest.raises(NumGuardConfigError, match="snapshot_async"):
         NumGuardCallback(snapshot_async="yes")  # type: ignore[arg-type]

@@ -61,9 +61,9 @@ def test_gradients_missing_or_sparse_are_left_out_and_the_rest_still_checked():
     inspector.param_names = {id(emb.weight): "emb.weight", id(used.weight): "used.weight", id(used.bias): "used.bias"}
     named = inspector.grads(opt)
     assert [n for n, _ in named] == ["used.weight", "used.bias"]  # the sparse and the missing ones left out
-    assert inspector._grads_plan is None  # the per-fit plan does not apply to this step's tensors
+    assert not inspector.plan_applies  # the per-fit plan does not apply to this step's tensors
     used.weight.grad[0, 0] = float("nan")
-    total = inspector._norm_total({"grads": named}, torch.device("cpu"), torch.zeros(()))
+    total = inspector.norm_total({"grads": named}, torch.device("cpu"), torch.zeros(()))
     assert not torch.isfinite(total)
     # every gradient present: the plan applies, and a NaN is still seen
     emb.weight.grad = None
@@ -72,37 +72,31 @@ def test_gradients_missing_or_sparse_are_left_out_and_the_rest_still_checked():
     used(emb(torch.tensor([1, 2]))).sum().backward()
     unused(torch.ones(3)).sum().backward()
     named = inspector.grads(opt)
-    assert len(named) == 5 and inspector._grads_plan is not None
-    assert torch.isfinite(inspector._norm_total({"grads": named}, torch.device("cpu"), torch.zeros(())))
+    assert len(named) == 5 and inspector.plan_applies
+    assert torch.isfinite(inspector.norm_total({"grads": named}, torch.device("cpu"), torch.zeros(())))
     unused.bias.grad.fill_(float("inf"))
-    assert not torch.isfinite(inspector._norm_total({"grads": named}, torch.device("cpu"), torch.zeros(())))
+    assert not torch.isfinite(inspector.norm_total({"grads": named}, torch.device("cpu"), torch.zeros(())))
 
 
 def test_state_goes_through_the_rewriting_check_only_while_no_snapshot_copies_it(tmp_path):
     """On the CPU the fused check writes the same bits back: every check reads (and rewrites) the state unchanged,
     finds a NaN weight, and is not used while an asynchronous snapshot may be copying the state on a thread."""
-    import pytorch_lightning as pl
-
+    from benchmarks.op_count import OpCounter
     from lightning_numguard import NumGuardCallback
     from tests.helpers import FaultData, FaultModel, loader, trainer
 
     every = ["inputs", "loss", "grads", "buffers", "params", "optimizer_state"]
-    seen = {}
+    fused = {}  # whether the state went through the fused (rewriting) check, seen at the dispatcher
     for asynchronous in (False, True):
         guard = NumGuardCallback(dirpath=str(tmp_path / str(asynchronous)), check=every, snapshot_async=asynchronous)
-
-        class Probe(pl.Callback):
-            def __init__(self, key: bool, guard: NumGuardCallback) -> None:
-                self.key, self.guard = key, guard
-
-            def on_train_batch_end(self, trainer, pl_module, *args):
-                seen[self.key] = self.guard._pipeline.reader.state_rewritable
-
+        counter = OpCounter()
+        counter.on = True
         torch.manual_seed(0)
-        trainer(tmp_path / str(asynchronous), [guard, Probe(asynchronous, guard)], max_steps=3).fit(
-            FaultModel(), loader(FaultData())
-        )
-    assert seen == {False: True, True: False}
+        with counter:  # the spike statistics' norm takes the gradients: the fused check is the state's alone
+            trainer(tmp_path / str(asynchronous), [guard], max_steps=3).fit(FaultModel(), loader(FaultData()))
+        fused[asynchronous] = counter.by_op["_amp_foreach_non_finite_check_and_unscale_"] > 0
+        assert counter.by_op["_foreach_norm"] > 0  # control: the counter saw the step's checks
+    assert fused == {False: True, True: False}
 
     inspector = StepRead(every, None, StepRecorder(every, [], []))
     inspector.state_rewritable = True
@@ -110,8 +104,8 @@ def test_state_goes_through_the_rewriting_check_only_while_no_snapshot_copies_it
     bits = weight.detach().clone().view(torch.int32)
     named = [("w", weight)]
     zero = torch.zeros(())
-    assert torch.isfinite(inspector._norm_total({"params": named}, torch.device("cpu"), zero))
+    assert torch.isfinite(inspector.norm_total({"params": named}, torch.device("cpu"), zero))
     assert torch.equal(weight.detach().view(torch.int32), bits) and weight._version == 0
     with torch.no_grad():
         weight[0, 1] = float("nan")
-    assert not torch.isfinite(inspector._norm_total({"params": named}, torch.device("cpu"), zero))
+    assert not torch.isfinite(inspector.norm_total({"params": named}, torch.device("cpu"), zero))

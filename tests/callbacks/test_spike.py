@@ -348,7 +348,7 @@ def test_with_spike_statistics_off_the_read_carries_nothing_else(tmp_path):
     trainer(tmp_path, [guard], max_steps=4, logger=logger, log_every_n_steps=1).fit(FaultModel(), loader(FaultData()))
     assert guard._pipeline.spike.window is None and not guard._pipeline.spike.enabled
     assert (
-        guard._pipeline.spike.last is None and guard._pipeline.reader._grad_norm is None
+        guard._pipeline.spike.last is None and guard._pipeline.reader.grad_norm is None
     )  # no extras read, no norm computed
     assert guard.state_dict()["spike"] == {"spike_steps": []}  # no window to save
     ea = EventAccumulator(logger.log_dir)

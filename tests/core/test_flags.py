@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -112,3 +113,21 @@ def test_pack_never_syncs_and_stays_on_the_device():
     out = packed(input_max=NAN)
     assert out.dtype == torch.float32 and out.shape == (7,)
     assert math.isclose(float(out[flags.INPUT]), 1.0)
+
+
+@pytest.mark.parametrize(
+    ("largest", "seen"), [(0.0, False), (1e17, False), (1e18, True), (float("inf"), True), (float("nan"), False)]
+)
+def test_one_process_compares_the_largest_input_with_the_threshold_on_the_host(largest, seen):
+    values = [0.0] * len(flags.SLOTS)
+    values[flags.SUSPICIOUS] = largest
+    assert flags.decode_raw(values, suspicious_at=1e18).seen(flags.SUSPICIOUS) is seen
+    zero = {name: torch.zeros(()) for name in inspect.signature(flags.pack).parameters}
+    device = flags.pack(**{**zero, "suspicious": torch.tensor(largest) >= 1e18})  # what a pack carries instead
+    assert flags.decode(device.tolist(), world=1).seen(flags.SUSPICIOUS) is seen
+
+
+def test_a_bool_flag_is_stacked_as_one_and_zero():
+    raw = [torch.tensor(0.0)] * 4 + [torch.tensor(True), torch.tensor(False), torch.tensor(0.0)]
+    vector = flags.stack_raw(raw)
+    assert vector.dtype == torch.float32 and vector.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]

@@ -211,9 +211,7 @@ def test_a_long_list_is_watched_at_every_stride_th_block_and_still_catches_a_bad
     assert w.first_bad()[0][0] == "trunk.layers.12"  # the next watched block; the replay names the exact one
 
 
-def test_a_block_range_is_exact_on_both_sides_of_the_cpu_two_pass_threshold():
-    from lightning_numguard.core.checks import CPU_TWO_PASS_MAX
-
+def test_a_block_range_is_exact_for_small_and_large_outputs():
     class Widen(nn.Module):  # a block whose output has n elements
         def __init__(self, n):
             super().__init__()
@@ -222,7 +220,7 @@ def test_a_block_range_is_exact_on_both_sides_of_the_cpu_two_pass_threshold():
         def forward(self, x):
             return x.sum() + torch.linspace(-3.0, 5.0, self.n)
 
-    for n in (1000, CPU_TWO_PASS_MAX):  # amin + amax below the threshold, aminmax from it
+    for n in (1000, 1 << 20):  # in a core's cache, and beyond it
         m = nn.Sequential(nn.Linear(2, 1), Widen(n))
         w = OutputWatch(m, depth=1)
         w.attach()
@@ -236,3 +234,34 @@ def test_a_block_range_is_exact_on_both_sides_of_the_cpu_two_pass_threshold():
         m(x)
         assert [name for name, lo, hi in w.first_bad()] == ["0", "1"]
         assert all(math.isnan(v) for v in w.first_bad()[1][1:])
+
+
+def test_a_block_that_did_not_run_in_a_step_reads_zero_not_an_earlier_steps_range():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+            self.use_b = True
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(h) if self.use_b else h
+
+    m = Branchy()
+    w = OutputWatch(m, depth=1)
+    w.attach()
+    m.b.bias.data.fill_(float("nan"))
+    m(torch.ones(1, 2))  # step 1: `b` runs and goes non-finite
+    assert not math.isfinite(w.total(torch.device("cpu")).item())
+    w.reset()
+    m.use_b = False
+    m(torch.ones(1, 2))  # step 2: `b` does not run: its NaN row is not this step's
+    assert math.isfinite(w.total(torch.device("cpu")).item())
+    (rows,) = [r for _, r in w.ranges()]
+    assert rows[1].tolist() == [0.0, 0.0] and rows[0].isfinite().all()
+    w.reset()
+    m.use_b = True
+    m.b.bias.data.fill_(1.0)
+    out = m(torch.ones(1, 2))  # step 3: it runs again, finite, and its row is written again
+    (rows,) = [r for _, r in w.ranges()]
+    assert rows[1].tolist() == [out.min().item(), out.max().item()]

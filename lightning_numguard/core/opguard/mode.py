@@ -282,4 +282,4 @@ class OpGuard:
             )
         )
         if self.sanitize:
-            call.set(rule.arg, torch.where(fill_mask(op, bad), rule.fill, tensor))
+            call.set(rule.arg, tensor.masked_fill(fill_mask(op, bad), rule.fill))  # one kernel (no scalar tensor)

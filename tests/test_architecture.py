@@ -1,0 +1,87 @@
+"""``ARCHITECTURE.md`` says what the code does: who writes files, loggers and warnings; each part listed once."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "lightning_numguard"
+DOC = (REPO / "ARCHITECTURE.md").read_text(encoding="utf-8")
+
+#: calls that write a file, reach the loggers or the progress bar, or warn, on any receiver
+WRITE_ATTRIBUTES = frozenset(
+    {"save", "save_checkpoint", "log_dict", "log_metrics", "add_text", "add_scalar", "write_text", "write_bytes"}
+)
+#: ``receiver.attribute`` calls that write only on these receivers (a logger, the LightningModule, a console)
+WRITE_ON = {
+    "warn": ("warnings",),
+    "warning": ("log", "logger", "logging"),
+    "error": ("log", "logger", "logging"),
+    "log": ("log", "logger", "logging", "pl_module"),
+    "print": ("console",),
+    "open": ("path", "self.path", "Path(path)"),
+}
+#: the guard's own reporting, and the commands, which write what the user asked for
+OUT_OF_SCOPE = ("reporting/", "cli.py", "demo.py")
+
+
+def writes(source: str) -> list[str]:
+    """The writing calls in ``source``, as ``receiver.attribute``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        receiver, attr = ast.unparse(node.func.value), node.func.attr
+        if attr in WRITE_ATTRIBUTES or receiver in WRITE_ON.get(attr, ()) or receiver.endswith("console"):
+            if attr == "open" and receiver not in WRITE_ON["open"]:
+                continue
+            found.append(f"{receiver}.{attr}")
+    return found
+
+
+def writers_in_code() -> dict[str, list[str]]:
+    out = {}
+    for file in sorted(PACKAGE.rglob("*.py")):
+        rel = file.relative_to(PACKAGE).as_posix()
+        if rel.startswith(OUT_OF_SCOPE):
+            continue
+        calls = writes(file.read_text(encoding="utf-8"))
+        if calls:
+            out[rel.removesuffix(".py")] = calls
+    return out
+
+
+def writers_in_doc() -> list[str]:
+    table = DOC.split("<!-- writers -->", 1)[1].split("<!-- /writers -->", 1)[0]
+    return re.findall(r"^\| `([\w/]+)` \|", table, re.M)
+
+
+def test_the_scan_sees_writing_calls():
+    """Control: the scan recognises each form it looks for, and leaves an ordinary call alone."""
+    source = "warnings.warn('x')\nlog.warning('x')\ntorch.save(x, p)\npl_module.log('k', v)\nt.sum()\nlog.debug('x')"
+    assert writes(source) == ["warnings.warn", "log.warning", "torch.save", "pl_module.log"]
+
+
+def test_every_module_that_writes_is_in_the_architecture_table_and_only_those():
+    code = writers_in_code()
+    doc = writers_in_doc()
+    assert len(doc) == len(set(doc)), doc
+    assert set(doc) == set(code), {"missing from the table": sorted(set(code) - set(doc)), "not writing": sorted(set(doc) - set(code)), "calls": code}  # fmt: skip
+
+
+def test_each_part_is_listed_once_in_the_layers_and_exists():
+    layers = DOC.split("## Layers", 1)[1].split("```", 2)[1]
+    names = re.findall(r"^ {4}(_?\w+) {2,}", layers, re.M)
+    assert "_ledger" in names and "numguard" in names, names  # the scan reads the callbacks' rows
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_the_architecture_names_no_symbol_the_code_lacks():
+    """Each ``CONSTANT`` the page tells a newcomer to edit is used beyond its definition and ``__all__`` entry."""
+    constants = set(re.findall(r"`([A-Z][A-Z_]{3,})`", DOC))
+    files = [*PACKAGE.rglob("*.py"), *(REPO / "tests").rglob("*.py")]
+    source = "\n".join(p.read_text(encoding="utf-8") for p in files if p.name != "test_architecture.py")
+    unused = sorted(c for c in constants if len(re.findall(rf"\b{c}\b", source)) < 3)
+    assert not unused, unused
