@@ -18,35 +18,22 @@ from typing import Any
 
 import torch
 
+# the dispatcher-level mode the replay's provenance trace subclasses: documented (``torch.utils._python_dispatch``,
+# "extending PyTorch: TorchDispatchMode") but in a private module since torch 1.13
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from lightning_numguard.errors import NumGuardError
 
+# fmt: off
 __all__ = [
-    "callbacks_of_trainer_being_built",
-    "caller_frame",
-    "calling_owner",
-    "clear_found_inf",
-    "dtensor_local",
-    "first_frame",
-    "foreach_copy_",
-    "foreach_nonfinite_",
-    "foreach_norm_f32",
-    "lightning_will_stop",
-    "logger_metric_dicts",
-    "metric_counters",
-    "metric_state",
-    "nn_bindings",
-    "require_accumulation_api",
-    "result_metric_state",
-    "scaler_tensors",
-    "set_found_inf",
-    "set_metric_counters",
-    "set_result_metric_state",
-    "should_accumulate",
-    "step_honours_found_inf",
-    "sync_scheduler_last_lr",
-    "to_target_device",
-    "train_results",
+    "TorchDispatchMode", "callbacks_of_trainer_being_built", "caller_frame", "calling_owner", "clear_found_inf",
+    "dtensor_local", "first_frame", "foreach_copy_", "foreach_nonfinite_", "foreach_norm_f32",
+    "lightning_will_stop", "logger_metric_dicts", "metric_counters", "metric_state", "nn_bindings",
+    "require_accumulation_api", "result_metric_state", "scaler_tensors", "set_found_inf", "set_metric_counters",
+    "set_result_metric_state", "should_accumulate", "step_honours_found_inf", "sync_scheduler_last_lr",
+    "to_target_device", "train_results",
 ]
+# fmt: on
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,7 @@ PACKAGE_NAME = PACKAGE.name
 COMPAT = "lightning_numguard/_compat.py"
 
 #: ``(path, expression) -> why it cannot go through _compat``. Keep it small; every entry must still match.
-ALLOWED: dict[tuple[str, str], str] = {
-    # core/replay.py is being rewritten on another branch, which calls `_compat.first_frame` instead; the entry then
-    # has no violation left and `test_the_exceptions_are_still_needed` fails until it is removed
-    ("lightning_numguard/core/replay.py", "frame.f_back"): "replay's `_caller_file`, until its rewrite lands",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 OWN_RECEIVERS = frozenset({"self", "cls"})
 NAMEDTUPLE_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults"})

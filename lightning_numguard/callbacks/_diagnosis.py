@@ -140,7 +140,8 @@ def diagnose(
     for shown in (culprit, output):
         if shown is not None and not late:
             shown.details["replay"] = result
-    first_module = (culprit or output).where[0] if (culprit or output) is not None else None
+    named = culprit or output
+    first_module = named.where[0] if named is not None else None
 
     if seen.seen(flags.OP):
         for finding in op_findings(op_records, first_module, rank, late):

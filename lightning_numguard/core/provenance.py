@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_numguard._compat import caller_frame
+from lightning_numguard._compat import TorchDispatchMode, caller_frame, first_frame
 
 from .dtensor import local
 from .usercode import user_site
@@ -267,15 +266,13 @@ class Provenance(TorchDispatchMode):
 
 def _from_distributed() -> bool:
     """Whether the op was called by torch.distributed's own code (a frame of it on the stack before user code)."""
-    frame = caller_frame(3)
-    while frame is not None:
-        file = frame.f_code.co_filename.replace("\\", "/")
-        if _DISTRIBUTED in file:
-            return True
-        if "/torch/" not in file and "/lightning_numguard/" not in file:
-            return False
-        frame = frame.f_back
-    return False
+
+    def decides(frame: Any) -> bool:
+        file = str(frame.f_code.co_filename).replace("\\", "/")
+        return _DISTRIBUTED in file or ("/torch/" not in file and "/lightning_numguard/" not in file)
+
+    found = first_frame(caller_frame(3), decides)
+    return found is not None and _DISTRIBUTED in str(found.f_code.co_filename).replace("\\", "/")
 
 
 def _overflow_facts(inputs: list[torch.Tensor], scalars: list[float]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_numguard._compat import caller_frame
+from lightning_numguard._compat import caller_frame, first_frame
 
 from .dtensor import local
 from .opguard import OpGuard
@@ -126,9 +126,12 @@ class _Calls(TorchFunctionMode):
 
 def _caller_file(frame: Any) -> str:
     """The file of the code that called a torch function, past the ``torch.ops`` call machinery, with ``/``."""
-    while frame is not None and frame.f_code.co_filename.replace("\\", "/").endswith("/torch/_ops.py"):
-        frame = frame.f_back
-    return frame.f_code.co_filename.replace("\\", "/") if frame is not None else ""
+    found = first_frame(frame, lambda f: not _path(f).endswith("/torch/_ops.py"))
+    return _path(found) if found is not None else ""
+
+
+def _path(frame: Any) -> str:
+    return str(frame.f_code.co_filename).replace("\\", "/")
 
 
 def _graph_nodes(root: Any) -> list[Any]:
