@@ -30,6 +30,7 @@ __all__ = [
     "foreach_norm_f32",
     "lightning_will_stop",
     "logger_metric_dicts",
+    "logs_due",
     "metric_counters",
     "metric_state",
     "nn_bindings",
@@ -65,11 +66,8 @@ def should_accumulate(trainer: Any) -> bool:
 
 
 def require_accumulation_api(trainer: Any) -> None:
-    """Raise at setup if accumulation is on and Lightning no longer exposes ``_should_accumulate``.
-
-    Without it the guard cannot tell a micro-batch from an optimizer step and would read (and
-    decide) once per micro-batch instead of once per step.
-    """
+    """Raise at setup if accumulation is on and Lightning no longer exposes ``_should_accumulate`` (without it
+    the guard cannot tell a micro-batch from an optimizer step: it would read once per micro-batch)."""
     if int(getattr(trainer, "accumulate_grad_batches", 1)) == 1:
         return
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
@@ -82,12 +80,8 @@ def require_accumulation_api(trainer: Any) -> None:
 
 
 def lightning_will_stop(trainer: Any) -> bool:
-    """Whether Lightning honours ``trainer.should_stop`` now (``min_steps``/``min_epochs`` are met).
-
-    ``fit_loop._can_stop_early`` is the property Lightning itself consults; when it is missing, the
-    same rule is computed from the public ``min_steps``, ``min_epochs``, ``global_step`` and
-    ``current_epoch``.
-    """
+    """Whether Lightning honours ``trainer.should_stop`` now (``min_steps``/``min_epochs`` are met): the property
+    Lightning consults, ``fit_loop._can_stop_early``; missing, the same rule from the public attributes."""
     loop = getattr(trainer, "fit_loop", None)
     if loop is not None and hasattr(type(loop), "_can_stop_early"):
         return bool(loop._can_stop_early)
@@ -95,6 +89,11 @@ def lightning_will_stop(trainer: Any) -> bool:
     return (not min_steps or trainer.global_step >= min_steps) and (
         not min_epochs or trainer.current_epoch >= min_epochs
     )
+
+
+def logs_due(trainer: Any) -> bool:
+    """Whether Lightning writes its step metrics at this batch's end (``LearningRateMonitor``'s private test)."""
+    return bool(trainer._logger_connector.should_update_logs)
 
 
 def callbacks_of_trainer_being_built() -> list[Any] | None:
