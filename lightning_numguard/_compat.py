@@ -99,12 +99,11 @@ def logs_due(trainer: Any) -> bool:
 def callbacks_of_trainer_being_built() -> list[Any] | None:
     """The callbacks a ``Trainer`` under construction already holds, seen from a callback factory.
 
-    Lightning calls the ``*.callbacks_factory`` entry points with no arguments, from
-    ``_CallbackConnector.on_trainer_init`` (both packages), after it set ``trainer.callbacks`` to the
-    user's list and before it adds what the factories return; no public API shows that list to a
-    factory. The connector is found as ``self`` in a calling frame, by its class name and its
-    ``trainer`` attribute. Missing (another caller, a renamed class): ``None``, and the zero-code
-    attach adds its callback without looking, as Lightning's own factories do.
+    Lightning calls the ``*.callbacks_factory`` entry points with no arguments, from ``_CallbackConnector.
+    on_trainer_init`` (both packages), after it set ``trainer.callbacks`` to the user's list and before it adds
+    what the factories return; no public API shows that list to a factory. The connector is found as ``self`` in
+    a calling frame (its class name, its ``trainer``). Missing: ``None``, and the zero-code attach adds its
+    callback without looking, as Lightning's own factories do.
     """
     import inspect
 

@@ -13,8 +13,8 @@ At each batch end (host numbers the step's one read already brought: no device r
 A counter is written when it changes and on Lightning's steps, never as a copy of another one: ``incidents``
 moves with root causes, ``skipped_steps`` with skips, ``rollbacks`` with rollbacks, ``spikes`` with spikes.
 
-At the end of a fit that had any event (or when it raises: a halt), global rank 0 writes the trace and sends
-one picture (:mod:`~lightning_numguard.reporting.plot`) to every logger that takes an image. A clean run draws
+At the end of a fit that had any event (or when it raises: a halt), global rank 0 writes the trace (also at
+the first event and then at most every few hundred steps after events) and sends one picture (:mod:`~lightning_numguard.reporting.plot`) to every logger that takes an image. A clean run draws
 nothing and imports nothing.
 """
 
@@ -45,6 +45,7 @@ class RunSeries:
         self.sigma = sigma
         self.trace = Trace(reporter.dirpath / TRACE_FILENAME if reporter.dirpath is not None else None, sigma)
         self._seen = 0  # events already looked at
+        self._logged: set[str] = set()  # the tags given to pl_module.log so far
         self.pictured = False
 
     def after_step(
@@ -69,6 +70,8 @@ class RunSeries:
         due = bool(trainer.loggers) and _compat.logs_due(trainer)
         if due:  # Lightning writes these with its own metrics, at this step
             scalars = self.reporter.unwritten(step, {**counter_scalars(counters), **spike})
+            self._forget(trainer, self._logged - set(scalars))
+            self._logged |= set(scalars)
             for key, value in scalars.items():
                 pl_module.log(key, torch.tensor(value), on_step=True, on_epoch=False, logger=True, batch_size=1)
         if last is not None and spike and last[0] in event_steps and not (due and last[0] == step):
@@ -76,12 +79,22 @@ class RunSeries:
         if event_steps and trainer.is_global_zero:
             self.trace.maybe_write(step)
 
+    @staticmethod
+    def _forget(trainer: Any, tags: set[str]) -> None:
+        """Lightning writes a value ``pl_module.log`` kept at each of its logging steps until the epoch ends: a tag
+        not logged at this one (no gradient norm at a NaN step; written directly at an event) is withdrawn."""
+        results = _compat.train_results(trainer) or {}
+        for tag in tags:
+            item = results.get(f"on_train_batch_end.{tag}")
+            if item is not None:
+                item.reset()
+
     def at_end(self, trainer: Any, events: list[dict[str, Any]], ended: str = "finished") -> None:
         """End of the fit (or an exception): the trace written, and the picture sent when anything happened."""
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero or not events:  # a clean run: no file, no picture
             return
         self.trace.write(int(trainer.global_step))
-        if not events or self.pictured or not trainer.loggers:
+        if self.pictured or not trainer.loggers:
             return
         self.pictured = True
         from lightning_numguard.reporting.plot import MissingMatplotlib, figure, send_figure

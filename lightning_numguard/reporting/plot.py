@@ -81,13 +81,16 @@ def _culprit(event: Mapping[str, Any]) -> str:
     return name if len(name) <= 32 else "…" + name[-31:]
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("s" if n != 1 else "")
+
+
 def _summary(events: Sequence[Mapping[str, Any]]) -> str:
-    counts = {c: len({int(e["step"]) for e in events if c in _category(e)}) for c in MARKERS}
-    parts = [f"{counts[c]} {label}" for c, label in (("incident", "incidents"), ("skip", "skipped"))]
-    parts += [f"{counts[c]} {c}s" for c in ("rollback", "spike") if counts[c]]
-    parts += [f"{counts['overflow_risk']} overflow risks"] * bool(counts["overflow_risk"])
-    parts += ["halted"] * bool(counts["halt"])
-    return ", ".join(parts)
+    """The title: incidents as the ``incidents`` counter counts them, then the steps of each marker."""
+    steps = {c: len({int(e["step"]) for e in events if c in _category(e)}) for c in MARKERS}
+    parts = [_plural(sum(counts_as_incident(e) for e in events), "incident"), f"{steps['skip']} skipped"]
+    parts += [_plural(steps[c], c.replace("_", " ")) for c in ("rollback", "spike", "overflow_risk") if steps[c]]
+    return ", ".join(parts + ["halted"] * bool(steps["halt"]))
 
 
 def figure(events: Sequence[Mapping[str, Any]], trace: Trace | None = None, title: str | None = None) -> Any:
@@ -116,6 +119,7 @@ def figure(events: Sequence[Mapping[str, Any]], trace: Trace | None = None, titl
         ax.plot(steps, columns[3], color="k", lw=1.0, label="grad norm z-score")
         if sigma is not None:
             ax.axhline(sigma, color="tab:red", ls="--", lw=1.0, label=f"spike threshold (sigma={sigma:g})")
+        ax.set_yscale("symlog", linthresh=max(sigma or 1.0, 1.0))  # a spike's z of 100s and the threshold, both seen
         ax.set_ylabel("z-score")
         ax.legend(loc="upper left", fontsize=7)
     _events(axes, events)
