@@ -131,7 +131,7 @@ class StepPipeline:
         """Name the culprits of a read, judge it, move the counters; sets ``rec.decision`` and ``rec.events``."""
         rec, seen, late = view.rec, view.reading.flags, view.kept is not None
         s = self.settings
-        spikes = self._spikes(trainer, rec.step, view.reading.extras)
+        spikes = self._spikes(trainer, rec, view.reading.extras)
         if seen.seen(flags.QUARANTINE) and rec.forced_skip is None:
             rec.forced_skip = "it holds samples quarantined after they failed before"
         findings: list[Finding] = []
@@ -146,7 +146,7 @@ class StepPipeline:
             acting = s.action != "warn"
             found = diagnose(trainer, pl_module, self.recorder, self.reader, view, s.replay and acting, acting)
             if found.amp_overflow:
-                self._loss_scale(trainer, rec.step)
+                self._loss_scale(trainer, rec)
             findings, declared = self.conventions.sort(found.findings)  # a field flagged step after step: not a fault
             events = self._conventions_declared(trainer, declared, rec)
             failures = self.recovery.quarantine.count_failure(position_key(rec.batch, rec.batch_idx)) if findings else 0
@@ -241,21 +241,25 @@ class StepPipeline:
 
     # ------------------------------------------------------------------ parts
 
-    def _spikes(self, trainer: pl.Trainer, step: int, extras: list[float]) -> list[Finding]:
+    def _spikes(self, trainer: pl.Trainer, rec: StepRecord, extras: list[float]) -> list[Finding]:
         """The step's spikes (judged by the caller) from the read's extras; its overflow risks recorded now."""
         if not extras:
             return []
-        spikes, risks = self.spike.findings(extras, step, self.recorder.watch, trainer.world_size)
+        spikes, risks = self.spike.findings(extras, rec.step, self.recorder.watch, trainer.world_size)
         if risks:
-            self.ledger.record(trainer, [self.ledger.event(trainer, f, step, "none") for f in risks])
+            self.ledger.record(trainer, [self._advisory(trainer, f, rec) for f in risks])
         return spikes
 
-    def _loss_scale(self, trainer: pl.Trainer, step: int) -> None:
+    def _advisory(self, trainer: pl.Trainer, finding: Finding, rec: StepRecord) -> dict[str, Any]:
+        """The event (action ``"none"``) of a finding only reported, with the step's epoch and batch index."""
+        return self.ledger.event(trainer, finding, rec.step, "none", rec.epoch, rec.batch_idx)
+
+    def _loss_scale(self, trainer: pl.Trainer, rec: StepRecord) -> None:
         """The GradScaler's own overflow: a collapsing loss scale is reported like a block near its dtype's limit."""
         collapsed = self.amp.after_overflow(trainer)
         risk = self.spike.loss_scale_finding(collapsed) if collapsed is not None else None
         if risk is not None:
-            self.ledger.record(trainer, [self.ledger.event(trainer, risk, step, "none")])
+            self.ledger.record(trainer, [self._advisory(trainer, risk, rec)])
 
     def _conventions_declared(
         self, trainer: pl.Trainer, declared: list[Finding], rec: StepRecord

@@ -297,6 +297,7 @@ def test_a_float16_block_near_its_limit_is_reported_once_with_its_headroom(tmp_p
         assert risks == []
         return
     assert len(risks) == 1 and risks[0]["where"] == ["block"] and risks[0]["step"] == 0
+    assert risks[0]["batch_idx"] == 0 and risks[0]["epoch"] == 0  # the batch it was seen in (issue 27), not -1
     assert risks[0]["details"]["dtype"] == "float16" and risks[0]["details"]["peak"] == pytest.approx(peak, rel=1e-2)
     assert risks[0]["action"] == "none" and "float32" in risks[0]["message"]
     assert guard.counters["incidents"] == 0 and guard.counters["skipped_steps"] == 0  # a warning, not an incident

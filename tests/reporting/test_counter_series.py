@@ -104,3 +104,12 @@ def test_the_series_costs_no_host_read(tmp_path: Path) -> None:
     with counter:
         t.fit(FaultModel(), loader(FaultData()))
     assert counter.step_caused == [1] * 6, counter.step_caused
+
+
+def test_amp_overflow_steps_is_not_logged_without_a_grad_scaler(tmp_path: Path) -> None:
+    """bf16-mixed has no GradScaler: nothing overflows on its account, so its counter is no curve (issue 27)."""
+    with pytest.warns(NumGuardWarning, match=r"the loss is non-finite at step 4 on rank 0"):
+        guard, logger = _fit(tmp_path, "loss", precision="bf16-mixed")
+    assert guard.counters["incidents"] == 1
+    tags = set(_series(logger.log_dir, ("numguard/incidents", "numguard/amp_overflow_steps")))
+    assert tags == {"numguard/incidents"}
