@@ -235,8 +235,17 @@ class StepPipeline:
         if not self.recovery.swap_checkpoint(trainer, checkpoint, self.reader.unchecked_buffers):
             return
         assert self.snapshots.snapshot is not None
-        details = {"when": "while saving a checkpoint", "snapshot_step": self.snapshots.snapshot.step}
-        finding = Finding("nonfinite_param", ["checkpoint"], details, self.recovery.bad_rank)
+        details = {
+            "when": "while saving a checkpoint",
+            "snapshot_step": self.snapshots.snapshot.step,
+            "after": "the update of the step just done (the next read names what went bad)",
+        }
+        # a consequence of the weights the update made non-finite, which the next read (or the fit's end) names and
+        # counts: one poisoned weight is one incident, not two
+        finding = Finding(
+            "nonfinite_param", ["checkpoint"], details, self.recovery.bad_rank, root_cause=False,
+            consequence_of="nonfinite_param",
+        )  # fmt: skip
         self.ledger.record(trainer, [self.ledger.event(trainer, finding, trainer.global_step, "none")])
 
     # ------------------------------------------------------------------ parts
