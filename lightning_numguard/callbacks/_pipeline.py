@@ -182,17 +182,22 @@ class StepPipeline:
         return decision
 
     def finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, late: bool = False) -> None:
-        """Batch end: carry out the step's decision and record its events (a halt's first: ``last_finite.ckpt``
-        counts its incident)."""
+        """Batch end: carry out the step's decision and record its events (counted first: the ``last_finite.ckpt``
+        of a rollback or halt counts its incident)."""
         decision = rec.decision
         if decision is None or (decision.action == "none" and not rec.events):  # a clean step: nothing left to do
             return
         if decision.action == "halt":
             self.ledger.record(trainer, rec.events)
+        else:  # counted first: the last_finite.ckpt a rollback writes holds the fit's counters, this step's included
+            self.ledger.count_events(rec.events)
         self.recovery.carry_out(trainer, pl_module, rec, late)
-        if decision.action != "halt":
-            self.ledger.record(trainer, rec.events)
         snapshot = self.snapshots.snapshot
+        if decision.action != "halt":
+            for e in rec.events:  # the span a rollback gave up (the run's picture shades it)
+                if e["action"] == "rollback" and snapshot is not None:
+                    e["details"].setdefault("snapshot_step", snapshot.step)
+            self.ledger.record(trainer, rec.events, counted=True)
         self.ledger.log_action(trainer, rec, snapshot.step if snapshot is not None else None, self.recovery.ckpt_path)
         if decision.action == "halt" and trainer.should_stop and not _compat.lightning_will_stop(trainer):
             ckpt = self.recovery.ckpt_path
