@@ -48,6 +48,8 @@ def test_every_example_is_run_here() -> None:
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(RUNS)
     for name in RUNS:  # each says how to run it, as the test runs it
         assert f"python examples/{name}" in (EXAMPLES / name).read_text(encoding="utf-8"), name
+    strategies = (ROOT / "docs" / "strategies.md").read_text(encoding="utf-8")
+    assert "python examples/fsdp2_nan_in_a_shard.py --fast" in strategies  # the docs point at the recipe
 
 
 def test_fsdp2_a_nan_in_one_ranks_shard_is_named_and_rolled_back(tmp_path: Path) -> None:

@@ -88,7 +88,8 @@ def _plural(n: int, word: str) -> str:
 def _summary(events: Sequence[Mapping[str, Any]]) -> str:
     """The title: incidents as the ``incidents`` counter counts them, then the steps of each marker."""
     steps = {c: len({int(e["step"]) for e in events if c in _category(e)}) for c in MARKERS}
-    parts = [_plural(sum(counts_as_incident(e) for e in events), "incident"), f"{steps['skip']} skipped"]
+    parts = [_plural(sum(counts_as_incident(e) for e in events), "incident")]
+    parts += [f"{steps['skip']} skipped"] * bool(steps["skip"])
     parts += [_plural(steps[c], c.replace("_", " ")) for c in ("rollback", "spike", "overflow_risk") if steps[c]]
     return ", ".join(parts + ["halted"] * bool(steps["halt"]))
 
