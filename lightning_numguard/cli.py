@@ -152,7 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("path", metavar="PATH", help="events.jsonl, or a folder holding one (the newest is used)")
     plot.add_argument(
-        "-o", "--output", metavar="OUT", help="image file, format from its suffix (default: run.png beside events.jsonl)"
+        "-o",
+        "--output",
+        metavar="OUT",
+        help="image file, format from its suffix (default: run.png beside events.jsonl)",
     )
     plot.set_defaults(handler=_run_plot)
     return parser

@@ -14,8 +14,9 @@ A counter is written when it changes and on Lightning's steps, never as a copy o
 moves with root causes, ``skipped_steps`` with skips, ``rollbacks`` with rollbacks, ``spikes`` with spikes.
 
 At the end of a fit that had any event (or when it raises: a halt), global rank 0 writes the trace (also at
-the first event and then at most every few hundred steps after events) and sends one picture (:mod:`~lightning_numguard.reporting.plot`) to every logger that takes an image. A clean run draws
-nothing and imports nothing.
+the first event and then at most every few hundred steps after events) and sends one picture
+(:mod:`~lightning_numguard.reporting.plot`) to every logger that takes an image. A clean run draws nothing and
+imports nothing.
 """
 
 from __future__ import annotations

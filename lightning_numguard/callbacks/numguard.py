@@ -39,7 +39,14 @@ from lightning_numguard.callbacks._sharded import SHARDING
 from lightning_numguard.callbacks._snapshots import Snapshots, stateful_objects
 from lightning_numguard.callbacks._spike import STATEFUL_KEY
 from lightning_numguard.callbacks._strategies import check_strategy
-from lightning_numguard.callbacks._types import Backoff, Headroom, NonNegativeInt, PositiveFloat, PositiveInt, plain_args
+from lightning_numguard.callbacks._types import (
+    Backoff,
+    Headroom,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    plain_args,
+)
 from lightning_numguard.callbacks._zerosync import SYNC_MODES, DeferredRead
 from lightning_numguard.core.quarantine import parse_state
 from lightning_numguard.errors import NumGuardError

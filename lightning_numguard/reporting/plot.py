@@ -107,7 +107,10 @@ def figure(events: Sequence[Mapping[str, Any]], trace: Trace | None = None, titl
     n = 3 if has_z else 2
     fig = Figure(figsize=(10, 2.6 * n + 0.6), dpi=100, layout="constrained")
     axes = fig.subplots(n, 1, sharex=True)
-    for ax, values, label, colour in ((axes[0], columns[0], "loss", "tab:gray"), (axes[1], columns[1], "grad norm", "k")):
+    for ax, values, label, colour in (
+        (axes[0], columns[0], "loss", "tab:gray"),
+        (axes[1], columns[1], "grad norm", "k"),
+    ):
         if values:
             ax.plot(steps, values, color=colour, lw=1.0, label=label)
         finite = [v for v in values if math.isfinite(v) and v > 0]
