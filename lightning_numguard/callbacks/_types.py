@@ -4,8 +4,9 @@ With jsonargparse installed (the ``cli`` extra), ``PositiveInt``, ``NonNegativeI
 jsonargparse's restricted number types and ``Backoff`` (``(0, 1]``) and ``Headroom`` (``>= 1``) ones made here:
 LightningCLI rejects ``-3`` before anything is built, naming the argument, the restriction and the value,
 instead of a traceback from ``__init__``. Without jsonargparse they are ``int`` and ``float``. Type checkers
-see ``int``/``float`` always. ``NumGuardCallback.__init__`` checks every value either way (Python callers), and stores plain numbers; it also
-refuses what one argument's type cannot say (``spike_warmup <= spike_window``) with ``NumGuardConfigError``.
+see ``int``/``float`` always. ``NumGuardCallback.__init__`` checks every value either way (Python callers),
+and stores plain numbers; it also refuses what one argument's type cannot say (``spike_warmup <=
+spike_window``) with ``NumGuardConfigError``.
 """
 
 from __future__ import annotations
