@@ -206,3 +206,30 @@ def test_the_trace_is_bounded_and_keeps_every_event_step(tmp_path: Path) -> None
     assert [r[0] for r in back] == [r[0] for r in rows]
     assert all(r[1:4] == (1.0, 2.0, 0.5) and math.isnan(r[4]) for r in back)
     assert io.StringIO(path.read_text()).readline() == "# sigma=6.0\n"
+
+
+def test_mlflow_gets_the_figure_through_its_own_log_figure_call() -> None:
+    """Structural (mlflow is not installed): a logger of MLflow's shape gets the figure with ``log_figure(run_id,
+    figure, artifact_file)``, the one call its client has for a matplotlib figure; a logger with no image call
+    gets nothing and no error."""
+
+    class Client:
+        def __init__(self) -> None:
+            self.calls: list[tuple[Any, ...]] = []
+
+        def log_figure(self, run_id: str, figure: Any, artifact_file: str) -> None:
+            self.calls.append((run_id, figure, artifact_file))
+
+    class MLFlowLogger:  # the name Lightning's logger has in both packages
+        run_id = "run-1"
+
+        def __init__(self) -> None:
+            self.experiment = Client()
+
+    class NoImages:
+        pass
+
+    mlflow, other = MLFlowLogger(), NoImages()
+    fig = plot.figure([{"kind": "nonfinite_loss", "step": 3, "action": "skip", "where": ["loss"]}])
+    assert plot.send_figure([mlflow, other], fig, 7, lambda lg: False) == ["MLFlowLogger"]
+    assert mlflow.experiment.calls == [("run-1", fig, "numguard/run.png")]
