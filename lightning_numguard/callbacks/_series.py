@@ -6,8 +6,9 @@ At each batch end (host numbers the step's one read already brought: no device r
   ``LearningRateMonitor`` tests it), the counters (``incidents``, ``skipped_steps``, ``rollbacks``,
   ``spikes``), the gradient norm, the z-scores and the spike threshold go through ``pl_module.log``: Lightning
   writes them in the same ``log_metrics`` call, at the same step, as the loss;
-* at every step that had an event, the gradient norm, the z-scores and the threshold are written directly at
-  that step (the counters that changed were written with the event): every event step is a point of the curves;
+* at every step that had an event, or whose z-score crossed the threshold (with ``spike_action=None`` too),
+  the gradient norm, the z-scores and the threshold are written directly at that step (the counters that changed
+  were written with the event): every such step is a point of the curves;
 * the trace (:mod:`~lightning_numguard.reporting.trace`) keeps the step's loss, gradient norm and z-scores.
 
 A counter is written when it changes and on Lightning's steps, never as a copy of another one: ``incidents``
@@ -60,14 +61,17 @@ class RunSeries:
         spike: dict[str, float],
     ) -> None:
         """Batch end of ``step``: ``last`` is the latest host-read extras and their step, ``spike`` their scalars."""
-        event_steps = {int(e["step"]) for e in events[self._seen :]}
-        self._seen = len(events)
+        before, self._seen = self._seen, len(events)
+        event_steps = {int(e["step"]) for e in events[before:]}
+        zscores = [v for k, v in spike.items() if k.endswith("zscore")]
+        if zscores and self.sigma is not None:
+            spike = {**spike, THRESHOLD_TAG: float(self.sigma)}
+            if last is not None and max(zscores) > self.sigma:  # above the threshold, acted on or not (spike_action)
+                event_steps.add(last[0])
         if event_steps:
             self.trace.mark(event_steps)
         if last is not None:
             self.trace.add(*last)
-        if spike and self.sigma is not None and any(k.endswith("zscore") for k in spike):
-            spike = {**spike, THRESHOLD_TAG: float(self.sigma)}
         due = bool(trainer.loggers) and _compat.logs_due(trainer)
         if due:  # Lightning writes these with its own metrics, at this step
             scalars = self.reporter.unwritten(step, {**counter_scalars(counters), **spike})
@@ -77,7 +81,7 @@ class RunSeries:
                 pl_module.log(key, torch.tensor(value), on_step=True, on_epoch=False, logger=True, batch_size=1)
         if last is not None and spike and last[0] in event_steps and not (due and last[0] == step):
             self.reporter.point(trainer, last[0], spike)
-        if event_steps and trainer.is_global_zero:
+        if len(events) > before and trainer.is_global_zero:
             self.trace.maybe_write(step)
 
     @staticmethod

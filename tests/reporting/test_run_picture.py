@@ -233,3 +233,18 @@ def test_mlflow_gets_the_figure_through_its_own_log_figure_call() -> None:
     fig = plot.figure([{"kind": "nonfinite_loss", "step": 3, "action": "skip", "where": ["loss"]}])
     assert plot.send_figure([mlflow, other], fig, 7, lambda lg: False) == ["MLFlowLogger"]
     assert mlflow.experiment.calls == [("run-1", fig, "numguard/run.png")]
+
+
+def test_a_step_above_the_threshold_is_a_point_without_spike_action(tmp_path: Path) -> None:
+    """``spike_action=None`` records no spike event; the step whose z-score crossed the threshold is still a point
+    of the curves (the issue's ×1000 step had none), and nothing is drawn (no event)."""
+    guard = _guard(tmp_path, spike_action=None)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    t = trainer(tmp_path, [guard], max_steps=16, logger=logger, log_every_n_steps=EVERY)
+    t.fit(SpikeModel(), loader(FaultData(n=8 * 16)))
+    assert guard.events == []
+    ea = _accumulator(logger.log_dir)
+    grad = {e.step: e.value for e in ea.Scalars("numguard/grad_norm")}
+    assert sorted(grad) == [4, 9, SPIKE, 14]
+    assert {e.step: e.value for e in ea.Scalars("numguard/grad_norm_zscore")}[SPIKE] > 6
+    assert ea.Tags()["images"] == []
