@@ -248,3 +248,12 @@ def test_a_step_above_the_threshold_is_a_point_without_spike_action(tmp_path: Pa
     assert sorted(grad) == [4, 9, SPIKE, 14]
     assert {e.step: e.value for e in ea.Scalars("numguard/grad_norm_zscore")}[SPIKE] > 6
     assert ea.Tags()["images"] == []
+
+
+def test_numguard_plot_of_a_path_with_no_events_file_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plot", str(tmp_path)]) == 2
+    assert f"no events.jsonl under {tmp_path}" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "missing.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
