@@ -58,7 +58,7 @@ TARGETS = (
     "lightning_numguard.callbacks._spike:SpikeGuard.extras",
     "lightning_numguard.callbacks._spike:SpikeGuard.push",
     "lightning_numguard.callbacks._progress:FitProgress.after_step",
-    "lightning_numguard.reporting.report:Reporter.series",
+    "lightning_numguard.callbacks._series:RunSeries.after_step",
     "lightning_numguard.core.checks:input_maxima",
     "lightning_numguard.core.spike:global_norm",
     "lightning_numguard.core.spike:SpikeWindow.scores",

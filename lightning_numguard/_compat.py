@@ -28,7 +28,7 @@ from lightning_numguard.errors import NumGuardError
 __all__ = [
     "TorchDispatchMode", "callbacks_of_trainer_being_built", "caller_frame", "calling_owner", "clear_found_inf",
     "dtensor_local", "first_frame", "foreach_copy_", "foreach_nonfinite_", "foreach_norm_f32",
-    "lightning_will_stop", "logger_metric_dicts", "metric_counters", "metric_state", "nn_bindings",
+    "lightning_will_stop", "logger_metric_dicts", "logs_due", "metric_counters", "metric_state", "nn_bindings",
     "require_accumulation_api", "result_metric_state", "scaler_tensors", "set_found_inf", "set_metric_counters",
     "set_result_metric_state", "should_accumulate", "step_honours_found_inf", "sync_scheduler_last_lr",
     "to_target_device", "train_results",
@@ -54,11 +54,8 @@ def should_accumulate(trainer: Any) -> bool:
 
 
 def require_accumulation_api(trainer: Any) -> None:
-    """Raise at setup if accumulation is on and Lightning no longer exposes ``_should_accumulate``.
-
-    Without it the guard cannot tell a micro-batch from an optimizer step and would read (and
-    decide) once per micro-batch instead of once per step.
-    """
+    """Raise at setup if accumulation is on and Lightning no longer exposes ``_should_accumulate`` (without it
+    the guard cannot tell a micro-batch from an optimizer step: it would read once per micro-batch)."""
     if int(getattr(trainer, "accumulate_grad_batches", 1)) == 1:
         return
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
@@ -71,12 +68,8 @@ def require_accumulation_api(trainer: Any) -> None:
 
 
 def lightning_will_stop(trainer: Any) -> bool:
-    """Whether Lightning honours ``trainer.should_stop`` now (``min_steps``/``min_epochs`` are met).
-
-    ``fit_loop._can_stop_early`` is the property Lightning itself consults; when it is missing, the
-    same rule is computed from the public ``min_steps``, ``min_epochs``, ``global_step`` and
-    ``current_epoch``.
-    """
+    """Whether Lightning honours ``trainer.should_stop`` now (``min_steps``/``min_epochs`` are met): the property
+    Lightning consults, ``fit_loop._can_stop_early``; missing, the same rule from the public attributes."""
     loop = getattr(trainer, "fit_loop", None)
     if loop is not None and hasattr(type(loop), "_can_stop_early"):
         return bool(loop._can_stop_early)
@@ -86,15 +79,19 @@ def lightning_will_stop(trainer: Any) -> bool:
     )
 
 
+def logs_due(trainer: Any) -> bool:
+    """Whether Lightning writes its step metrics at this batch's end (``LearningRateMonitor``'s private test)."""
+    return bool(trainer._logger_connector.should_update_logs)
+
+
 def callbacks_of_trainer_being_built() -> list[Any] | None:
     """The callbacks a ``Trainer`` under construction already holds, seen from a callback factory.
 
-    Lightning calls the ``*.callbacks_factory`` entry points with no arguments, from
-    ``_CallbackConnector.on_trainer_init`` (both packages), after it set ``trainer.callbacks`` to the
-    user's list and before it adds what the factories return; no public API shows that list to a
-    factory. The connector is found as ``self`` in a calling frame, by its class name and its
-    ``trainer`` attribute. Missing (another caller, a renamed class): ``None``, and the zero-code
-    attach adds its callback without looking, as Lightning's own factories do.
+    Lightning calls the ``*.callbacks_factory`` entry points with no arguments, from ``_CallbackConnector.
+    on_trainer_init`` (both packages), after it set ``trainer.callbacks`` to the user's list and before it adds
+    what the factories return; no public API shows that list to a factory. The connector is found as ``self`` in
+    a calling frame (its class name, its ``trainer``). Missing: ``None``, and the zero-code attach adds its
+    callback without looking, as Lightning's own factories do.
     """
 
     def is_connector(frame: FrameType) -> bool:

@@ -7,6 +7,8 @@ Subcommands:
   traceback of a run without the guard, matched against a catalogue of known NaN/Inf failures.
 - ``numguard demo [--fault ...] [--action ...] [--steps N] [--dir DIR]``: train a tiny model with
   a fault injected and the guard on, and print its summary.
+- ``numguard plot PATH [-o OUT]``: draw a run (loss, gradient norm, spike threshold, what the guard
+  did) from its ``events.jsonl`` and the ``trace.csv`` beside it; needs the ``plot`` extra (matplotlib).
 
 Exit codes: :class:`~lightning_numguard.reporting.explain.ExitCode` (0: a report was written or a
 known cause found; 1: no known cause; 2: a usage error, or a path that is missing, unreadable,
@@ -78,6 +80,15 @@ faults:
 """ + "".join(f"  {name:<12} {text}\n" for name, text in FAULTS.items())
 
 
+_PLOT_HELP = """\
+Draw a run in one picture: the loss and the gradient norm over the steps, their z-scores and the
+spike threshold, and markers for incidents (labelled with the culprit), skipped steps, rollbacks
+(the span rolled back shaded), spikes and overflow risks. Reads events.jsonl and the trace.csv the
+guard writes beside it (without trace.csv, the markers alone). Needs matplotlib:
+pip install 'lightning-numguard[plot]'.
+"""
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -98,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{explain,demo}")
+    commands = parser.add_subparsers(dest="command", metavar="{explain,demo,plot}")
 
     explain = commands.add_parser(
         "explain",
@@ -132,6 +143,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_positive_int, default=30, metavar="N", help="training steps (default: 30)")
     demo.add_argument("--dir", default=DEMO_DIR, metavar="DIR", help=f"output folder (default: {DEMO_DIR})")
     demo.set_defaults(handler=_run_demo)
+
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's loss, gradient norm and incidents to an image",
+        description=_PLOT_HELP,
+        formatter_class=formatter,
+    )
+    plot.add_argument("path", metavar="PATH", help="events.jsonl, or a folder holding one (the newest is used)")
+    plot.add_argument(
+        "-o",
+        "--output",
+        metavar="OUT",
+        help="image file, format from its suffix (default: run.png beside events.jsonl)",
+    )
+    plot.set_defaults(handler=_run_plot)
     return parser
 
 
@@ -152,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else int(ExitCode.ERROR)
     if args.command is None:
         parser.print_usage(sys.stderr)
-        _emit("numguard: error: a subcommand is required (explain or demo)", sys.stderr)
+        _emit("numguard: error: a subcommand is required (explain, demo or plot)", sys.stderr)
         return int(ExitCode.ERROR)
     try:
         return int(args.handler(args))
@@ -191,6 +217,19 @@ def _run_demo(args: argparse.Namespace) -> int:
         sys.stdout,
     )
     return ExitCode.OK
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from lightning_numguard.errors import NumGuardError
+    from lightning_numguard.reporting.plot import plot_run
+
+    try:
+        out = plot_run(Path(args.path), args.output)
+    except NumGuardError as err:
+        _emit(f"numguard plot: error: {err}", sys.stderr)
+        return int(ExitCode.ERROR)
+    _emit(str(out), sys.stdout)
+    return int(ExitCode.OK)
 
 
 def _emit(text: str, stream: TextIO) -> None:

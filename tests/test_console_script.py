@@ -189,7 +189,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "usage: numguard [-h] [--version] {explain,demo} ..." in out
+    assert "usage: numguard [-h] [--version] {explain,demo,plot} ..." in out
     assert '1  the input was read but no known cause was recognised ("no known cause")' in out
     assert "2  usage error" in out
 

@@ -98,8 +98,11 @@ def test_rollback_and_tensorboard_text_under_l_trainer(tmp_path: Path) -> None:
         tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in ea.Tensors("numguard/events/text_summary")
     ]
     assert len(texts) == 1 and "**nonfinite_loss** (step 3" in texts[0], texts
-    # step 0 of the log_every_n_steps series, and the incident's step
-    assert [(e.step, e.value) for e in ea.Scalars("numguard/rollbacks")] == [(0, 0.0), (3, 1.0)]
+    # the incident's step (8 steps: Lightning's logging steps, every 50, are never reached)
+    assert [(e.step, e.value) for e in ea.Scalars("numguard/rollbacks")] == [(3, 1.0)]
+    # the run's picture, once, at the end of the fit (issue 27)
+    assert ea.Tags()["images"] == ["numguard/run"]
+    assert len(ea.Images("numguard/run")) == 1
 
 
 def _yaml(tmp_path: Path, class_path: str) -> Path:

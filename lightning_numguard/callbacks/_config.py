@@ -108,7 +108,8 @@ def spike_settings(
         warmup = max(window // 2, 1)
     elif isinstance(warmup, bool) or not isinstance(warmup, int) or not 1 <= warmup <= max(window, 1):
         raise NumGuardConfigError(
-            f"`spike_warmup` must be None or an integer in [1, spike_window={window}], got {warmup!r}"
+            f"`spike_warmup` must be None or an integer in [1, spike_window={window}], got {warmup!r} (the window "
+            "judges once it holds spike_warmup values: lower spike_warmup or raise spike_window)"
         )
     integer("spike_rollback_after", rollback_after, 0)
     if headroom is not None and (

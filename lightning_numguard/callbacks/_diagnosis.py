@@ -140,8 +140,8 @@ def diagnose(
     for shown in (culprit, output):
         if shown is not None and not late:
             shown.details["replay"] = result
-    named = culprit or output
-    first_module = named.where[0] if named is not None else None
+    shown_first = culprit or output
+    first_module = shown_first.where[0] if shown_first is not None else None
 
     if seen.seen(flags.OP):
         for finding in op_findings(op_records, first_module, rank, late):

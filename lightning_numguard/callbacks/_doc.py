@@ -117,24 +117,27 @@ DOC = r"""Check every training step for NaN/Inf, act before the damage lands, an
             not reached), after the last finite state was saved; and at fit start when the initial
             weights are not finite (except under ``"warn"``).
 
-    Logged (TensorBoard tags; other loggers get the scalars):
+    Logged (TensorBoard tags; other loggers get the scalars). Scalars are written on the steps
+    Lightning writes your metrics (``(step + 1) % log_every_n_steps == 0``, in the same call) and
+    at every step that had an event (a counter when it moved):
 
     ==============================  =====================================================
-    ``numguard/incidents``          incidents recorded so far (scalar; every ``log_every_n_steps``
-                                    from step 0, and at each incident's step)
-    ``numguard/skipped_steps``      optimizer steps turned into no-ops (scalar; the same steps)
-    ``numguard/rollbacks``          rollbacks so far (scalar; the same steps)
-    ``numguard/amp_overflow_steps`` steps the AMP GradScaler skipped itself (scalar; under a
-                                    GradScaler also every ``log_every_n_steps``, with your metrics)
-    ``numguard/loss_scale``         the GradScaler's loss scale (scalar, every ``log_every_n_steps``)
+    ``numguard/incidents``          incidents recorded so far (scalar)
+    ``numguard/skipped_steps``      optimizer steps turned into no-ops (scalar)
+    ``numguard/rollbacks``          rollbacks so far (scalar)
+    ``numguard/amp_overflow_steps`` steps the AMP GradScaler skipped itself (scalar; only under
+                                    a GradScaler, every step with your metrics)
+    ``numguard/loss_scale``         the GradScaler's loss scale (scalar, likewise)
     ``numguard/events``             one markdown paragraph per incident (text)
-    ``numguard/spikes``             loss and gradient-norm spikes so far (scalar, every
-                                    ``log_every_n_steps``)
-    ``numguard/grad_norm``          the global L2 norm of the gradients (scalar, every
-                                    ``log_every_n_steps``; with spike statistics on)
+    ``numguard/spikes``             loss and gradient-norm spikes so far (scalar)
+    ``numguard/grad_norm``          the global L2 norm of the gradients (scalar; with spike
+                                    statistics on; also at a step above the threshold)
     ``numguard/loss_zscore``        the loss's robust z-score against the window (scalar,
-                                    every ``log_every_n_steps``, after the warm-up)
+                                    after the warm-up)
     ``numguard/grad_norm_zscore``   the gradient norm's z-score, likewise
+    ``numguard/spike_threshold``    the z-score that makes a spike (``spike_sigma``)
+    ``numguard/run``                the run's picture (image), at the end of a fit that had
+                                    any event (or a halt); needs matplotlib (``[plot]``)
     ==============================  =====================================================
 
     Across ranks: input, output, op and loss flags are local and carry the rank into the one

@@ -42,6 +42,13 @@ class Ledger:
             self.counters[name] += n
         self.rollbacks_this_fit += counts.get("rollbacks", 0)
 
+    def count_events(self, events: list[dict[str, Any]]) -> None:
+        """Count ``events`` in ``incidents`` and the counts by kind, before they are recorded (a rollback's
+        ``last_finite.ckpt``, written before its events are complete, holds the fit's counters)."""
+        self.counters["incidents"] += sum(1 for e in events if counts_as_incident(e))
+        for e in events:
+            self.incidents_by_kind[e["kind"]] = self.incidents_by_kind.get(e["kind"], 0) + 1
+
     def event(
         self,
         trainer: pl.Trainer,
@@ -81,17 +88,17 @@ class Ledger:
             consequence_of=finding.consequence_of,
         ).to_dict()
 
-    def record(self, trainer: pl.Trainer, events: list[dict[str, Any]]) -> None:
-        """Count ``events``, keep them, and report them (files and loggers on rank 0).
+    def record(self, trainer: pl.Trainer, events: list[dict[str, Any]], counted: bool = False) -> None:
+        """Count ``events`` (unless :meth:`count_events` already did), keep them, and report them (files and loggers
+        on rank 0).
 
         ``incidents`` counts root causes only: a consequence (``root_cause: false``) is recorded,
         labelled and reported, but it is the same incident.
         """
         if not events:
             return
-        self.counters["incidents"] += sum(1 for e in events if counts_as_incident(e))
-        for e in events:
-            self.incidents_by_kind[e["kind"]] = self.incidents_by_kind.get(e["kind"], 0) + 1
+        if not counted:
+            self.count_events(events)
         self.events.extend(events)
         if self.reporter is not None:
             self.reporter.emit(trainer, events, self.counters)

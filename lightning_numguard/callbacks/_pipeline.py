@@ -131,7 +131,7 @@ class StepPipeline:
         """Name the culprits of a read, judge it, move the counters; sets ``rec.decision`` and ``rec.events``."""
         rec, seen, late = view.rec, view.reading.flags, view.kept is not None
         s = self.settings
-        spikes = self._spikes(trainer, rec.step, view.reading.extras)
+        spikes = self._spikes(trainer, rec, view.reading.extras)
         if seen.seen(flags.QUARANTINE) and rec.forced_skip is None:
             rec.forced_skip = "it holds samples quarantined after they failed before"
         findings: list[Finding] = []
@@ -146,7 +146,7 @@ class StepPipeline:
             acting = s.action != "warn"
             found = diagnose(trainer, pl_module, self.recorder, self.reader, view, s.replay and acting, acting)
             if found.amp_overflow:
-                self._loss_scale(trainer, rec.step)
+                self._loss_scale(trainer, rec)
             findings, declared = self.conventions.sort(found.findings)  # a field flagged step after step: not a fault
             events = self._conventions_declared(trainer, declared, rec)
             failures = self.recovery.quarantine.count_failure(position_key(rec.batch, rec.batch_idx)) if findings else 0
@@ -182,17 +182,22 @@ class StepPipeline:
         return decision
 
     def finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, late: bool = False) -> None:
-        """Batch end: carry out the step's decision and record its events (a halt's first: ``last_finite.ckpt``
-        counts its incident)."""
+        """Batch end: carry out the step's decision and record its events (counted first: the ``last_finite.ckpt``
+        of a rollback or halt counts its incident)."""
         decision = rec.decision
         if decision is None or (decision.action == "none" and not rec.events):  # a clean step: nothing left to do
             return
         if decision.action == "halt":
             self.ledger.record(trainer, rec.events)
+        else:  # counted first: the last_finite.ckpt a rollback writes holds the fit's counters, this step's included
+            self.ledger.count_events(rec.events)
         self.recovery.carry_out(trainer, pl_module, rec, late)
-        if decision.action != "halt":
-            self.ledger.record(trainer, rec.events)
         snapshot = self.snapshots.snapshot
+        if decision.action != "halt":
+            for e in rec.events:  # the span a rollback gave up (the run's picture shades it)
+                if e["action"] == "rollback" and snapshot is not None:
+                    e["details"].setdefault("snapshot_step", snapshot.step)
+            self.ledger.record(trainer, rec.events, counted=True)
         self.ledger.log_action(trainer, rec, snapshot.step if snapshot is not None else None, self.recovery.ckpt_path)
         if decision.action == "halt" and trainer.should_stop and not _compat.lightning_will_stop(trainer):
             ckpt = self.recovery.ckpt_path
@@ -235,27 +240,40 @@ class StepPipeline:
         if not self.recovery.swap_checkpoint(trainer, checkpoint, self.reader.unchecked_buffers):
             return
         assert self.snapshots.snapshot is not None
-        details = {"when": "while saving a checkpoint", "snapshot_step": self.snapshots.snapshot.step}
-        finding = Finding("nonfinite_param", ["checkpoint"], details, self.recovery.bad_rank)
+        details = {
+            "when": "while saving a checkpoint",
+            "snapshot_step": self.snapshots.snapshot.step,
+            "after": "the update of the step just done (the next read names what went bad)",
+        }
+        # a consequence of the weights the update made non-finite, which the next read (or the fit's end) names and
+        # counts: one poisoned weight is one incident, not two
+        finding = Finding(
+            "nonfinite_param", ["checkpoint"], details, self.recovery.bad_rank, root_cause=False,
+            consequence_of="nonfinite_param",
+        )  # fmt: skip
         self.ledger.record(trainer, [self.ledger.event(trainer, finding, trainer.global_step, "none")])
 
     # ------------------------------------------------------------------ parts
 
-    def _spikes(self, trainer: pl.Trainer, step: int, extras: list[float]) -> list[Finding]:
+    def _spikes(self, trainer: pl.Trainer, rec: StepRecord, extras: list[float]) -> list[Finding]:
         """The step's spikes (judged by the caller) from the read's extras; its overflow risks recorded now."""
         if not extras:
             return []
-        spikes, risks = self.spike.findings(extras, step, self.recorder.watch, trainer.world_size)
+        spikes, risks = self.spike.findings(extras, rec.step, self.recorder.watch, trainer.world_size)
         if risks:
-            self.ledger.record(trainer, [self.ledger.event(trainer, f, step, "none") for f in risks])
+            self.ledger.record(trainer, [self._advisory(trainer, f, rec) for f in risks])
         return spikes
 
-    def _loss_scale(self, trainer: pl.Trainer, step: int) -> None:
+    def _advisory(self, trainer: pl.Trainer, finding: Finding, rec: StepRecord) -> dict[str, Any]:
+        """The event (action ``"none"``) of a finding only reported, with the step's epoch and batch index."""
+        return self.ledger.event(trainer, finding, rec.step, "none", rec.epoch, rec.batch_idx)
+
+    def _loss_scale(self, trainer: pl.Trainer, rec: StepRecord) -> None:
         """The GradScaler's own overflow: a collapsing loss scale is reported like a block near its dtype's limit."""
         collapsed = self.amp.after_overflow(trainer)
         risk = self.spike.loss_scale_finding(collapsed) if collapsed is not None else None
         if risk is not None:
-            self.ledger.record(trainer, [self.ledger.event(trainer, risk, step, "none")])
+            self.ledger.record(trainer, [self._advisory(trainer, risk, rec)])
 
     def _conventions_declared(
         self, trainer: pl.Trainer, declared: list[Finding], rec: StepRecord

@@ -1,12 +1,12 @@
 """What the guard shows while training and after it: progress-bar counts and the end-of-fit summary.
 
 Progress bar: once something has happened, ``nan_incidents``, ``rollbacks`` and ``spikes`` (each from its
-first non-zero value on) go to Lightning's progress bar through ``pl_module.log(..., prog_bar=True,
-logger=False)``, which both ``TQDMProgressBar`` and ``RichProgressBar`` display. The keys are short so
-that Rich does not crop them in an 80-column terminal (it cuts a word wider than its metrics column with
-"…"); the loggers keep the ``numguard/<counter>`` tags. The counters are host integers logged as float
-CPU tensors: reading them back for the bar costs no device synchronisation, Lightning reduces them without
-a warning, and nothing is logged before the first incident or without a progress bar.
+first non-zero value on) go to Lightning's progress bar as integers, in ``trainer.progress_bar_metrics``
+(the dict both ``TQDMProgressBar`` and ``RichProgressBar`` display): ``pl_module.log`` would store them as
+floats, shown as "1.000". The keys are short so that Rich does not crop them in an 80-column terminal (it
+cuts a word wider than its metrics column with "…"); the loggers keep the ``numguard/<counter>`` tags. The
+counters are host integers: no device synchronisation, and nothing is shown before the first incident or
+without a progress bar.
 
 Summary: at the end of ``fit`` (or when it raises), shown once. Without a Rich bar: one report through
 the ``lightning_numguard`` logger (WARNING when something happened, INFO otherwise). Under a
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import logging
 from typing import Any
-
-import torch
 
 from lightning_numguard.reporting.summary import FitSummary, rich_table, summarize, summary_text
 
@@ -51,12 +49,10 @@ class FitProgress:
             self.steps_lost_to_rollbacks += max(0, int(rec.step) - int(snapshot.step))
         if getattr(trainer, "progress_bar_callback", None) is None:
             return
+        shown = trainer.progress_bar_metrics  # the connector's own dict, kept between batches (a public property)
         for counter, key in PROGRESS_BAR_KEYS.items():
-            if counters.get(counter, 0) > 0:
-                # a float on the host: the bar reads it without a device sync, and Lightning reduces it without
-                # warning that the value "needs to be floating"
-                value = torch.tensor(float(counters[counter]))
-                pl_module.log(key, value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
+            if counters.get(counter, 0) > 0 and isinstance(shown, dict):
+                shown[key] = int(counters[counter])
 
     def report(
         self,

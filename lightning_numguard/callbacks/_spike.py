@@ -14,9 +14,9 @@ already reported near their dtype's limit). Each optimizer step:
    :meth:`~SpikeGuard.device_flag` joins the device-side skip through ``found_inf`` and the findings come
    with the late read;
 3. at batch end, :meth:`~SpikeGuard.push` adds the reduced values to the window (device, no sync) and
-   :meth:`~SpikeGuard.log` writes ``numguard/grad_norm``, ``numguard/loss_zscore``,
-   ``numguard/grad_norm_zscore`` and ``numguard/spikes`` every ``log_every_n_steps`` (host numbers already
-   read: no sync).
+   :meth:`~SpikeGuard.scalars` hands ``numguard/grad_norm``, ``numguard/loss_zscore`` and
+   ``numguard/grad_norm_zscore`` to the series (:mod:`~lightning_numguard.callbacks._series`: Lightning's
+   logging steps and every event step; host numbers already read: no sync).
 
 The window is in the callback's checkpoint state (resume) and, as a stateful object of the snapshots, is put
 back by a rollback.
@@ -235,7 +235,7 @@ class SpikeGuard:
     def scalars(self) -> dict[str, float]:
         """``numguard/grad_norm`` and the z-scores of the latest host read, once (no device read).
 
-        The caller hands them to :meth:`Reporter.series` with the counters, every ``log_every_n_steps``.
+        The caller hands them to :class:`~lightning_numguard.callbacks._series.RunSeries` with the counters.
         """
         if self.last is None:
             return {}

@@ -1,10 +1,12 @@
 """Argument types that carry their constraints to jsonargparse, so LightningCLI refuses a bad value while parsing.
 
 With jsonargparse installed (the ``cli`` extra), ``PositiveInt``, ``NonNegativeInt`` and ``PositiveFloat`` are
-jsonargparse's restricted number types and ``Backoff`` one made here: LightningCLI rejects ``-3`` before
-anything is built, naming the argument, the restriction and the value, instead of a traceback from
-``__init__``. Without jsonargparse they are ``int`` and ``float``. Type checkers see ``int``/``float`` always.
-``NumGuardCallback.__init__`` checks every value either way (Python callers), and stores plain numbers.
+jsonargparse's restricted number types and ``Backoff`` (``(0, 1]``) and ``Headroom`` (``>= 1``) ones made here:
+LightningCLI rejects ``-3`` before anything is built, naming the argument, the restriction and the value,
+instead of a traceback from ``__init__``. Without jsonargparse they are ``int`` and ``float``. Type checkers
+see ``int``/``float`` always. ``NumGuardCallback.__init__`` checks every value either way (Python callers),
+and stores plain numbers; it also refuses what one argument's type cannot say (``spike_warmup <=
+spike_window``) with ``NumGuardConfigError``.
 """
 
 from __future__ import annotations
@@ -12,19 +14,21 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["Backoff", "NonNegativeInt", "PositiveFloat", "PositiveInt", "plain_args"]
+__all__ = ["Backoff", "Headroom", "NonNegativeInt", "PositiveFloat", "PositiveInt", "plain_args"]
 
 
-def _restricted() -> tuple[Any, Any, Any, Any]:
+def _restricted() -> tuple[Any, Any, Any, Any, Any]:
     try:
         from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt, restricted_number_type
     except ImportError:  # the cli extra is not installed: nothing parses these hints but Python itself
-        return int, int, float, float
-    try:
-        backoff = restricted_number_type("float in (0, 1]", float, [(">", 0.0), ("<=", 1.0)])
-    except ValueError:  # the same restriction registered under another name (by another library): unchecked here
-        backoff = float
-    return PositiveInt, NonNegativeInt, PositiveFloat, backoff
+        return int, int, float, float, float
+    made = []
+    for name, limits in (("float in (0, 1]", [(">", 0.0), ("<=", 1.0)]), ("float >= 1", [(">=", 1.0)])):
+        try:
+            made.append(restricted_number_type(name, float, limits))
+        except ValueError:  # the same restriction registered under another name (by another library): unchecked
+            made.append(float)
+    return PositiveInt, NonNegativeInt, PositiveFloat, made[0], made[1]
 
 
 if TYPE_CHECKING:
@@ -32,8 +36,9 @@ if TYPE_CHECKING:
     NonNegativeInt = int
     PositiveFloat = float
     Backoff = float
+    Headroom = float
 else:
-    PositiveInt, NonNegativeInt, PositiveFloat, Backoff = _restricted()
+    PositiveInt, NonNegativeInt, PositiveFloat, Backoff, Headroom = _restricted()
 
 
 def plain_args(doc: str | None) -> str | None:

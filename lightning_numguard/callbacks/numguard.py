@@ -34,15 +34,22 @@ from lightning_numguard.callbacks._coverage import CoverageCheck
 from lightning_numguard.callbacks._doc import DOC
 from lightning_numguard.callbacks._pipeline import Settings, StepPipeline
 from lightning_numguard.callbacks._progress import FitProgress
+from lightning_numguard.callbacks._series import RunSeries
 from lightning_numguard.callbacks._sharded import SHARDING
 from lightning_numguard.callbacks._snapshots import SnapshotsView, stateful_objects
 from lightning_numguard.callbacks._spike import STATEFUL_KEY
 from lightning_numguard.callbacks._strategies import check_strategy
-from lightning_numguard.callbacks._types import Backoff, NonNegativeInt, PositiveFloat, PositiveInt, plain_args
+from lightning_numguard.callbacks._types import (
+    Backoff,
+    Headroom,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    plain_args,
+)
 from lightning_numguard.callbacks._zerosync import SYNC_MODES, DeferredRead
 from lightning_numguard.core.quarantine import parse_state
 from lightning_numguard.errors import NumGuardError
-from lightning_numguard.reporting.report import counter_scalars
 
 __all__ = ["CHECKS", "DEFAULT_CHECKS", "NumGuardCallback"]
 
@@ -83,7 +90,7 @@ class NumGuardCallback(Callback):
         spike_window: NonNegativeInt = 128,
         spike_warmup: PositiveInt | None = None,
         spike_rollback_after: NonNegativeInt = 3,
-        overflow_headroom: PositiveFloat | None = 8.0,
+        overflow_headroom: Headroom | None = 8.0,
     ) -> None:
         super().__init__()
         _config.choice("sync_mode", sync_mode, SYNC_MODES)
@@ -142,6 +149,7 @@ class NumGuardCallback(Callback):
         self._reporter = self._pipeline.reporter
         self._coverage = CoverageCheck(self.check_optimizer_coverage)
         self._progress = FitProgress()
+        self._series = RunSeries(self._reporter, self.spike_sigma if self._pipeline.spike.window is not None else None)
         self._deferred = DeferredRead(self._pipeline) if self.sync_mode == "deferred" else None
 
     # ------------------------------------------------------------------ public state
@@ -342,9 +350,8 @@ class NumGuardCallback(Callback):
         p.finish(trainer, pl_module, rec)
         self._progress.after_step(trainer, pl_module, rec, p.snapshots.snapshot, self.counters)
         p.amp.log(trainer, pl_module, self.counters["amp_overflow_steps"])
-        # host numbers: the counters and the spike statistics of the step's one read, no device read
-        if self._reporter.series_due(trainer, rec.step):
-            self._reporter.series(trainer, rec.step, {**counter_scalars(self.counters), **p.spike.scalars()})
+        last = p.spike.last  # host numbers: the counters and the spike statistics of the step's one read
+        self._series.after_step(trainer, pl_module, rec.step, self.events, self.counters, last, p.spike.scalars())
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -364,12 +371,14 @@ class NumGuardCallback(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
+            self._series.at_end(trainer, self.events)
             self._progress.report(trainer, self.events, self.counters, self._events_path())
         self._close()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if trainer.state.fn == "fit":
+            self._series.at_end(trainer, self.events, type(exception).__name__)
             self._progress.report(trainer, self.events, self.counters, self._events_path(), type(exception).__name__)
         self._close()
 

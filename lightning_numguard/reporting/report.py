@@ -2,11 +2,13 @@
 
 Only global rank 0 writes files and loggers; every rank keeps the same ``events`` list.
 
-Scalars reach the loggers two ways: at the step of each incident (with the text), and as a series every
-``trainer.log_every_n_steps`` steps from step 0 (:meth:`Reporter.series`), so that a clean run shows the
-guard at work. A step's scalar is written once, whichever way comes first. To add a scalar to the series,
-put it in the mapping the callback hands to :meth:`Reporter.series` at batch end: a host number (a device
-tensor would be read here, a host sync; read it in the step's one read instead).
+Scalars reach the loggers two ways: on the steps Lightning writes its own metrics (``(step + 1) %
+log_every_n_steps == 0``, through ``pl_module.log``: the same ``log_metrics`` call as the loss, see
+:mod:`~lightning_numguard.callbacks._series`), so that a clean run shows the guard at work and its points line
+up with the loss curve; and at every step that had an event, directly (:meth:`Reporter.emit` writes the
+counters that changed, with the text; :meth:`Reporter.point` the step's gradient norm and z-scores). A step's
+scalar is written once, whichever way comes first. Every scalar is a host number already read: a device tensor
+would be read here, a host sync; read it in the step's one read instead.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ __all__ = ["SERIES_COUNTERS", "Reporter", "counter_scalars", "is_tensorboard", "
 log = logging.getLogger(__name__)
 
 
-#: The counters in the every-``log_every_n_steps`` series (``amp_overflow_steps`` is logged under a GradScaler only).
+#: The counters written on Lightning's logging steps (``amp_overflow_steps`` is logged under a GradScaler only).
 SERIES_COUNTERS: tuple[str, ...] = ("incidents", "skipped_steps", "rollbacks", "spikes")
+
+
+_COUNTER_TAGS = frozenset(f"numguard/{name}" for name in (*SERIES_COUNTERS, "amp_overflow_steps"))
 
 
 def counter_scalars(counters: Mapping[str, int], names: Sequence[str] = SERIES_COUNTERS) -> dict[str, float]:
@@ -76,6 +81,7 @@ class Reporter:
         self._warned: set[tuple[str, str]] = set()
         self._said: set[str] = set()
         self._written: tuple[int, set[str]] = (-1, set())  # the last step scalars were written at, and their tags
+        self._counted: dict[str, int] = {}  # the counters as last written to the loggers
         self.warn = warn
 
     def emit(self, trainer: pl.Trainer, events: list[dict[str, Any]], counters: dict[str, int]) -> None:
@@ -100,7 +106,10 @@ class Reporter:
         if self.writer is not None:
             self.writer.write(events)
         step = int(events[-1]["step"])
-        scalars = counter_scalars(counters, list(counters))
+        # the counters that changed (amp_overflow_steps moves only under a GradScaler): the curves say different things
+        changed = [k for k, v in counters.items() if v != self._counted.get(k, 0)]
+        self._counted.update({k: counters[k] for k in changed})
+        scalars = counter_scalars(counters, changed)
         text = "\n\n".join(
             f"**{e['kind']}** (step {e['step']}, rank {e['rank']}, action `{e['action']}`): {e['message']}"
             for e in events
@@ -108,7 +117,8 @@ class Reporter:
         self._note_written(step, scalars)
         for lg in trainer.loggers:
             try:
-                lg.log_metrics(scalars, step=step)
+                if scalars:
+                    lg.log_metrics(scalars, step=step)
                 if is_tensorboard(lg):
                     lg.experiment.add_text("numguard/events", text, global_step=step)
                     lg.experiment.flush()
@@ -117,25 +127,20 @@ class Reporter:
             except Exception as err:  # a broken logger must not kill training
                 log.warning("numguard could not write to logger %s: %s", type(lg).__name__, err)
 
-    @staticmethod
-    def series_due(trainer: pl.Trainer, step: int) -> bool:
-        """Whether :meth:`series` writes at ``step`` (a multiple of ``log_every_n_steps``, rank 0, a logger)."""
-        every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 1))
-        return not step % every and trainer.is_global_zero and bool(trainer.loggers)
-
-    def series(self, trainer: pl.Trainer, step: int, scalars: Mapping[str, float]) -> None:
-        """``scalars`` to every logger at ``step`` when it is a multiple of ``trainer.log_every_n_steps`` (from 0).
-
-        Called at every batch end (global rank 0 writes); a tag already written at ``step`` (by an incident of
-        that step) is not written again. No flush: the loggers flush on their own schedule and at the end.
-        """
-        if not self.series_due(trainer, step):
-            return
+    def unwritten(self, step: int, scalars: Mapping[str, float]) -> dict[str, float]:
+        """The part of ``scalars`` not written at ``step`` yet; noted as written from now on."""
         last_step, tags = self._written
         due = {k: v for k, v in scalars.items() if not (step == last_step and k in tags)}
-        if not due:
-            return
         self._note_written(step, due)
+        self._counted.update({k.removeprefix("numguard/"): int(v) for k, v in due.items() if k in _COUNTER_TAGS})
+        return due
+
+    def point(self, trainer: pl.Trainer, step: int, scalars: Mapping[str, float]) -> None:
+        """``scalars`` of an event's step to every logger, directly (Lightning writes only every
+        ``log_every_n_steps``); a tag already written at ``step`` is not written again. No flush."""
+        due = self.unwritten(step, scalars)
+        if not due or not trainer.is_global_zero:
+            return
         for lg in trainer.loggers:
             try:
                 lg.log_metrics(due, step=step)

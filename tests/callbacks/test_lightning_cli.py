@@ -185,6 +185,8 @@ def test_bad_type_fails_at_parse_time(
     ("init_args", "match"),
     [
         ("{sync_mode: deferred, retry_transient: true}", r"`retry_transient=True` re-runs a batch .* one or the other"),
+        # a limit that spans two arguments: no one argument's type can carry it (issue 27)
+        ("{spike_warmup: 500}", r"`spike_warmup` must be None or an integer in \[1, spike_window=128\], got 500"),
     ],
 )
 def test_bad_value_of_right_type_fails_at_instantiation(tmp_path: Path, init_args: str, match: str) -> None:
@@ -238,6 +240,8 @@ def test_fit_subcommand_boring_model_clean_run(tmp_path: Path) -> None:
         ("{lr_backoff: 2.0}", "lr_backoff", "float in (0, 1]", "2.0"),
         ("{watch_depth: 0}", "watch_depth", "PositiveInt", "0"),
         ("{max_abs_input: -1.0}", "max_abs_input", "PositiveFloat", "-1.0"),
+        ("{overflow_headroom: 0.5}", "overflow_headroom", "float >= 1", "0.5"),
+        ("{spike_warmup: 0}", "spike_warmup", "PositiveInt", "0"),
         ("{check: [inputs, bogus]}", "check", "'optimizer_state'", "bogus"),
         ("{action: explode}", "action", "'warn', 'skip', 'rollback', 'halt'", "explode"),
     ],

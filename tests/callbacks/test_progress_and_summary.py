@@ -61,6 +61,8 @@ def test_counts_appear_in_the_bar_only_once_something_happened(tmp_path: Path, b
     # batches 0-3 start before the step-3 incident was logged; from batch 4 on the bar shows it
     assert spy.seen[:4] == [{}, {}, {}, {}]
     assert all(s == {"nan_incidents": 1, "rollbacks": 1} for s in spy.seen[4:]), spy.seen
+    # integers, which both bars show as "1" (a float is shown "1.000" by Rich, issue 27)
+    assert all(type(v) is int for s in spy.seen[4:] for v in s.values()), spy.seen
     assert {k: t.progress_bar_metrics[k] for k in BAR_KEYS} == {"nan_incidents": 1, "rollbacks": 1}
     # logger=False: the loggers get the counters as numguard/... scalars from the reporter
     assert not (set(BAR_KEYS) | set(COUNTER_TAGS)) & set(t.logged_metrics)

@@ -209,3 +209,18 @@ def test_fp16_amp_overflow_is_left_to_the_grad_scaler(tmp_path):
     assert guard.counters["incidents"] == 0 and guard.events == []
     assert t.precision_plugin.scaler.get_scale() < 65536.0  # the scaler saw the overflow and backed off
     assert all_finite(model.state_dict())
+
+
+def test_a_rollbacks_last_finite_ckpt_holds_the_fits_counters(tmp_path):
+    """The checkpoint a rollback writes counts the incident that made it (it lagged by one before, issue 27), and
+    the rollback's event says the step it went back to (the run's picture shades the span)."""
+    guard = NumGuardCallback(action="rollback", replay=False, dirpath=str(tmp_path / "ng"))
+    with guard_warns(guard_warning("loss", 3)):
+        trainer(tmp_path, [guard], max_steps=6).fit(FaultModel(site="loss", step=3), loader(FaultData()))
+    last = torch.load(tmp_path / "ng" / "last_finite.ckpt", weights_only=False)
+    saved = last["callbacks"][guard.state_key]
+    assert saved["counters"] == guard.counters and guard.counters["incidents"] == 1
+    assert saved["incidents_by_kind"] == {"nonfinite_loss": 1}
+    (event,) = guard.events
+    # the snapshot of the start of step 3 itself (verified finite at its read): only the bad step is given up
+    assert event["action"] == "rollback" and event["details"]["snapshot_step"] == 3

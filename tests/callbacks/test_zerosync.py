@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -92,6 +93,22 @@ def test_deferred_mode_refuses_an_optimizer_that_ignores_found_inf(tmp_path):
     guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), sync_mode="deferred")
     with pytest.raises(NumGuardConfigError, match=r"AdamW ignores unless it is fused: create it with `fused=True`"):
         trainer(tmp_path, [guard], max_steps=2).fit(FusedModel(fused=False), loader(FaultData()))
+
+
+class ForeachModel(FusedModel):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=True)
+
+
+def test_deferred_mode_refuses_a_foreach_optimizer_as_the_readme_says(tmp_path):
+    """A foreach AdamW steps whatever ``found_inf`` says (only fused kernels read it): refused, and the README says
+    "fused", not "fused (or foreach)" (issue 27)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    claim = readme[readme.index('- `sync_mode="deferred"` needs') :].split("\n- ", 1)[0]
+    assert "needs a fused optimizer" in claim and "foreach" in claim and "refused" in claim, claim
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), sync_mode="deferred")
+    with pytest.raises(NumGuardConfigError, match=r"AdamW ignores unless it is fused"):
+        trainer(tmp_path, [guard], max_steps=2).fit(ForeachModel(), loader(FaultData()))
 
 
 def test_deferred_mode_and_retry_transient_are_refused_together():
