@@ -31,6 +31,12 @@ WRONG_BEFORE_PROVENANCE = {
     "t5_wo_fp16": "T5's relative-position log(0) in block 0's SelfAttention",
     "demo_transformer_hook_write": "the demo's -inf mask (masked_fill), at the trainer.fit line",
 }
+#: Rows where a consequence event names an op that is not the fault (issue 24 point 3/4: an intentional infinity).
+STRAY_BEFORE_PROVENANCE = {
+    "gpt_temperature": "the attention's `div` (one site per op name)",
+    "t5_embeds_nan": "T5's relative-position log(0)",
+    "t5_embeds_nan_fp16": "T5's relative-position log(0)",
+}
 _RESULTS: dict[str, Result] = {}
 
 
@@ -58,11 +64,34 @@ def test_root_cause_is_the_fault(row: Row) -> None:
     _assert_right(result(row))
 
 
+def _stray_param(row: Row) -> Any:
+    why = STRAY_BEFORE_PROVENANCE.get(row.name)
+    marks = [pytest.mark.xfail(reason=f"a consequence blames {why} today", strict=False)] if why else []
+    return pytest.param(row, marks=marks, id=row.name)
+
+
+@pytest.mark.parametrize("row", [_stray_param(row) for row in ROWS])
+def test_no_other_event_blames_an_op_that_is_not_the_fault(row: Row) -> None:
+    """Consequences say where the value came from; none names another op "from finite inputs" (T5's bucket
+    log(0), a causal mask's -inf never reach the bad value)."""
+    res = result(row)
+    assert not res.stray, f"{row.name}: {res.stray}; {[e.get('message') for e in res.events]}"
+
+
 @pytest.mark.ddp
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp2_shard_row() -> None:
     _assert_right(result(FSDP2_ROW))
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.xfail(reason="a consequence blames the causal mask's masked_fill today", strict=False)
+def test_fsdp2_no_other_event_blames_the_causal_mask() -> None:
+    res = result(FSDP2_ROW)
+    assert not res.stray, f"{res.stray}; {[e.get('message') for e in res.events]}"
 
 
 def test_rows_cover_the_issue() -> None:
