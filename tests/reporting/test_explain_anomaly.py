@@ -103,3 +103,29 @@ def test_the_cli_reads_a_real_anomaly_log(between: tuple[str, str], tmp_path: Pa
     assert first["name"] == "anomaly_nan_in_backward" and first["hint_kind"] == "nonfinite_loss"
     assert Path(first["forward"]["file"]).name == "user_code.py" and first["forward"]["op"] == "cross_entropy"
     assert "forward call: " in result.text
+
+
+def test_a_log_from_another_machine_is_read_from_its_paths() -> None:
+    """Paths that do not exist here: site-packages' torch and Lightning frames and the stdlib are not the user's,
+    ``transformers`` is; a block with no user frame gives no call."""
+    from tests.reporting.test_explain import ANOMALY_DIV
+
+    (match,) = explain_log(ANOMALY_DIV)
+    assert match.forward is not None
+    assert (match.forward.file, match.forward.line, match.forward.op) == ("train.py", 18, "div")
+    assert match.guard_kind == "nonfinite_output"
+    hf = "/home/u/venv/lib/python3.11/site-packages/transformers/models/t5/modeling_t5.py"
+    log = (
+        "UserWarning: Error detected in MulBackward0. Traceback of forward call that caused the error:\n"
+        '  File "/usr/lib/python3.11/runpy.py", line 88, in _run_code\n    exec(code, run_globals)\n'
+        f'  File "{hf}", line 94, in forward\n    hidden_states = self.wo(hidden_states)\n'
+        '  File "/home/u/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1, in _call_impl\n'
+        "    return forward_call(*args, **kwargs)\n"
+        " (Triggered internally at python_anomaly_mode.cpp:122.)\n"
+        "RuntimeError: Function 'MulBackward0' returned nan values in its 0th output.\n"
+    )
+    (match,) = explain_log(log)
+    assert match.forward is not None and (match.forward.file, match.forward.line) == (hf, 94)
+    only_torch = log.replace(hf, "/home/u/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py")
+    (match,) = explain_log(only_torch)
+    assert match.forward is None and "no forward traceback" in match.guard

@@ -35,6 +35,7 @@ ROOT = ""  #: the module name of the LightningModule itself (``named_modules`` s
 #: The dispatcher names one ``x[i] = value`` write by the aten op it becomes (a write through an index).
 WRITE_OPS = frozenset({"__setitem__", "index_put_", "index_put", "fill_", "copy_", "masked_fill_"})
 FORWARD_KINDS = frozenset({"nonfinite_output", "nonfinite_loss"})
+TRACED_KINDS = FORWARD_KINDS | {"nonfinite_grad"}  #: kinds whose op is one the replay traced the value to
 
 
 @dataclass(frozen=True)
@@ -209,10 +210,30 @@ class Result:
     event: dict[str, Any]
     wrong: list[str]
     root_name: str
+    events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def right(self) -> bool:
         return not self.wrong
+
+    @property
+    def stray(self) -> list[str]:
+        """Ops that other events of the run name as made "from finite inputs" although they are not the fault
+        (T5's bucket ``log(0)``, a causal mask's ``masked_fill``): ``op file:line`` of each, once."""
+        want = self.want
+        found: list[str] = []
+        for e in self.events:
+            op = e.get("op")
+            if not op or e is self.event or e.get("kind") not in TRACED_KINDS:
+                continue  # an op_domain consequence names the op that refused the value, not one that made it
+            same_op = op == want.op or (want.op in WRITE_OPS and op in WRITE_OPS)
+            if same_op and _split_source(e.get("source")) == (want.file, want.line):
+                continue
+            source = e.get("source") or ""
+            text = f"`{op}` {os.path.basename(source)}"
+            if text not in found:
+                found.append(text)
+        return found
 
 
 def _trainer(row: Row, callbacks: list[Any], root: str, **extra: Any) -> pl.Trainer:
@@ -233,7 +254,7 @@ def run_guarded(row: Row, root: str) -> Result:
         _trainer(row, [guard], root).fit(model, data)
     event = root_cause(guard.events)
     name = type(model).__name__
-    return Result(row, want, event, wrong_fields(row, want, event, name), name)
+    return Result(row, want, event, wrong_fields(row, want, event, name), name, guard.events)
 
 
 def run_detect_anomaly(row: Row, root: str) -> tuple[str, str]:
@@ -285,4 +306,4 @@ def run_fsdp2(row: Row, root: str) -> Result:
     want = expected(row, model)
     event = root_cause(ranks[0]["events"])
     wrong = wrong_fields(row, want, event, type(model).__name__)
-    return Result(row, want, event, wrong, type(model).__name__)
+    return Result(row, want, event, wrong, type(model).__name__, ranks[0]["events"])

@@ -45,6 +45,12 @@ def guard_source(event: dict) -> str:
     return f"{os.path.basename(path)}:{line}"
 
 
+def verdict(result: Result) -> str:
+    """✓ or ✗ with the fields that differ; and the ops other events blame although they are not the fault."""
+    text = "✓" if result.right else "✗ " + ", ".join(result.wrong)
+    return text + (f"; other events blame {', '.join(result.stray)}" if result.stray else "")
+
+
 def line_of(index: int, result: Result) -> str:
     """One row of the full table."""
     e, row = result.event, result.row
@@ -57,7 +63,7 @@ def line_of(index: int, result: Result) -> str:
     module = _module(e.get("module"), result.root_name) if e else "—"
     return (
         f"| {index} | {row.model} | {fault} | {fault_at(result)} | {kind} | {module} | {e.get('op') or '—'} "
-        f"| {guard_source(e)} | {'✓' if result.right else '✗ ' + ', '.join(result.wrong)} |"
+        f"| {guard_source(e)} | {verdict(result)} |"
     ).replace("\n", " ")
 
 

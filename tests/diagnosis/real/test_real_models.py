@@ -1,8 +1,9 @@
 """The guard's root-cause event names each fault of the real-model table: kind, module, op and ``file:line`` read
 from the scenario's source (see ``harness.py``); and the committed tables are what the generator writes.
 
-Ten rows were named wrong by the culprit heuristics the provenance rule replaced (``core/provenance.py``); every row
-is now judged strictly.
+Ten rows were named wrong, and four had a consequence blaming an op that was not the fault (T5's bucket ``log(0)``,
+the causal mask), by the culprit heuristics the provenance rule replaced (``core/provenance.py``); every row is now
+judged strictly.
 """
 
 from __future__ import annotations
@@ -44,11 +45,27 @@ def test_root_cause_is_the_fault(row: Row) -> None:
     _assert_right(result(row))
 
 
+@pytest.mark.parametrize("row", [_param(row) for row in ROWS])
+def test_no_other_event_blames_an_op_that_is_not_the_fault(row: Row) -> None:
+    """Consequences say where the value came from; none names another op "from finite inputs" (T5's bucket
+    log(0), a causal mask's -inf never reach the bad value)."""
+    res = result(row)
+    assert not res.stray, f"{row.name}: {res.stray}; {[e.get('message') for e in res.events]}"
+
+
 @pytest.mark.ddp
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp2_shard_row() -> None:
     _assert_right(result(FSDP2_ROW))
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fsdp2_no_other_event_blames_the_causal_mask() -> None:
+    res = result(FSDP2_ROW)
+    assert not res.stray, f"{res.stray}; {[e.get('message') for e in res.events]}"
 
 
 def test_rows_cover_the_issue() -> None:
