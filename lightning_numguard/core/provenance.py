@@ -126,6 +126,8 @@ class Provenance(TorchDispatchMode):
         self._current_call = current_call
         self._seq = 0
         self.tags: dict[str, dict[int, Origin]] = {NAN: {}, INF: {}}
+        #: the earliest origin of any NaN the forward pass held, even one a kernel swallowed before a module's output
+        self.first_nan: Origin | None = None
         # several processes: a NaN no traced op wrote arrived through torch.distributed's own code (an all-reduce
         # inside a DTensor redistribution); alone, it is a literal made outside the trace
         dist = torch.distributed
@@ -210,6 +212,12 @@ class Provenance(TorchDispatchMode):
                 if origin.seq == self._seq and origin.source == "op":
                     origin.facts.setdefault("dtype", str(t.dtype).replace("torch.", ""))
                 self.tags[kind][key] = origin
+                if (
+                    kind == NAN
+                    and origin.source != "constant"
+                    and (self.first_nan is None or origin.seq < self.first_nan.seq)
+                ):
+                    self.first_nan = origin
 
     def _origin_of_write(self, func: Any, name: str, kind: str, args: Any, kwargs: Any) -> Origin | None:
         if _from_distributed():

@@ -28,7 +28,6 @@ masked row: ``inf_in``).
 from __future__ import annotations
 
 import contextlib
-import linecache
 import logging
 import re
 import warnings
@@ -37,30 +36,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from lightning_numguard._compat import caller_frame, first_frame
-
+from .calls import Calls, op_name, site
 from .dtensor import local
 from .opguard import OpGuard
 from .provenance import Origin, Provenance
 from .snapshot import rng_state, set_rng_state
 from .tree import tensor_leaves, tensors
-from .usercode import is_library_file, user_site
+from .usercode import is_library_file
 
 __all__ = ["first_bad_node", "loss_of", "op_name", "replay"]
 
 log = logging.getLogger(__name__)
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)')
-_ALIASES = {"truediv": "div", "rtruediv": "div", "rdiv": "div", "radd": "add", "rsub": "sub", "rmul": "mul"}
-_ALIASES.update({"rpow": "pow", "rmatmul": "matmul", "iadd": "add_", "imul": "mul_", "itruediv": "div_"})
-_ALIASES["setitem"] = "__setitem__"  # `x[i] = v`: named as Python spells the write
-_IGNORED = {"__get__", "__set__", "__getitem__", "__setitem__", "__len__", "__format__", "__repr__"}
-# Calls made by torch.distributed's own code (FSDP2's copies into and out of its all-gather buffers) are not
-# the model's: they get no user line.
-_DISTRIBUTED = "/torch/distributed/"
-_OWN = tuple(f"/lightning_numguard/core/{name}.py" for name in ("replay", "provenance", "dtensor", "tree"))
 
 
 def _local_tensors(obj: Any) -> list[torch.Tensor]:
@@ -80,58 +69,6 @@ def loss_of(output: Any) -> torch.Tensor | None:
     if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
     return None
-
-
-def op_name(func: Any) -> str:
-    """The plain name of a torch function or tensor method: ``Tensor.__truediv__`` -> ``div``."""
-    name = str(getattr(func, "__name__", func))
-    bare = name.strip("_")
-    return _ALIASES.get(bare, bare) if name.startswith("__") else name
-
-
-def _site(file: str, line: int) -> dict[str, Any]:
-    return {"file": file, "line": line, "code": linecache.getline(file, line).strip()}
-
-
-class _Calls(TorchFunctionMode):
-    """The torch-level call running now (``linear`` while its ``addmm`` runs) and every call's user line.
-
-    ``sites``: op name -> the user's ``file``/``line``/``code`` of each call of it, in call order (one per
-    call, never one per name: two calls of ``div`` at two lines are two sites).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.current: str | None = None
-        self.sites: dict[str, list[dict[str, Any]]] = {}
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in _IGNORED and name != "__setitem__":
-            return func(*args, **kwargs)
-        caller = _caller_file(caller_frame(1))
-        if caller.endswith(_OWN):  # the replay's own checks (module hooks), not the model's
-            return func(*args, **kwargs)
-        op = op_name(func)
-        if _DISTRIBUTED not in caller:
-            where = user_site(caller_frame(1))
-            self.sites.setdefault(op, []).append(_site(*where) if where else {})
-        outer, self.current = self.current, op
-        try:
-            return func(*args, **kwargs)
-        finally:
-            self.current = outer
-
-
-def _caller_file(frame: Any) -> str:
-    """The file of the code that called a torch function, past the ``torch.ops`` call machinery, with ``/``."""
-    found = first_frame(frame, lambda f: not _path(f).endswith("/torch/_ops.py"))
-    return _path(found) if found is not None else ""
-
-
-def _path(frame: Any) -> str:
-    return str(frame.f_code.co_filename).replace("\\", "/")
 
 
 def _graph_nodes(root: Any) -> list[Any]:
@@ -271,7 +208,7 @@ def _forward(root: nn.Module, run_step: Callable[[], Any], result: dict[str, Any
     """The forward pass under the trace; fills ``forward_module``, ``error``, ``op_sites``."""
     seen = _Seen()
     stack: list[str] = []
-    calls = _Calls()
+    calls = Calls()
     provenance = Provenance(stack, _leaf_map(root, batch), current_call=lambda: calls.current)
     seen.provenance = provenance
     with _module_hooks(root, seen, stack):
@@ -293,6 +230,10 @@ def _chosen(seen: _Seen) -> Origin | None:
     """The rule's culprit: of the bad values the forward pass made (the first bad module output, the loss),
     the earliest origin in execution order, walked back past NaN made of an accidental Inf."""
     found = [o for o in (seen.first_output[1] if seen.first_output else None, seen.loss) if o is not None]
+    if not found and seen.provenance is not None and seen.provenance.first_nan is not None:
+        # no module output and no loss went bad, but a NaN was there (a NaN weight whose attention kernel's output
+        # stayed finite): the forward pass was not finite, and that NaN is what the backward pass spreads
+        found = [seen.provenance.first_nan]
     culprits = [Provenance.culprit(o) for o in found]
     return min(culprits, key=lambda o: o.seq) if culprits else None
 
@@ -302,7 +243,7 @@ def _describe(origin: Origin, result: dict[str, Any]) -> None:
     if origin.source == "op":
         result.update(stage="forward", op=origin.op, op_module=origin.module)
         if origin.site is not None:
-            result.update(_site(*origin.site))
+            result.update(site(*origin.site))
             result["forward_trace"] = f"{result['file']}:{result['line']}: {result.get('code', '')}"
         result.update({k: v for k, v in origin.facts.items() if k in ("dtype", "max_abs_in", "inf_in", "literal")})
         result["forward_op"], result["forward_op_module"] = origin.op, origin.module
