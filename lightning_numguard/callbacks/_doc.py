@@ -23,7 +23,8 @@ DOC = r"""Check every training step for NaN/Inf, act before the damage lands, an
             optimizer state are no longer finite. ``"rollback"``: restore the last
             verified-finite state in place and carry on; after ``max_rollbacks`` escalate to
             ``"halt"``. ``"halt"``: restore the last finite state, write
-            ``<dirpath>/last_finite.ckpt``, stop every rank.
+            ``<dirpath>/last_finite.ckpt``, and raise ``NonFiniteError`` on every rank (see
+            ``halt_raises``).
         dirpath: folder for ``events.jsonl``, ``last_finite.ckpt`` and ``bad_batches/``. Defaults
             to ``<trainer.log_dir>/numguard`` (``<default_root_dir>/numguard`` without a logger).
         check: which sites to check every step, any of ``inputs``, ``outputs``, ``ops``, ``loss``,
@@ -55,6 +56,11 @@ DOC = r"""Check every training step for NaN/Inf, act before the damage lands, an
         snapshot_device: keep snapshots on the ``"host"`` (pinned when CUDA is used) or on the
             ``"device"``.
         max_rollbacks: rollbacks allowed in one ``fit`` before escalating to ``"halt"``.
+        halt_raises: a halt (asked for, or escalated) is a failure: once ``last_finite.ckpt`` is
+            written, the events flushed and the loggers finalised as ``"failed"``, ``fit`` raises
+            ``NonFiniteError`` on every rank together, whose message says how to resume, so the
+            process exits non-zero. ``False``: a graceful stop instead (``trainer.should_stop``;
+            ``fit`` returns), except where ``min_steps``/``min_epochs`` would keep Lightning going.
         skip_batches_after_rollback: batches to skip after each rollback (0 = only the bad one).
         lr_backoff: factor applied to every learning rate after each rollback (1.0 = unchanged).
         retry_transient: after a rollback, run the same batch once more from the restored state (under
@@ -113,9 +119,10 @@ DOC = r"""Check every training step for NaN/Inf, act before the damage lands, an
 
     Raises:
         NumGuardConfigError: at construction, for any invalid argument.
-        NonFiniteError: under ``"halt"`` when Lightning would not stop (``min_steps``/``min_epochs``
-            not reached), after the last finite state was saved; and at fit start when the initial
-            weights are not finite (except under ``"warn"``).
+        NonFiniteError: when the guard halts (``action="halt"``, or escalated from ``"rollback"``),
+            after the last finite state was saved (with ``halt_raises=False``: only when
+            ``min_steps``/``min_epochs`` would keep Lightning going); and at fit start when the
+            initial weights are not finite (except under ``"warn"``).
 
     Logged (TensorBoard tags; other loggers get the scalars):
 

@@ -54,6 +54,7 @@ class Settings:
     snapshot_every_n_steps: int
     snapshot_device: str
     max_rollbacks: int
+    halt_raises: bool
     skip_batches_after_rollback: int
     lr_backoff: float
     retry_transient: bool
@@ -194,14 +195,23 @@ class StepPipeline:
             self.ledger.record(trainer, rec.events)
         snapshot = self.snapshots.snapshot
         self.ledger.log_action(trainer, rec, snapshot.step if snapshot is not None else None, self.recovery.ckpt_path)
-        if decision.action == "halt" and trainer.should_stop and not _compat.lightning_will_stop(trainer):
-            ckpt = self.recovery.ckpt_path
-            where = f"is in {ckpt}" if ckpt is not None else "was restored in memory (no file is written in this run)"
-            raise NonFiniteError(
-                f"NumGuard halted training at step {rec.step}: "
-                + next((e["message"] for e in rec.events if e["action"] == "halt"), "non-finite values")
-                + f". The last finite state {where}."
-            )
+        if decision.action == "halt" and (self.settings.halt_raises or not _compat.lightning_will_stop(trainer)):
+            raise NonFiniteError(self._halt_message(rec))
+
+    def _halt_message(self, rec: StepRecord) -> str:
+        """What a halt raises: why, where the last finite state is, and how to resume from it."""
+        ckpt = self.recovery.ckpt_path
+        why = next((e["message"] for e in rec.events if e["action"] == "halt"), "non-finite values").rstrip(".")
+        decision = rec.decision
+        text = f"NumGuard halted training at step {rec.step}: {why}"
+        if decision is not None and decision.escalation:
+            text += f" (escalated from {decision.configured!r}: {decision.escalation})"
+        if ckpt is None:
+            return text + ". The last finite state was restored in memory (no file is written in this run)."
+        return (
+            text + f". The last finite state is in {ckpt}: fix the cause, then resume with "
+            f"trainer.fit(model, ckpt_path={str(ckpt)!r})."
+        )
 
     # ------------------------------------------------------------------ once per fit or per checkpoint
 

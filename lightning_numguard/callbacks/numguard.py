@@ -67,6 +67,7 @@ class NumGuardCallback(Callback):
         snapshot_every_n_steps: PositiveInt = 50,
         snapshot_device: Literal["host", "device"] = "host",
         max_rollbacks: NonNegativeInt = 10,
+        halt_raises: bool = True,
         skip_batches_after_rollback: NonNegativeInt = 0,
         lr_backoff: Backoff = 1.0,
         retry_transient: bool = False,
@@ -113,7 +114,9 @@ class NumGuardCallback(Callback):
         self.lr_backoff = _config.fraction("lr_backoff", lr_backoff)
         for name, value in (("retry_transient", retry_transient), ("quarantine", quarantine), ("replay", replay)):
             _config.flag(name, value)
-        _config.flag("emit_warnings", emit_warnings)
+        for name, value in (("halt_raises", halt_raises), ("emit_warnings", emit_warnings)):
+            _config.flag(name, value)
+        self.halt_raises = halt_raises
         self.dirpath = _config.path_or_none("dirpath", dirpath)
         self.action = action
         self.check_optimizer_coverage = check_optimizer_coverage

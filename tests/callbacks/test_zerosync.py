@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_numguard import NumGuardCallback
+from lightning_numguard import NonFiniteError, NumGuardCallback
 from lightning_numguard.core.syncs import SyncCounter
 from lightning_numguard.errors import NumGuardConfigError
 from tests.helpers import FaultData, FaultModel, SyncWindow, all_finite, guard_warns, loader, trainer
@@ -134,7 +134,8 @@ def test_a_late_halt_restores_the_verified_snapshot_and_writes_it_as_last_finite
         action="halt", dirpath=str(tmp_path / "ng"), sync_mode="deferred", snapshot_every_n_steps=2, emit_warnings=False
     )
     t = trainer(tmp_path, [guard], max_steps=8)
-    t.fit(model, loader(FaultData()))
+    with pytest.raises(NonFiniteError, match="halted training at step 3"):  # read late: the fault's step named
+        t.fit(model, loader(FaultData()))
     assert t.global_step == 5 and all_finite(model.state_dict())
     first = guard.events[0]
     assert (first["kind"], first["step"], first["action"]) == ("nonfinite_param", 3, "halt")
