@@ -139,6 +139,7 @@ def assert_halted_and_resumed(sharded: Results, layout: str) -> None:
     for h in halt:
         assert h["global_step"] < 6 and h["finite"]
         assert any(e["action"] == "halt" for e in h["events"]), h["events"]
+        assert "NonFiniteError: NumGuard halted training" in h["error"], h.get("error")  # every rank raised
     assert_same_on_every_rank(halt, "global_step", "digest", "opt_digest", "events", "counters")
     for h, r in zip(halt, resume):
         start = r["start"]
