@@ -159,6 +159,7 @@ class StepPipeline:
                 snapshot_due=due,
                 late=late,
                 device_skipped=late and acting,  # every flagged step is skipped on the device when read late
+                broken=_broken(findings),
             )
         else:
             self.conventions.clean_step()
@@ -275,6 +276,15 @@ class StepPipeline:
         for event in events:
             self.reporter.say_once(trainer, f"convention {event['where']}", event["message"])
         return events
+
+
+def _broken(findings: list[Finding]) -> str | None:
+    """Why a step halts for a batch field flagged on step after step with values that are no mask, or ``None``."""
+    persistent = [f for f in findings if f.details.get("persistent")]
+    if not persistent:
+        return None
+    steps = persistent[0].details["persistent"]["steps"]
+    return f"{', '.join(persistent[0].where)} was flagged on {steps} consecutive steps: the data pipeline is broken"
 
 
 def _instruments(s: Settings, spike: SpikeGuard, conventions: InputConventions) -> tuple[StepRecorder, StepRead]:

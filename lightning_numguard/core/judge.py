@@ -39,6 +39,8 @@ class Facts:
             snapshot candidates taken since are verified or dropped by this read.
         device_skipped: read late, the device skipped the step on its flags, although nothing is left to act on
             (a batch field declared a convention of the data at this read): it still counts as skipped.
+        broken: why acting again is pointless (a batch field flagged on step after step with values that are no
+            mask: a broken data pipeline); a ``skip`` or ``rollback`` then halts, saying so. ``None``: not broken.
     """
 
     incident: bool = False
@@ -50,6 +52,7 @@ class Facts:
     snapshot_due: bool = False
     late: bool = False
     device_skipped: bool = False
+    broken: str | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,8 @@ def _act(
     taken = decide(action, state_bad=facts.state_bad, has_incident=True, **_budget(budget))
     if facts.late and taken == "rollback" and not facts.state_bad and facts.spike is None:
         taken = configured = "skip"  # the device skipped the step and the state stayed finite: nothing to restore
+    if facts.broken and taken in ("skip", "rollback"):
+        taken = "halt"
     skips = taken in ("skip", "rollback", "halt")
     counts = {**counts, **({"skipped_steps": 1} if skips else {})}
     if taken == "rollback":
@@ -150,7 +155,9 @@ def _act(
     return Decision(
         action=taken,
         configured=configured,
-        escalation=_escalation(taken, configured, budget),
+        escalation=facts.broken
+        if facts.broken and taken == "halt" != configured
+        else _escalation(taken, configured, budget),
         counts=counts,
         # the state before this step is verified finite: a rollback undoes exactly this step
         keep_start=skips and not facts.state_bad and not facts.late and facts.spike is None,

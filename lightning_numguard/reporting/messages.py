@@ -65,6 +65,11 @@ def incident_message(
     convention = details.get("convention")
     if convention and kind in ("nonfinite_input", "suspicious_input"):
         return _convention_message(kind, names, details, int(convention.get("steps", 0)), at)
+    persistent = details.get("persistent")
+    if persistent and kind in ("nonfinite_input", "suspicious_input"):
+        rest = {k: v for k, v in details.items() if k != "persistent"}
+        text = incident_message(kind, where, rest, step, rank, op, module, site, source)
+        return text + _persistent_message(kind, names, int(persistent.get("steps", 0)))
     if kind == "nonfinite_input":
         text = f"non-finite value in {names} {at}"
         stats = details.get("stats") or {}
@@ -168,6 +173,17 @@ def _convention_message(kind: str, names: str, details: dict[str, Any], steps: i
         f"a fault, so NumGuard no longer checks this field and no longer skips or rolls back steps for it in "
         f"this fit (the module outputs, loss, gradients and weights are still checked every step); "
         f"{setting} silences this"
+    )
+
+
+def _persistent_message(kind: str, names: str, steps: int) -> str:
+    """A batch field flagged on ``steps`` consecutive steps with values that are no mask: a broken pipeline."""
+    off = "NumGuardCallback(max_abs_input=None)" if kind == "suspicious_input" else "check=[...] without 'inputs'"
+    return (
+        f". {names} was flagged on {steps} consecutive steps: these values are in every batch, so the data "
+        f"pipeline is broken (not one bad batch, and not a mask: only infinities or a dtype's own extremes are "
+        f"taken for masks). NumGuard halts rather than skip every step; fix the data (if the model ignores or "
+        f"clamps this field on purpose, {off} stops checking it)"
     )
 
 
