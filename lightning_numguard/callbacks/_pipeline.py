@@ -169,7 +169,12 @@ class StepPipeline:
                     f.details["escalated"] = f"{s.spike_rollback_after} spikes within {s.spike_window} steps"
             findings = spikes
             facts = Facts(spike=wanted, snapshot_due=due, late=late)
-        budget = Budget(self.snapshots.snapshot is not None, self.ledger.rollbacks_this_fit, s.max_rollbacks)
+        budget = Budget(
+            self.snapshots.snapshot is not None,
+            self.ledger.rollbacks_this_fit,
+            s.max_rollbacks,
+            self.recovery.restores.repeats.cause,
+        )
         decision = judge(s.action, facts, budget, quarantine=s.quarantine, retry=s.retry_transient)
         for f in findings:
             if late:

@@ -57,11 +57,13 @@ class Facts:
 
 @dataclass(frozen=True)
 class Budget:
-    """What recovery has left: a verified snapshot, and the rollbacks used of those allowed in this fit."""
+    """What recovery has left: a verified snapshot, and the rollbacks used of those allowed in this fit (and, when
+    rollbacks to the same snapshot repeat, the cause they share, which a halt then names)."""
 
     have_snapshot: bool
     rollbacks_used: int
     max_rollbacks: int
+    repeating: str | None = None  # what repeated rollbacks to the same snapshot had in common, if they did
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,8 @@ def _escalation(taken: str, configured: str, budget: Budget) -> str | None:
     if not budget.have_snapshot:
         return "there is no verified-finite snapshot to go back to"
     if taken == "halt":
-        return f"max_rollbacks reached ({budget.rollbacks_used} rollbacks in this fit)"
+        said = f"max_rollbacks reached ({budget.rollbacks_used} rollbacks in this fit)"
+        return f"{said}; the rollbacks repeat: {budget.repeating}" if budget.repeating else said
     return "the weights or optimizer state were no longer finite"
 
 

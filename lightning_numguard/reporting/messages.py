@@ -187,8 +187,9 @@ def _persistent_message(kind: str, names: str, steps: int) -> str:
     )
 
 
-def _restored(step: int, snapshot_step: int | None) -> str:
-    """What a rollback put back and what it cost, in words that match what happened."""
+def _restored(step: int, snapshot_step: int | None, lost: int | None = None) -> str:
+    """What a rollback put back and what it cost, in words that match what happened (``lost``: the updates it
+    discarded, when fewer than the steps since the snapshot)."""
     if snapshot_step is None:
         return ""
     if snapshot_step >= step:  # the state before this step was verified finite by its own check
@@ -196,11 +197,14 @@ def _restored(step: int, snapshot_step: int | None) -> str:
             " to the state at the start of this step (weights, optimizer and buffers, verified finite): only this "
             "batch's update is dropped, no earlier step is lost,"
         )
-    lost = step - snapshot_step
-    steps = f"step {snapshot_step}" if lost == 1 else f"steps {snapshot_step}-{step - 1}"
+    span = step - snapshot_step
+    steps = f"step {snapshot_step}" if span == 1 else f"steps {snapshot_step}-{step - 1}"
+    head = f" to the last verified-finite snapshot, taken at the start of step {snapshot_step}:"
+    if lost is None or lost >= span:
+        return f"{head} the updates of {steps} ({span} step{'s' if span != 1 else ''}) are lost,"
     return (
-        f" to the last verified-finite snapshot, taken at the start of step {snapshot_step}: the updates of "
-        f"{steps} ({lost} step{'s' if lost != 1 else ''}) are lost,"
+        f"{head} {lost} update{'s' if lost != 1 else ''} made since {'is' if lost == 1 else 'are'} lost (of {steps}, "
+        f"the other {span - lost} were skipped or already undone by an earlier rollback),"
     )
 
 
@@ -213,6 +217,7 @@ def action_message(
     snapshot_step: int | None = None,
     checkpoint: str | None = None,
     events_file: str | None = None,
+    steps_lost: int | None = None,
 ) -> str:
     """The one log line of an action taken: what was done, why, and where the files are.
 
@@ -225,9 +230,11 @@ def action_message(
         snapshot_step: the step of the finite state restored.
         checkpoint: ``last_finite.ckpt``'s path, when one was written.
         events_file: ``events.jsonl``'s path, when one was written.
+        steps_lost: the updates the restore discarded (fewer than the steps since the snapshot when some of them
+            were skipped or already undone by an earlier rollback); ``None``: all of them.
     """
     cause = f"{root['kind']} in {', '.join(root['where'][:3]) or '-'}" if root else "non-finite values"
-    restored = _restored(step, snapshot_step)
+    restored = _restored(step, snapshot_step, steps_lost)
     if action == "skip":
         text = f"NumGuard skipped the optimizer step at step {step} because of {cause}"
     elif action == "rollback":
