@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_numguard import _compat
 from lightning_numguard.callbacks._amp import AmpCounters
@@ -220,6 +221,15 @@ class StepPipeline:
         )
 
     # ------------------------------------------------------------------ once per fit or per checkpoint
+
+    def announce_spikes(self, trainer: pl.Trainer) -> None:
+        """Fit start, with ``spike_action`` set: one line (Lightning's INFO, where its own fit-start lines go) saying
+        when spike detection arms, and a warning when the fit ends before it can."""
+        line, warning = self.spike.arming(trainer.max_steps, trainer.global_step)
+        if line is not None:
+            rank_zero_info(line)
+        if warning is not None:
+            self.reporter.say_once(trainer, "spike warm-up", warning)
 
     def halt_at_fit_start(self, trainer: pl.Trainer, bad: list[str]) -> None:
         """The weights are non-finite before the first step: recorded, and (unless ``"warn"``) refused."""

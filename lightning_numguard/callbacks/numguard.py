@@ -259,6 +259,7 @@ class NumGuardCallback(Callback):
             p.snapshots.stateful[STATEFUL_KEY] = p.spike.window
         p.reader.resolve(pl_module, p.snapshots.stateful)
         self._coverage.at_fit_start(trainer, pl_module, p.ledger)
+        p.announce_spikes(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
