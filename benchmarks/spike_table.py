@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import math
 import time
 from collections.abc import Callable
@@ -39,11 +40,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_numguard import NumGuardCallback
 from lightning_numguard.callbacks._config import DEFAULT_SPIKE_WARMUP
 from lightning_numguard.callbacks._spike import SpikeGuard
 
 VOCAB, SEQ = 128, 16
-WINDOW, SIGMA = 128, 6.0  # the callback's defaults
+_DEFAULTS = inspect.signature(NumGuardCallback.__init__).parameters
+WINDOW, SIGMA = _DEFAULTS["spike_window"].default, _DEFAULTS["spike_sigma"].default  # the callback's defaults
 FAULT_AT = 300
 AFTER = 8  # steps recorded from the fault on
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
@@ -166,7 +169,9 @@ def record(client: Client, steps: int, seed: int = 0, planned: int | None = None
     fork = None
     for step in range(steps):
         if step == FAULT_AT:
-            fork = copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict(), g.get_state()))
+            fork = copy.deepcopy(
+                (model.state_dict(), opt.state_dict(), sched.state_dict(), g.get_state(), torch.get_rng_state())
+            )
         series.append(_step(model, client, opt, sched, client.data(g, client.batch)))
     faults: dict[str, list[tuple[float, float]]] = {}
     if fork is not None:
@@ -175,6 +180,7 @@ def record(client: Client, steps: int, seed: int = 0, planned: int | None = None
             opt.load_state_dict(fork[1])
             sched.load_state_dict(fork[2])
             g.set_state(fork[3])
+            torch.set_rng_state(fork[4])  # dropout: the faults do not depend on how long the clean run went on
             out = []
             for i in range(AFTER):
                 if fault == "lr x100" and i < 3:  # the schedule sets each step's rate afresh: x100 on top, 3 steps

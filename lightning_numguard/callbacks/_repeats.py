@@ -39,9 +39,11 @@ class Restores:
         root = next((e for e in rec.events if e.get("root_cause", True)), rec.events[0] if rec.events else None)
         repeat = None
         if new and root is not None:
+            self.repeats.initial_lr = learning_rate(trainer, "initial_lr")
             repeat = self.repeats.add(snapshot.step, root["kind"], rec.step, learning_rate(trainer))
         for e in rec.events:
             e["details"]["steps_lost"] = lost
+            e["details"]["snapshot_step"] = snapshot.step
             if repeat is not None:
                 e["details"]["repeat"] = repeat
                 e["message"] += f"; {repeat['said']}"
@@ -56,6 +58,7 @@ class Repeats:
         self.restored_lr: dict[tuple[int, str], float] = {}  # the learning rate the first restore put back
         self.cause: str | None = None  # what the repeats have in common, once there is one
         self._last: tuple[int, str] | None = None
+        self.initial_lr = 0.0  # the schedule's base learning rate (``initial_lr`` of the parameter groups)
 
     def restored(self, lr: float) -> None:
         """The learning rate right after a restore (the snapshot's), kept for the first restore of each key."""
@@ -70,11 +73,13 @@ class Repeats:
         earlier.append((step, lr))
         if len(earlier) < 2:
             return None
-        base = self.restored_lr.get(key, 0.0)
+        bases = [b for b in (self.restored_lr.get(key, 0.0), self.initial_lr) if b > 0]
+        base = min(bases, default=0.0)
         if base > 0 and min(lr for _, lr in earlier) >= 2 * base:
             self.cause = (
                 f"a schedule that brings the learning rate back: it was {earlier[0][1]:.3g} at step {earlier[0][0]} "
-                f"and {lr:.3g} at step {step}, against {base:.3g} in the snapshot of step {snapshot_step}"
+                f"and {lr:.3g} at step {step}, against {base:.3g} in the snapshot of step {snapshot_step} or at the "
+                "schedule's start"
             )
         else:
             self.cause = f"{trouble} came back after each rollback to the snapshot of step {snapshot_step}"
@@ -87,9 +92,9 @@ class Repeats:
         return {"snapshot_step": snapshot_step, "times": len(earlier), "steps": [s for s, _ in earlier], "said": said}
 
 
-def learning_rate(trainer: pl.Trainer) -> float:
-    """The largest learning rate of any parameter group (host numbers)."""
-    return max((float(g.get("lr", 0.0)) for o in trainer.optimizers for g in o.param_groups), default=0.0)
+def learning_rate(trainer: pl.Trainer, key: str = "lr") -> float:
+    """The largest learning rate (or ``key``: ``"initial_lr"``, a scheduler's base) of any parameter group."""
+    return max((float(g.get(key, 0.0)) for o in trainer.optimizers for g in o.param_groups), default=0.0)
 
 
 def schedule(trainer: pl.Trainer) -> tuple[list[dict[str, Any]], list[list[float]]]:

@@ -78,7 +78,7 @@ class NumGuardCallback(Callback):
         snapshot_sharding: Literal["auto", "off"] = "auto",
         snapshot_async: bool | None = None,
         spike_action: Literal["warn", "skip", "rollback"] | None = None,
-        spike_sigma: PositiveFloat = 6.0,
+        spike_sigma: PositiveFloat = 10.0,
         spike_window: NonNegativeInt = 128,
         spike_warmup: PositiveInt | None = None,
         spike_rollback_after: NonNegativeInt = 3,
