@@ -4,7 +4,7 @@ A NaN is usually the end of a story that started earlier with a finite spike. Th
 device tensors updated with no host read, the last ``window`` steps of the loss and of the global gradient
 norm, and scores each new value against them:
 
-* **cube roots, robust, one-sided.** Values are kept as ``cbrt(x)`` (sign kept: a negative loss is fine);
+* **cube roots, robust, one-sided.** Values are judged as ``cbrt(x)`` (sign kept: a negative loss is fine);
   the *center* is their median over the window and the *scale* is the median of the deviations *above* the
   median divided by 0.6745 (a normal's upper-half MAD), at least 5 % of ``|center|`` (and 1e-3). A value
   spikes when ``cbrt(x) > center + sigma * scale``. Only upward moves count.
@@ -20,6 +20,11 @@ norm, and scores each new value against them:
   never a spike: a NaN step never poisons the history, and non-finite values stay the business of the NaN
   guard. No ``0 * x`` masking anywhere.
 * **Warm-up.** Fewer than ``warmup`` valid values in the window: nothing is judged.
+* **Cheap on the device.** The window keeps raw values; its statistics (the centers and the raw thresholds
+  ``(center + sigma * scale) ** 3``) are recomputed every ``refresh_every`` steps and ride in the step's one read
+  with the raw values, and the host scores the step (:func:`judge`): a step costs the device one ``stack`` and
+  one ``cat``. The default sigma is 10 since real clients' tails are heavier than a chi-square's (see
+  ``docs/reference.md``, "Spikes", and ``benchmarks/spike_table.py``).
 
 :class:`SpikeWindow` is the device state; :func:`spike_z` is the same rule on host numbers, for tables.
 Overflow headroom (:func:`headroom`) compares the largest finite |x| of each watched block's output, per
@@ -137,8 +142,9 @@ class SpikeWindow:
     ``values`` is a ``[window, 2]`` float32 tensor of raw values (column 0: loss, column 1: gradient norm; ``NaN``,
     ``Inf`` and the mark :data:`NOT_JUDGED` count as missing; :meth:`state_dict` shows it as ``[2, window]``); each
     step writes its row at ``pos`` (a host integer: no index is read back) and moves on, so the window always spans
-    the last ``window`` steps. A step costs its row write; the statistics (:meth:`stats`: the centers and the raw thresholds) are recomputed every
-    ``refresh_every`` pushes, and at the push that completes the warm-up, so that judging starts on time.
+    the last ``window`` steps. A step costs its row write; the statistics (:meth:`stats`: the centers and the raw
+    thresholds) are recomputed every ``refresh_every`` pushes, and at the push that completes the warm-up, so that
+    judging starts on time.
 
     Args:
         window: steps kept.

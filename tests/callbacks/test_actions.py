@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import ClassVar
 
 import pytest
 import torch
@@ -178,7 +179,7 @@ def test_halt_raises_false_stops_gracefully_and_loggers_see_which(tmp_path):
     from pytorch_lightning.loggers import CSVLogger
 
     class Finalised(CSVLogger):
-        status: list[str] = []
+        status: ClassVar[list[str]] = []
 
         def finalize(self, status):
             self.status.append(status)

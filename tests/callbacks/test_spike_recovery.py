@@ -19,8 +19,8 @@ from tests.helpers import trainer
 
 V, T, D, STEPS = 64, 16, 32, 60
 README_CLAIM = (
-    "A learning rate raised 100x for five\nsteps leaves a tiny GPT's loss more than twice a clean run's; with "
-    '`spike_action="rollback"` and\n`snapshot_every_n_steps=5` it ends within 1.5x of the clean run, every raised step '
+    "A learning rate raised 100x for five steps leaves a tiny GPT's loss more than twice a clean run's; with "
+    '`spike_action="rollback"` and `snapshot_every_n_steps=5` it ends within 1.5x of the clean run, every raised step '
     "rolled back (tested)."
 )
 
@@ -101,7 +101,9 @@ def test_the_readmes_spike_claim_and_counts_that_add_up(tmp_path, caplog):
         lightning.removeHandler(caplog.handler)
     assert finite and guarded < 1.5 * clean, (clean, raised, guarded)
     # fit start said when detection arms
-    assert any("spike detection (spike_action='rollback') arms after 16 steps" in r.getMessage() for r in caplog.records)
+    assert any(
+        "spike detection (spike_action='rollback') arms after 16 steps" in r.getMessage() for r in caplog.records
+    )
     rollbacks = sorted({e["step"] for e in guard.events if e["action"] == "rollback"})
     assert rollbacks and 21 <= min(rollbacks) <= 22 and len(rollbacks) == guard.counters["rollbacks"] <= 10
     # every raised step was rolled back: the rollbacks repeat on the same snapshot, each keeping the schedule's place
