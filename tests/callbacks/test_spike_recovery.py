@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 import pytorch_lightning as pl
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -139,3 +140,13 @@ def test_the_readmes_spike_claim_and_counts_that_add_up(tmp_path, caplog):
     # the spike message says how many steps its window spans
     first = roots[0]
     assert f"above the median of its last {first['step']} steps" in first["message"], first["message"]
+
+
+def test_a_fit_shorter_than_the_warm_up_is_warned_that_spike_detection_cannot_act(tmp_path):
+    from lightning_numguard import NumGuardWarning
+    from tests.helpers import FaultData, FaultModel, loader
+
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), spike_action="skip", spike_warmup=20)
+    with pytest.warns(NumGuardWarning, match=r"max_steps=10 ends it before the spike window holds spike_warmup=20"):
+        trainer(tmp_path, [guard], max_steps=10).fit(FaultModel(), loader(FaultData()))
+    assert guard.events == []
