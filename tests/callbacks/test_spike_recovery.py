@@ -9,8 +9,8 @@ import logging
 import re
 from typing import Any
 
-import pytorch_lightning as pl
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
