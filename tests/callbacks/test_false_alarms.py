@@ -182,8 +182,9 @@ class Clamping(Regressor):
     ],
 )
 def test_a_value_in_every_batch_that_is_no_mask_halts_as_a_broken_pipeline(tmp_path, value, kind, words):
-    """The seeds' story: numpy's fill value 1e20 in one feature of every batch, a model that clamps its inputs so
-    the loss stays finite. Before: steps 0 and 1 rolled back as a leak, then at step 2 "a convention of this data",
+    """The seeds' story (``seeds/003``: ``np.concatenate`` of masked arrays drops the mask, and the fill value
+    ``1e+20``, or netCDF's ``9.96921e+36``, reaches the data): a fill value in one feature of every batch, a model
+    that clamps its inputs so the loss stays finite. Before: steps 0 and 1 rolled back as a leak, then at step 2 "a convention of this data",
     the field no longer checked, and the rest of the run trained on the poisoned feature."""
     torch.manual_seed(0)
     model = Clamping()
