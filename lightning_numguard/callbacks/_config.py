@@ -14,6 +14,7 @@ __all__ = [
     "ACTIONS",
     "CHECKS",
     "DEFAULT_CHECKS",
+    "DEFAULT_SPIKE_WARMUP",
     "Action",
     "Check",
     "checks",
@@ -32,6 +33,8 @@ Check = Literal["inputs", "outputs", "ops", "loss", "grads", "buffers", "params"
 ACTIONS: tuple[str, ...] = get_args(Action)
 CHECKS: tuple[str, ...] = get_args(Check)
 DEFAULT_CHECKS: tuple[Check, ...] = ("inputs", "outputs", "ops", "loss", "grads", "buffers")
+#: ``spike_warmup=None``: the window judges once it holds this many values (or half of a shorter window).
+DEFAULT_SPIKE_WARMUP = 16
 
 
 def choice(name: str, value: Any, allowed: Sequence[str]) -> None:
@@ -105,7 +108,7 @@ def spike_settings(
             f"`spike_action={spike_action!r}` needs spike statistics: `spike_window` must be an integer >= 1, got 0"
         )
     if warmup is None:
-        warmup = max(window // 2, 1)
+        warmup = max(min(window // 2, DEFAULT_SPIKE_WARMUP), 1)
     elif isinstance(warmup, bool) or not isinstance(warmup, int) or not 1 <= warmup <= max(window, 1):
         raise NumGuardConfigError(
             f"`spike_warmup` must be None or an integer in [1, spike_window={window}], got {warmup!r} (the window "

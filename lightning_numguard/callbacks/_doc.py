@@ -23,7 +23,8 @@ DOC = r"""Check every training step for NaN/Inf, act before the damage lands, an
             optimizer state are no longer finite. ``"rollback"``: restore the last
             verified-finite state in place and carry on; after ``max_rollbacks`` escalate to
             ``"halt"``. ``"halt"``: restore the last finite state, write
-            ``<dirpath>/last_finite.ckpt``, stop every rank.
+            ``<dirpath>/last_finite.ckpt``, and raise ``NonFiniteError`` on every rank (see
+            ``halt_raises``).
         dirpath: folder for ``events.jsonl``, ``last_finite.ckpt`` and ``bad_batches/``. Defaults
             to ``<trainer.log_dir>/numguard`` (``<default_root_dir>/numguard`` without a logger).
         check: which sites to check every step, any of ``inputs``, ``outputs``, ``ops``, ``loss``,
@@ -39,8 +40,10 @@ DOC = r"""Check every training step for NaN/Inf, act before the damage lands, an
             (numpy's masked-array fill value 1e20 and netCDF's 9.96921e36 are caught by the
             default; a value equal to its dtype's own finite extreme, ``torch.finfo(dtype).min`` in
             an additive attention mask, is a mask and does not count); ``None`` turns this off. A
-            batch field flagged on 3 consecutive steps is taken for a convention of the data: said
-            once, then no longer checked in the fit.
+            batch field flagged on 3 consecutive steps with infinities (a mask) is taken for a
+            convention of the data: said once, then no longer checked in the fit; flagged on 3
+            consecutive steps with anything else (a fill value, a huge value, NaN), it is a broken
+            data pipeline and the third step halts with the fix.
         watch_modules: glob patterns of module names whose outputs are watched.
         ignore_modules: glob patterns of module names not watched.
         watch_depth: which modules the ``outputs`` check watches: those at most this many levels
@@ -55,6 +58,11 @@ DOC = r"""Check every training step for NaN/Inf, act before the damage lands, an
         snapshot_device: keep snapshots on the ``"host"`` (pinned when CUDA is used) or on the
             ``"device"``.
         max_rollbacks: rollbacks allowed in one ``fit`` before escalating to ``"halt"``.
+        halt_raises: a halt (asked for, or escalated) is a failure: once ``last_finite.ckpt`` is
+            written, the events flushed and the loggers finalised as ``"failed"``, ``fit`` raises
+            ``NonFiniteError`` on every rank together, whose message says how to resume, so the
+            process exits non-zero. ``False``: a graceful stop instead (``trainer.should_stop``;
+            ``fit`` returns), except where ``min_steps``/``min_epochs`` would keep Lightning going.
         skip_batches_after_rollback: batches to skip after each rollback (0 = only the bad one).
         lr_backoff: factor applied to every learning rate after each rollback (1.0 = unchanged).
         retry_transient: after a rollback, run the same batch once more from the restored state (under
@@ -99,12 +107,17 @@ DOC = r"""Check every training step for NaN/Inf, act before the damage lands, an
             the step is skipped atomically like a non-finite one (in ``sync_mode="deferred"``: on the device,
             through ``found_inf``); the ``spike_rollback_after``-th spike within ``spike_window`` steps rolls
             back instead. ``"rollback"``: every spike rolls back to the last snapshot (with
-            ``skip_batches_after_rollback`` and ``lr_backoff``). Needs ``action`` other than ``"warn"`` to act.
+            ``skip_batches_after_rollback`` and ``lr_backoff``; a rollback landing again on a snapshot
+            already restored for the same trouble is a repeat: the LR schedule keeps its place, so the
+            scheduled steps that blew up are not run again; ``snapshot_every_n_steps=5`` keeps each
+            rollback short). Needs ``action`` other than ``"warn"`` to act.
         spike_sigma: a value spikes when its cube root is more than this many robust standard deviations
-            (the upper-half MAD, at least 5 % of the centre) above the median of the window's cube roots.
+            (the upper-half MAD, at least 5 % of the centre) above the median of the window's cube roots
+            (10: no false spike in 20,000 clean steps of five real clients at batches of 2 to 8).
         spike_window: steps in the rolling window of the loss and the global gradient norm, kept on the device
             (0: no spike statistics, and the gradients are checked without computing their norm).
-        spike_warmup: valid values the window needs before it judges; ``None``: ``spike_window // 2``.
+        spike_warmup: valid values the window needs before it judges; ``None``: 16 (or half a shorter
+            window). Fit start says when detection arms, and warns when ``max_steps`` ends the fit first.
         spike_rollback_after: under ``spike_action="skip"``, this many spikes within ``spike_window`` steps make
             the last one a rollback (0: never).
         overflow_headroom: a watched block whose output peak comes within this factor of its dtype's largest
@@ -113,9 +126,10 @@ DOC = r"""Check every training step for NaN/Inf, act before the damage lands, an
 
     Raises:
         NumGuardConfigError: at construction, for any invalid argument.
-        NonFiniteError: under ``"halt"`` when Lightning would not stop (``min_steps``/``min_epochs``
-            not reached), after the last finite state was saved; and at fit start when the initial
-            weights are not finite (except under ``"warn"``).
+        NonFiniteError: when the guard halts (``action="halt"``, or escalated from ``"rollback"``),
+            after the last finite state was saved (with ``halt_raises=False``: only when
+            ``min_steps``/``min_epochs`` would keep Lightning going); and at fit start when the
+            initial weights are not finite (except under ``"warn"``).
 
     Logged (TensorBoard tags; other loggers get the scalars). Scalars are written on the steps
     Lightning writes your metrics (``(step + 1) % log_every_n_steps == 0``, in the same call) and

@@ -128,5 +128,6 @@ class Ledger:
             snapshot_step if rec.action != "skip" else None,
             str(ckpt) if written else None,
             str(events_file) if events_file else None,
+            root["details"].get("steps_lost"),
         )
         log.log(logging.ERROR if rec.action == "halt" else logging.WARNING, text)

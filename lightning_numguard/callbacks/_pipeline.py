@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_numguard import _compat
 from lightning_numguard.callbacks._amp import AmpCounters
@@ -54,6 +55,7 @@ class Settings:
     snapshot_every_n_steps: int
     snapshot_device: str
     max_rollbacks: int
+    halt_raises: bool
     skip_batches_after_rollback: int
     lr_backoff: float
     retry_transient: bool
@@ -158,6 +160,7 @@ class StepPipeline:
                 snapshot_due=due,
                 late=late,
                 device_skipped=late and acting,  # every flagged step is skipped on the device when read late
+                broken=_broken(findings),
             )
         else:
             self.conventions.clean_step()
@@ -167,7 +170,12 @@ class StepPipeline:
                     f.details["escalated"] = f"{s.spike_rollback_after} spikes within {s.spike_window} steps"
             findings = spikes
             facts = Facts(spike=wanted, snapshot_due=due, late=late)
-        budget = Budget(self.snapshots.snapshot is not None, self.ledger.rollbacks_this_fit, s.max_rollbacks)
+        budget = Budget(
+            self.snapshots.snapshot is not None,
+            self.ledger.rollbacks_this_fit,
+            s.max_rollbacks,
+            self.recovery.restores.repeats.cause,
+        )
         decision = judge(s.action, facts, budget, quarantine=s.quarantine, retry=s.retry_transient)
         for f in findings:
             if late:
@@ -199,16 +207,34 @@ class StepPipeline:
                     e["details"].setdefault("snapshot_step", snapshot.step)
             self.ledger.record(trainer, rec.events, counted=True)
         self.ledger.log_action(trainer, rec, snapshot.step if snapshot is not None else None, self.recovery.ckpt_path)
-        if decision.action == "halt" and trainer.should_stop and not _compat.lightning_will_stop(trainer):
-            ckpt = self.recovery.ckpt_path
-            where = f"is in {ckpt}" if ckpt is not None else "was restored in memory (no file is written in this run)"
-            raise NonFiniteError(
-                f"NumGuard halted training at step {rec.step}: "
-                + next((e["message"] for e in rec.events if e["action"] == "halt"), "non-finite values")
-                + f". The last finite state {where}."
-            )
+        if decision.action == "halt" and (self.settings.halt_raises or not _compat.lightning_will_stop(trainer)):
+            raise NonFiniteError(self._halt_message(rec))
+
+    def _halt_message(self, rec: StepRecord) -> str:
+        """What a halt raises: why, where the last finite state is, and how to resume from it."""
+        ckpt = self.recovery.ckpt_path
+        why = next((e["message"] for e in rec.events if e["action"] == "halt"), "non-finite values").rstrip(".")
+        decision = rec.decision
+        text = f"NumGuard halted training at step {rec.step}: {why}"
+        if decision is not None and decision.escalation:
+            text += f" (escalated from {decision.configured!r}: {decision.escalation})"
+        if ckpt is None:
+            return text + ". The last finite state was restored in memory (no file is written in this run)."
+        return (
+            text + f". The last finite state is in {ckpt}: fix the cause, then resume with "
+            f"trainer.fit(model, ckpt_path={str(ckpt)!r})."
+        )
 
     # ------------------------------------------------------------------ once per fit or per checkpoint
+
+    def announce_spikes(self, trainer: pl.Trainer) -> None:
+        """Fit start, with ``spike_action`` set: one line (Lightning's INFO, where its own fit-start lines go) saying
+        when spike detection arms, and a warning when the fit ends before it can."""
+        line, warning = self.spike.arming(trainer.max_steps, trainer.global_step)
+        if line is not None:
+            rank_zero_info(line)
+        if warning is not None:
+            self.reporter.say_once(trainer, "spike warm-up", warning)
 
     def halt_at_fit_start(self, trainer: pl.Trainer, bad: list[str]) -> None:
         """The weights are non-finite before the first step: recorded, and (unless ``"warn"``) refused."""
@@ -283,6 +309,15 @@ class StepPipeline:
         for event in events:
             self.reporter.say_once(trainer, f"convention {event['where']}", event["message"])
         return events
+
+
+def _broken(findings: list[Finding]) -> str | None:
+    """Why a step halts for a batch field flagged on step after step with values that are no mask, or ``None``."""
+    persistent = [f for f in findings if f.details.get("persistent")]
+    if not persistent:
+        return None
+    steps = persistent[0].details["persistent"]["steps"]
+    return f"{', '.join(persistent[0].where)} was flagged on {steps} consecutive steps: the data pipeline is broken"
 
 
 def _instruments(s: Settings, spike: SpikeGuard, conventions: InputConventions) -> tuple[StepRecorder, StepRead]:

@@ -45,8 +45,8 @@ class FitProgress:
 
     def after_step(self, trainer: Any, pl_module: Any, rec: Any, snapshot: Any, counters: dict[str, int]) -> None:
         """At batch end, after the step's action: count the steps a new rollback discarded; update the bar."""
-        if rec.action == "rollback" and rec.events and snapshot is not None:
-            self.steps_lost_to_rollbacks += max(0, int(rec.step) - int(snapshot.step))
+        if rec.action == "rollback" and rec.events and snapshot is not None:  # the updates the restore discarded
+            self.steps_lost_to_rollbacks += max(int(e["details"].get("steps_lost", 0)) for e in rec.events)
         if getattr(trainer, "progress_bar_callback", None) is None:
             return
         shown = trainer.progress_bar_metrics  # the connector's own dict, kept between batches (a public property)

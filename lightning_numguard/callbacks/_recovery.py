@@ -21,6 +21,7 @@ from lightning_numguard.callbacks import _distributed, _micro, _sharded
 from lightning_numguard.callbacks._metrics import LoggedValues
 from lightning_numguard.callbacks._read import StepRead
 from lightning_numguard.callbacks._record import StepRecord
+from lightning_numguard.callbacks._repeats import Restores, learning_rate, put_schedule, schedule
 from lightning_numguard.callbacks._retry import is_transient
 from lightning_numguard.callbacks._snapshots import Snapshots
 from lightning_numguard.callbacks._strategies import holds_local_shards
@@ -73,6 +74,7 @@ class Recovery:
         self._armed: list[torch.optim.Optimizer] = []  # read late: optimizers whose next step may be skipped
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # read late: (live buffer, its start copy)
         self._schedules: dict[int, tuple[list[dict[str, Any]], list[list[float]]]] = {}  # read late, per step
+        self.restores = Restores()  # the updates each restore discards, and the rollbacks that repeat
 
     @property
     def snapshot(self) -> Any:
@@ -214,16 +216,24 @@ class Recovery:
             if decision.quarantine:
                 self.quarantine_batch(trainer, rec, decision.quarantine)
         elif decision.action == "rollback":
+            repeat = self.restores.before(trainer, rec, self.snapshot, decision.new_rollback)
+            kept = schedule(trainer) if repeat else None
             self.snapshots.restore(trainer, pl_module)  # collective when sharded: every rank read the same flags
+            put_schedule(trainer, kept)  # a repeat: the LR schedule keeps its place, the same steps are not run again
+            self.restores.repeats.restored(learning_rate(trainer))
             if decision.new_rollback:
                 self.after_rollback(trainer, rec.events)
                 if self.retry_transient and not late:
                     self._retry(trainer, pl_module, rec)
+                    put_schedule(trainer, kept)
                 elif decision.quarantine:
                     self.quarantine_batch(trainer, rec, decision.quarantine)
                 self.save_last_finite(trainer)
         elif decision.action == "halt":
+            self.restores.before(trainer, rec, self.snapshot, False)
             self.halt(trainer, pl_module)
+        if decision.skips:
+            self.restores.skipped.add(rec.step)
 
     # ------------------------------------------------------------------ read late: the device-side skip
 

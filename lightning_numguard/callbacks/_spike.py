@@ -5,16 +5,19 @@ the loss and the global gradient norm) and what the host knows of it (the steps 
 already reported near their dtype's limit). Each optimizer step:
 
 1. :meth:`~SpikeGuard.extras` (in ``StepRead.slot_values``, no sync): this rank's loss, the global
-   gradient norm, their z-scores against the window, and the largest overflow-headroom ratio of a block not
-   reported yet, as eight float32 values that ride after the flag slots in the step's one packed vector (the
-   same ``MAX`` all-reduce: the loss becomes the largest of the ranks', its z-score that loss's; the
-   gradient norm, the same on every rank after DDP's all-reduce, stays as it is);
-2. after the read (``sync_mode="every_step"``): :meth:`~SpikeGuard.findings` turns the host-read values
-   into ``loss_spike`` / ``grad_norm_spike`` and ``overflow_risk`` findings; in ``sync_mode="deferred"``
-   :meth:`~SpikeGuard.device_flag` joins the device-side skip through ``found_inf`` and the findings come
-   with the late read;
-3. at batch end, :meth:`~SpikeGuard.push` adds the reduced values to the window (device, no sync) and
-   :meth:`~SpikeGuard.scalars` hands ``numguard/grad_norm``, ``numguard/loss_zscore`` and
+   gradient norm, the window's statistics (each series' center and raw threshold, as the window was before this
+   step) and the largest overflow-headroom ratio of a block not reported yet, as ten float32 values that ride
+   after the flag slots in the step's one packed vector (the same ``MAX`` all-reduce: the loss becomes the largest
+   of the ranks'; the gradient norm, the same on every rank after DDP's all-reduce, stays as it is, and so do the
+   statistics). One process: one ``stack`` into the window's next row and one ``cat``; the statistics are
+   recomputed every :data:`REFRESH_EVERY` steps (issue 25's budget: at most 4 device ops a step, measured by
+   ``benchmarks/spike_ops.py``);
+2. after the read (``sync_mode="every_step"``): :meth:`~SpikeGuard.findings` scores the host-read values on the
+   host (:func:`~lightning_numguard.core.spike.judge`) into ``loss_spike`` / ``grad_norm_spike`` and
+   ``overflow_risk`` findings; in ``sync_mode="deferred"`` :meth:`~SpikeGuard.device_flag` (a raw value above its
+   threshold) joins the device-side skip through ``found_inf`` and the findings come with the late read;
+3. at batch end, :meth:`~SpikeGuard.push` moves the window on (several processes: it takes the reduced values;
+   no sync), and :meth:`~SpikeGuard.scalars` gives ``numguard/grad_norm``, ``numguard/loss_zscore`` and
    ``numguard/grad_norm_zscore`` to the series (:mod:`~lightning_numguard.callbacks._series`: Lightning's
    logging steps and every event step; host numbers already read: no sync).
 
@@ -42,8 +45,9 @@ log = logging.getLogger(__name__)
 SPIKE_ACTIONS: tuple[str, ...] = ("warn", "skip", "rollback")
 #: The stateful name of the window in snapshots.
 STATEFUL_KEY = "numguard:spike_window"
-#: Steps between refreshes of the window's median and scale (each step's value is scored against them).
-REFRESH_EVERY = 4
+#: Steps between refreshes of the window's statistics (each step's value is scored against them), at most a quarter
+#: of the window. Refreshing costs about 27 device ops; a step otherwise 2 (issue 25's budget: at most 4 a step).
+REFRESH_EVERY = 32
 #: Steps between looks at the watched blocks' headroom (activations creep towards a limit over many steps).
 HEADROOM_EVERY = 8
 
@@ -73,7 +77,8 @@ class SpikeGuard:
     ) -> None:
         self.action = action
         self.sigma = sigma
-        self.window = SpikeWindow(window, warmup, REFRESH_EVERY) if window > 0 else None
+        refresh = max(1, min(REFRESH_EVERY, window // 4))  # a short window is refreshed within a quarter of it
+        self.window = SpikeWindow(window, warmup, refresh, sigma) if window > 0 else None
         self.rollback_after = rollback_after
         self.headroom = headroom
         self.spike_steps: list[int] = []  # steps that spiked (host), for the escalation to a rollback
@@ -86,7 +91,6 @@ class SpikeGuard:
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._calls = 0
         self._single = True  # one process: the raw values need no mark for the reduce
-        self._roots: torch.Tensor | None = None  # this step's values as the window keeps them (one process)
 
     @property
     def enabled(self) -> bool:
@@ -97,6 +101,23 @@ class SpikeGuard:
     def acting(self) -> bool:
         """Whether a spike skips the step (``"skip"`` or ``"rollback"``)."""
         return self.window is not None and self.action in ("skip", "rollback")
+
+    def arming(self, max_steps: int, start_step: int) -> tuple[str | None, str | None]:
+        """What fit start says when ``spike_action`` is set: the line "spike detection arms after N steps", and a
+        warning when the fit ends (``max_steps``; -1: no limit) before the window can judge."""
+        if self.window is None or self.action is None:
+            return None, None
+        warmup = self.window.warmup
+        line = (
+            f"NumGuard: spike detection (spike_action={self.action!r}) arms after {warmup} steps (spike_warmup) and "
+            f"judges each step against the last {self.window.window} (spike_window)"
+        )
+        if 0 <= max_steps < start_step + warmup:
+            return line, (
+                f"spike detection cannot act in this fit: max_steps={max_steps} ends it before the spike window holds "
+                f"spike_warmup={warmup} steps; lower spike_warmup to judge sooner (at least 8 keeps false spikes rare)"
+            )
+        return line, None
 
     # ------------------------------------------------------------------ on the device
 
@@ -111,33 +132,37 @@ class SpikeGuard:
     ) -> torch.Tensor:
         """The :data:`~lightning_numguard.core.spike.EXTRAS` of this rank, before the reduce; no sync.
 
-        A few element-wise ops a step: the window's median and scale are refreshed every
-        :data:`REFRESH_EVERY` steps, the headroom is looked at every :data:`HEADROOM_EVERY` steps.
+        One process: the loss and the gradient norm are written straight into the window's next row (one ``stack``)
+        and laid after the window's statistics (one ``cat``); the statistics are recomputed every
+        :data:`REFRESH_EVERY` steps, the headroom looked at every :data:`HEADROOM_EVERY` steps. Under several
+        processes the window takes the values reduced across ranks, at :meth:`push`.
         """
         const = self._constants.get(device)
-        if const is None:  # [NaN, NOT_JUDGED x2, 0, -1, 0, 0]: reused every step
-            values = torch.tensor([math.nan, NOT_JUDGED, NOT_JUDGED, 0.0, -1.0, 0.0, 0.0], device=device)
+        if const is None:  # [NaN, +inf x2, 0, -1, 0, 0]: reused every step
+            values = torch.tensor([math.nan, math.inf, math.inf, 0.0, -1.0, 0.0, 0.0], device=device)
             const = self._constants[device] = (values[0], values[1:3], values[3:5], values[5:7])
-        nan, not_judged, no_head, no_ranks = const
-        raw = torch.stack([nan if loss is None else loss.reshape(()), nan if grad_norm is None else grad_norm])
-        if raw.dtype != torch.float32:
-            raw = raw.float()
-        self._single = world == 1
-        if not self._single:  # a finite mark for "missing" survives the MAX all-reduce; NaN might not
-            raw = raw.nan_to_num(nan=NOT_JUDGED, posinf=NOT_JUDGED, neginf=NOT_JUDGED)
-        z = not_judged
-        if self.window is not None:
-            roots = self.window.to(device).roots(raw, marked=not self._single)
-            z = self.window.scores(raw, roots)
-            self._roots = roots  # one process: what push adds, without computing it again
+        nan, no_stats, no_head, no_ranks = const
         self._calls += 1
         due = self.headroom is not None and watch is not None and watch.records and self._calls % HEADROOM_EVERY == 1
         head = self._headroom(watch, device) if due else no_head
-        if world == 1:  # the lowest rank that saw a spike or a risk can only be this one
-            return torch.cat([raw, z, head, no_ranks])
+        self._single = world == 1
+        window = self.window.to(device) if self.window is not None else None
+        if self._single:
+            if window is None:
+                raw = torch.stack([nan if loss is None else loss.reshape(()), nan if grad_norm is None else grad_norm])
+                return torch.cat([raw.float(), nan.expand(2), no_stats, head, no_ranks])
+            stats = window.stats()  # the window before this step
+            row = window.write(
+                _f32(nan if loss is None else loss.reshape(())), _f32(nan if grad_norm is None else grad_norm)
+            )
+            return torch.cat([row, stats, head, no_ranks])
+        raw = torch.stack([nan if loss is None else loss.reshape(()), nan if grad_norm is None else grad_norm]).float()
+        # a finite mark for "missing" survives the MAX all-reduce; NaN might not
+        raw = raw.nan_to_num(nan=NOT_JUDGED, posinf=NOT_JUDGED, neginf=NOT_JUDGED)
+        stats = window.stats() if window is not None else torch.cat([torch.zeros_like(no_stats), no_stats])
         mark = torch.full((2,), float(world - rank), device=device)
-        ranks = torch.where(torch.stack([z[0] > self.sigma, head[1] >= 0]), mark, 0.0)
-        return torch.cat([raw, z, head, ranks])
+        ranks = torch.where(torch.stack([raw[0] > stats[2], head[1] >= 0]), mark, 0.0)
+        return torch.cat([raw, stats, head, ranks])
 
     def _headroom(self, watch: Any, device: torch.device) -> torch.Tensor:
         assert self.headroom is not None
@@ -154,17 +179,14 @@ class SpikeGuard:
 
     def device_flag(self, reduced: torch.Tensor) -> torch.Tensor:
         """0-d bool on the device: this step spiked and a spike skips (``sync_mode="deferred"``); no sync."""
-        return spike.device_spike(reduced, self.sigma)
+        return spike.device_spike(reduced)
 
     def push(self) -> None:
-        """Batch end: this step's reduced loss and gradient norm join the window; no sync."""
+        """Batch end: this step's loss and gradient norm join the window (one process: already written by
+        :meth:`extras`; several: the values reduced across ranks, the same on every rank); no sync."""
         if self.reduced is not None and self.window is not None:
-            if self._single and self._roots is not None:
-                self.window.push(roots=self._roots)
-            else:  # the values reduced across ranks: the same on every rank
-                self.window.push(self.reduced[:2])
+            self.window.push(None if self._single else self.reduced[:2])
         self.reduced = None
-        self._roots = None
 
     # ------------------------------------------------------------------ on the host
 
@@ -174,23 +196,25 @@ class SpikeGuard:
         """``(spikes, overflow risks)`` of host-read extras (``values``) of ``step``, the same on every rank (the
         loss's and the block's rank: the lowest that saw them; the gradient norm's: 0, it is every rank's)."""
         self.last = (step, values)
-        loss_rank = world - round(values[6]) if values[6] > 0 else 0
+        loss_rank = world - round(values[8]) if values[8] > 0 else 0
         spikes: list[Finding] = []
         if self.window is not None and self.action is not None:
+            held = self.window.count  # the steps the window spanned when it scored this one (host)
             for name, value, z in spike.judge(values, self.sigma):
                 details = {
                     "value": value,
                     "zscore": round(z, 2),
                     "sigma": self.sigma,
-                    "window": self.window.window,
+                    "window": held,
+                    "window_size": self.window.window,
                     "rule": "cube root > median + sigma x upper-half MAD",
                 }
                 spikes.append(Finding(f"{name}_spike", [name], details, loss_rank if name == "loss" else 0))
         mark_consequences(spikes)  # a loss and a gradient norm spiking together are one incident
-        return spikes, self._overflow(values, watch, world - round(values[7]) if values[7] > 0 else 0)
+        return spikes, self._overflow(values, watch, world - round(values[9]) if values[9] > 0 else 0)
 
     def _overflow(self, values: list[float], watch: Any, rank: int) -> list[Finding]:
-        ratio, index = values[4], int(values[5])
+        ratio, index = values[6], int(values[7])
         if self.headroom is None or index < 0 or watch is None or not self._layout:
             return []
         key = None
@@ -244,9 +268,9 @@ class SpikeGuard:
         metrics: dict[str, float] = {}
         if math.isfinite(values[1]) and values[1] > NOT_JUDGED:
             metrics["numguard/grad_norm"] = float(values[1])
-        for i, tag in ((2, "numguard/loss_zscore"), (3, "numguard/grad_norm_zscore")):
-            if values[i] > NOT_JUDGED:
-                metrics[tag] = float(values[i])
+        for z, tag in zip(spike.scores(values, self.sigma), ("numguard/loss_zscore", "numguard/grad_norm_zscore")):
+            if z is not None:
+                metrics[tag] = float(z)
         return metrics
 
     # ------------------------------------------------------------------ state
@@ -265,3 +289,7 @@ class SpikeGuard:
         if self.window is not None and state.get("window"):
             self.window.load_state_dict(state["window"])
         self.spike_steps = spike_steps
+
+
+def _f32(value: torch.Tensor) -> torch.Tensor:
+    return value if value.dtype == torch.float32 else value.float()

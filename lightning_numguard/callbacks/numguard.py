@@ -76,6 +76,7 @@ class NumGuardCallback(Callback):
         snapshot_every_n_steps: PositiveInt = 50,
         snapshot_device: Literal["host", "device"] = "host",
         max_rollbacks: NonNegativeInt = 10,
+        halt_raises: bool = True,
         skip_batches_after_rollback: NonNegativeInt = 0,
         lr_backoff: Backoff = 1.0,
         retry_transient: bool = False,
@@ -86,7 +87,7 @@ class NumGuardCallback(Callback):
         snapshot_sharding: Literal["auto", "off"] = "auto",
         snapshot_async: bool | None = None,
         spike_action: Literal["warn", "skip", "rollback"] | None = None,
-        spike_sigma: PositiveFloat = 6.0,
+        spike_sigma: PositiveFloat = 10.0,
         spike_window: NonNegativeInt = 128,
         spike_warmup: PositiveInt | None = None,
         spike_rollback_after: NonNegativeInt = 3,
@@ -122,7 +123,9 @@ class NumGuardCallback(Callback):
         self.lr_backoff = _config.fraction("lr_backoff", lr_backoff)
         for name, value in (("retry_transient", retry_transient), ("quarantine", quarantine), ("replay", replay)):
             _config.flag(name, value)
-        _config.flag("emit_warnings", emit_warnings)
+        for name, value in (("halt_raises", halt_raises), ("emit_warnings", emit_warnings)):
+            _config.flag(name, value)
+        self.halt_raises = halt_raises
         self.dirpath = _config.path_or_none("dirpath", dirpath)
         self.action = action
         self.check_optimizer_coverage = check_optimizer_coverage
@@ -275,6 +278,7 @@ class NumGuardCallback(Callback):
             p.snapshots.stateful[STATEFUL_KEY] = p.spike.window
         p.reader.resolve(pl_module, p.snapshots.stateful)
         self._coverage.at_fit_start(trainer, pl_module, p.ledger)
+        p.announce_spikes(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

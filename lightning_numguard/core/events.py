@@ -84,8 +84,11 @@ class Event:
         default_factory=dict,
         metadata=_doc(
             "the numbers behind the message, by kind: values, counts, max-|x|, first bad indices, the replay's op "
-            "and node, ``lr_after_backoff``, ``retry``, ``quarantined``; for spikes ``value``, ``zscore``, "
-            "``sigma``, ``window`` (and ``escalated``); for ``overflow_risk`` ``peak``, ``dtype``, ``limit``, "
+            "and node, ``lr_after_backoff``, ``retry``, ``quarantined``; for a rollback or halt ``snapshot_step`` "
+            "and ``steps_lost`` (the updates the restore discarded), and ``repeat`` when it landed again on a "
+            "snapshot restored for the same trouble; ``persistent`` for a batch field flagged on step after step; "
+            "for spikes ``value``, ``zscore``, ``sigma``, ``window`` (the steps the window spanned), "
+            "``window_size`` (and ``escalated``); for ``overflow_risk`` ``peak``, ``dtype``, ``limit``, "
             "``headroom`` (limit / peak), ``factor``, …"
         ),
     )

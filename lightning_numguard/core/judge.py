@@ -39,6 +39,8 @@ class Facts:
             snapshot candidates taken since are verified or dropped by this read.
         device_skipped: read late, the device skipped the step on its flags, although nothing is left to act on
             (a batch field declared a convention of the data at this read): it still counts as skipped.
+        broken: why acting again is pointless (a batch field flagged on step after step with values that are no
+            mask: a broken data pipeline); a ``skip`` or ``rollback`` then halts, saying so. ``None``: not broken.
     """
 
     incident: bool = False
@@ -50,15 +52,18 @@ class Facts:
     snapshot_due: bool = False
     late: bool = False
     device_skipped: bool = False
+    broken: str | None = None
 
 
 @dataclass(frozen=True)
 class Budget:
-    """What recovery has left: a verified snapshot, and the rollbacks used of those allowed in this fit."""
+    """What recovery has left: a verified snapshot, and the rollbacks used of those allowed in this fit (and, when
+    rollbacks to the same snapshot repeat, the cause they share, which a halt then names)."""
 
     have_snapshot: bool
     rollbacks_used: int
     max_rollbacks: int
+    repeating: str | None = None  # what repeated rollbacks to the same snapshot had in common, if they did
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,8 @@ def _act(
     taken = decide(action, state_bad=facts.state_bad, has_incident=True, **_budget(budget))
     if facts.late and taken == "rollback" and not facts.state_bad and facts.spike is None:
         taken = configured = "skip"  # the device skipped the step and the state stayed finite: nothing to restore
+    if facts.broken and taken in ("skip", "rollback"):
+        taken = "halt"
     skips = taken in ("skip", "rollback", "halt")
     counts = {**counts, **({"skipped_steps": 1} if skips else {})}
     if taken == "rollback":
@@ -150,7 +157,9 @@ def _act(
     return Decision(
         action=taken,
         configured=configured,
-        escalation=_escalation(taken, configured, budget),
+        escalation=facts.broken
+        if facts.broken and taken == "halt" != configured
+        else _escalation(taken, configured, budget),
         counts=counts,
         # the state before this step is verified finite: a rollback undoes exactly this step
         keep_start=skips and not facts.state_bad and not facts.late and facts.spike is None,
@@ -167,7 +176,8 @@ def _escalation(taken: str, configured: str, budget: Budget) -> str | None:
     if not budget.have_snapshot:
         return "there is no verified-finite snapshot to go back to"
     if taken == "halt":
-        return f"max_rollbacks reached ({budget.rollbacks_used} rollbacks in this fit)"
+        said = f"max_rollbacks reached ({budget.rollbacks_used} rollbacks in this fit)"
+        return f"{said}; the rollbacks repeat: {budget.repeating}" if budget.repeating else said
     return "the weights or optimizer state were no longer finite"
 
 

@@ -4,7 +4,7 @@ A NaN is usually the end of a story that started earlier with a finite spike. Th
 device tensors updated with no host read, the last ``window`` steps of the loss and of the global gradient
 norm, and scores each new value against them:
 
-* **cube roots, robust, one-sided.** Values are kept as ``cbrt(x)`` (sign kept: a negative loss is fine);
+* **cube roots, robust, one-sided.** Values are judged as ``cbrt(x)`` (sign kept: a negative loss is fine);
   the *center* is their median over the window and the *scale* is the median of the deviations *above* the
   median divided by 0.6745 (a normal's upper-half MAD), at least 5 % of ``|center|`` (and 1e-3). A value
   spikes when ``cbrt(x) > center + sigma * scale``. Only upward moves count.
@@ -20,6 +20,11 @@ norm, and scores each new value against them:
   never a spike: a NaN step never poisons the history, and non-finite values stay the business of the NaN
   guard. No ``0 * x`` masking anywhere.
 * **Warm-up.** Fewer than ``warmup`` valid values in the window: nothing is judged.
+* **Cheap on the device.** The window keeps raw values; its statistics (the centers and the raw thresholds
+  ``(center + sigma * scale) ** 3``) are recomputed every ``refresh_every`` steps and ride in the step's one read
+  with the raw values, and the host scores the step (:func:`judge`): a step costs the device one ``stack`` and
+  one ``cat``. The default sigma is 10 since real clients' tails are heavier than a chi-square's (see
+  ``docs/reference.md``, "Spikes", and ``benchmarks/spike_table.py``).
 
 :class:`SpikeWindow` is the device state; :func:`spike_z` is the same rule on host numbers, for tables.
 Overflow headroom (:func:`headroom`) compares the largest finite |x| of each watched block's output, per
@@ -50,7 +55,9 @@ __all__ = [
     "global_norm",
     "headroom",
     "judge",
+    "scores",
     "spike_z",
+    "zscore",
 ]
 
 #: The smallest scale, relative to ``|center|`` (in cube-root units): at sigma 6 a positive spike is at least
@@ -67,15 +74,18 @@ _MAD_NORMAL = 0.6744897501960817
 NOT_JUDGED = -1.0e30
 #: The raw values that follow the flag slots in the step's one packed vector, in order. ``loss`` is this
 #: rank's loss (``MAX`` over ranks after the reduce), ``grad_norm`` the global L2 norm of the gradients (the
-#: same on every rank), ``*_z`` their scores against the window (``MAX``: the score of the largest loss),
-#: ``overflow_ratio`` the largest peak/limit ratio of a block not reported yet, ``overflow_block`` its index
-#: (``-1`` when below the headroom); ``loss_rank`` and ``overflow_rank`` are ``world - rank`` on a rank whose loss
-#: spiked or whose block is at risk, else 0 (``MAX``: the lowest such rank).
+#: same on every rank), ``*_center`` and ``*_threshold`` the window's statistics (the same on every rank: the window
+#: holds reduced values), from which the host scores the step (:func:`judge`); ``overflow_ratio`` the largest
+#: peak/limit ratio of a block not reported yet, ``overflow_block`` its index (``-1`` when below the headroom);
+#: ``loss_rank`` and ``overflow_rank`` are ``world - rank`` on a rank whose loss spiked or whose block is at risk,
+#: else 0 (``MAX``: the lowest such rank).
 EXTRAS: tuple[str, ...] = (
     "loss",
     "grad_norm",
-    "loss_z",
-    "grad_norm_z",
+    "loss_center",
+    "grad_norm_center",
+    "loss_threshold",
+    "grad_norm_threshold",
     "overflow_ratio",
     "overflow_block",
     "loss_rank",
@@ -91,50 +101,57 @@ DTYPE_MAX: dict[torch.dtype, float] = {
 SERIES: tuple[str, str] = ("loss", "grad_norm")
 
 
-def _roots(values: torch.Tensor, marked: bool = True) -> torch.Tensor:
-    """``cbrt(x)`` (sign kept) where ``x`` is finite (and, if ``marked``, not the missing mark :data:`NOT_JUDGED`),
-    else ``NaN`` (missing); no sync."""
-    if marked:
-        values = torch.where(values > NOT_JUDGED, values, math.nan)
-    root = values.abs().pow_(1.0 / 3.0).copysign_(values)  # in place on the one new tensor: no further allocation
-    return root.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)  # +-Inf: missing too
+def _roots(values: torch.Tensor) -> torch.Tensor:
+    """``cbrt(x)`` (sign kept) where ``x`` is finite and not the missing mark :data:`NOT_JUDGED`, else ``NaN``."""
+    kept = values.isfinite() & (values > NOT_JUDGED)
+    return torch.where(kept, values.abs().pow(1.0 / 3.0).copysign(values), math.nan)
 
 
-def _stats(window: torch.Tensor, warmup: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's center, and ``1 / scale`` where it judges (enough valid values) else ``NaN``; no sync."""
-    center = window.nanmedian(dim=-1).values
-    above = window - center.unsqueeze(-1)
+def _stats(window: torch.Tensor, warmup: int, sigma: float) -> torch.Tensor:
+    """``[center x rows, threshold x rows]`` of raw ``[rows, n]`` values; no sync.
+
+    The center is the median of the values' cube roots (``0`` when none is valid), the threshold the raw value a
+    new one must exceed to spike: ``(center + sigma * scale) ** 3``, ``+inf`` where a row holds fewer than ``warmup``
+    valid values (nothing is judged).
+    """
+    roots = _roots(window)
+    center = roots.nanmedian(dim=-1).values
+    above = roots - center.unsqueeze(-1)
     above = torch.where(above > 0, above, math.nan)
     floor = (center.abs() * SCALE_FLOOR).clamp_min(_SCALE_MIN)
     scale = torch.fmax(above.nanmedian(dim=-1).values / _MAD_NORMAL, floor)
-    judges = window.isnan().logical_not().sum(dim=-1) >= warmup
-    return center, torch.where(judges, scale.reciprocal(), math.nan)
+    judges = roots.isnan().logical_not().sum(dim=-1) >= warmup
+    threshold = torch.where(judges, (center + sigma * scale).pow(3), math.inf)
+    return torch.cat([center.nan_to_num(0.0), threshold])
 
 
-def _z(stats: tuple[torch.Tensor, torch.Tensor], roots: torch.Tensor) -> torch.Tensor:
-    """``roots`` scored against ``stats`` (:data:`NOT_JUDGED` where a row does not judge or a value is missing)."""
-    center, inverse_scale = stats
-    return ((roots - center) * inverse_scale).nan_to_num(nan=NOT_JUDGED)  # NaN: not judged, or missing
-
-
-def _scores(window: torch.Tensor, roots: torch.Tensor, warmup: int) -> torch.Tensor:
-    """Each row's new value (``roots``, already cube roots) scored against the row of ``window``; no sync."""
-    return _z(_stats(window, warmup), roots)
+def zscore(value: float, center: float, threshold: float, sigma: float) -> float | None:
+    """A host value's score against host statistics (:func:`_stats`): ``(cbrt(value) - center) / scale``, with
+    ``scale = (cbrt(threshold) - center) / sigma``; ``None`` when not judged (warm-up, or ``value`` not finite)."""
+    if not (math.isfinite(value) and value > NOT_JUDGED and math.isfinite(threshold) and math.isfinite(center)):
+        return None
+    root = math.copysign(abs(value) ** (1.0 / 3.0), value)
+    top = math.copysign(abs(threshold) ** (1.0 / 3.0), threshold)
+    scale = (top - center) / sigma
+    return (root - center) / scale if scale > 0 else None
 
 
 class SpikeWindow:
     """The rolling window of the loss and the global gradient norm, on the device.
 
-    ``values`` is a ``[2, window]`` float32 tensor of cube roots (row 0: loss, row 1: gradient norm) with
-    ``NaN`` for missing entries; each step writes its column at ``pos`` (a host integer: no index is read
-    back) and moves on, so the window always spans the last ``window`` steps.
+    ``values`` is a ``[window, 2]`` float32 tensor of raw values (column 0: loss, column 1: gradient norm; ``NaN``,
+    ``Inf`` and the mark :data:`NOT_JUDGED` count as missing; :meth:`state_dict` shows it as ``[2, window]``); each
+    step writes its row at ``pos`` (a host integer: no index is read back) and moves on, so the window always spans
+    the last ``window`` steps. A step costs its row write; the statistics (:meth:`stats`: the centers and the raw
+    thresholds) are recomputed every ``refresh_every`` pushes, and at the push that completes the warm-up, so that
+    judging starts on time.
 
     Args:
         window: steps kept.
         warmup: valid values a row needs before its new values are judged.
-        refresh_every: the center, scale and warm-up state are recomputed after this many pushes (a spike is
-            then judged against the window as it was at most ``refresh_every`` steps earlier); between
-            refreshes a score costs a handful of element-wise ops. 1: every step, exact.
+        refresh_every: pushes between recomputations of the statistics (a value is then judged against the window
+            as it was at most ``refresh_every`` steps earlier). 1: every step, exact.
+        sigma: robust standard deviations above the center that make a spike (in the thresholds).
 
     Example:
         >>> w = SpikeWindow(window=8, warmup=4)
@@ -145,7 +162,7 @@ class SpikeWindow:
         (True, False)
     """
 
-    def __init__(self, window: int = 128, warmup: int = 64, refresh_every: int = 1) -> None:
+    def __init__(self, window: int = 128, warmup: int = 16, refresh_every: int = 1, sigma: float = 6.0) -> None:
         if window < 1 or not 1 <= warmup <= window or refresh_every < 1:
             raise ValueError(
                 f"need window >= 1, 1 <= warmup <= window and refresh_every >= 1, got window={window}, "
@@ -154,10 +171,13 @@ class SpikeWindow:
         self.window = window
         self.warmup = warmup
         self.refresh_every = refresh_every
-        self.values = torch.full((2, window), math.nan)
+        self.sigma = sigma
+        self.values = torch.full((window, 2), math.nan)
         self.pos = 0
-        self._stats: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.count = 0  # pushes, at most ``window``: the steps the window spans (host)
+        self._stats: torch.Tensor | None = None
         self._age = 0  # pushes since the statistics were computed
+        self._armed = False  # the statistics were computed with the warm-up complete
 
     def to(self, device: torch.device) -> SpikeWindow:
         """Keep the window on ``device`` (once per fit; a no-op when it is there)."""
@@ -166,37 +186,45 @@ class SpikeWindow:
             self._stats = None
         return self
 
-    def roots(self, values: torch.Tensor, marked: bool = True) -> torch.Tensor:
-        """Raw ``[loss, grad_norm]`` as the window keeps them (cube roots, ``NaN`` when missing); no sync."""
-        if values.device != self.values.device or values.dtype != torch.float32:
-            values = values.to(self.values.device, torch.float32)
-        return _roots(values, marked)
+    def stats(self) -> torch.Tensor:
+        """``[center_loss, center_grad_norm, threshold_loss, threshold_grad_norm]`` of the window before this step
+        (refreshed when due); no sync."""
+        due = self._age >= self.refresh_every or (not self._armed and self.count >= self.warmup)
+        if self._stats is None or due:
+            self._stats, self._age = _stats(self.values.T, self.warmup, self.sigma), 0
+            self._armed = self.count >= self.warmup
+        return self._stats
 
-    def scores(self, values: torch.Tensor, roots: torch.Tensor | None = None) -> torch.Tensor:
-        """The z-scores of this step's raw ``[loss, grad_norm]`` (or of their :meth:`roots`) against the window
-        before it; no sync. :data:`NOT_JUDGED` for a row in warm-up and for a value that is not finite.
-        """
-        if self._stats is None or self._age >= self.refresh_every:
-            self._stats, self._age = _stats(self.values, self.warmup), 0
-        return _z(self._stats, self.roots(values) if roots is None else roots)
+    def write(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Write this step's raw values (0-d float32) into the row the next push takes, in one ``stack``, and return
+        that row (a view); :meth:`push` with nothing then moves on. No sync."""
+        row = self.values[self.pos]
+        torch.stack([loss, grad_norm], out=row)
+        return row
 
-    def push(self, values: torch.Tensor | None = None, roots: torch.Tensor | None = None) -> None:
-        """Add this step's raw ``[loss, grad_norm]`` (non-finite ones as missing), or their :meth:`roots`; no sync."""
-        if roots is None:
-            assert values is not None, "push needs the raw values or their roots"
-            roots = self.roots(values)
-        column = roots
-        self.values[:, self.pos] = column
+    def scores(self, values: torch.Tensor) -> torch.Tensor:
+        """The z-scores of this step's raw ``[loss, grad_norm]`` against the window before it (:data:`NOT_JUDGED` for
+        a row in warm-up and for a value that is not finite). **Syncs**: for tests and tables; a fit reads the raw
+        values and :meth:`stats` in its one packed read and scores them on the host (:func:`judge`)."""
+        extras = torch.cat([values.to(self.values.device, torch.float32), self.stats()]).tolist()
+        z = [zscore(extras[i], extras[2 + i], extras[4 + i], self.sigma) for i in range(2)]
+        return torch.tensor([NOT_JUDGED if v is None else v for v in z])
+
+    def push(self, values: torch.Tensor | None = None) -> None:
+        """Add this step's raw ``[loss, grad_norm]`` (``None``: already written in :meth:`column`); no sync."""
+        if values is not None:
+            self.values[self.pos] = values
         self.pos = (self.pos + 1) % self.window
+        self.count = min(self.count + 1, self.window)
         self._age += 1
 
     def valid(self) -> list[int]:
         """Valid values per row. **Syncs** (reports and tests only)."""
-        return [int(n) for n in (~torch.isnan(self.values)).sum(dim=-1).tolist()]
+        return [int(n) for n in _roots(self.values.T).isnan().logical_not().sum(dim=-1).tolist()]
 
     def state_dict(self) -> dict[str, Any]:
         """The window as tensors (for snapshots: cloned, restored in place)."""
-        return {"values": self.values, "pos": self.pos}
+        return {"values": self.values.T, "pos": self.pos, "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (or its plain-list form); a window of another length is re-laid out."""
@@ -209,44 +237,54 @@ class SpikeWindow:
         if values.dim() != 2 or values.shape[0] != 2:
             raise ValueError(f"a spike window has shape [2, window], got {list(values.shape)}")
         pos = int(state.get("pos", 0)) % values.shape[1]
+        count = int(state.get("count", values.shape[1]))
         if values.shape[1] != self.window:  # oldest first, then keep the newest `window` of them
             ordered = torch.cat([values[:, pos:], values[:, :pos]], dim=1)[:, -self.window :]
             values = torch.full((2, self.window), math.nan)
             values[:, : ordered.shape[1]] = ordered.cpu()
             pos = ordered.shape[1] % self.window
-        self.values = values.to(self.values.device, copy=True)
+        self.values = values.T.contiguous().to(self.values.device, copy=True)
         self.pos = pos
+        self.count = min(count, self.window)
         self._stats = None
+        self._armed = False
 
     def to_plain(self) -> dict[str, Any]:
         """The window as plain Python numbers, ``None`` for a missing value (the callback's checkpoint state).
         **Syncs.**"""
-        rows = [[None if math.isnan(v) else v for v in row] for row in self.values.cpu().tolist()]
-        return {"values": rows, "pos": self.pos, "window": self.window}
+        rows = [[None if not math.isfinite(v) else v for v in row] for row in self.values.T.cpu().tolist()]
+        return {"values": rows, "pos": self.pos, "window": self.window, "count": self.count}
 
 
 def spike_z(value: float, history: Sequence[float], warmup: int) -> float | None:
     """The rule of :class:`SpikeWindow` on host numbers: ``value``'s z-score against ``history``, or ``None``
     when it is not judged (fewer than ``warmup`` finite values, or ``value`` not finite).
     """
-    window = _roots(torch.tensor([list(history) or [math.nan]], dtype=torch.float32))
-    z = float(_scores(window, _roots(torch.tensor([float(value)])), warmup)[0])
-    return None if z <= NOT_JUDGED else z
+    window = torch.tensor([list(history) or [math.nan]], dtype=torch.float32)
+    center, threshold = _stats(window, warmup, 6.0).tolist()
+    return zscore(float(value), center, threshold, 6.0)
 
 
 def judge(extras: Sequence[float], sigma: float) -> list[tuple[str, float, float]]:
-    """``(series, value, z)`` of each series of a host-read extras vector whose score exceeds ``sigma``."""
+    """``(series, value, z)`` of each series of a host-read extras vector (:data:`EXTRAS`) whose score exceeds
+    ``sigma``: the guard's decision, the same in a fit and in the benchmark tables."""
     out = []
     for i, name in enumerate(SERIES):
-        value, z = float(extras[i]), float(extras[2 + i])
-        if math.isfinite(z) and z > sigma and math.isfinite(value):
-            out.append((name, value, z))
+        z = zscore(float(extras[i]), float(extras[2 + i]), float(extras[4 + i]), sigma)
+        if z is not None and z > sigma:
+            out.append((name, float(extras[i]), z))
     return out
 
 
-def device_spike(extras: torch.Tensor, sigma: float) -> torch.Tensor:
-    """0-d bool on the device: whether a reduced extras vector holds a spike (the deferred mode's skip)."""
-    return (extras[2:4] > sigma).any()
+def scores(extras: Sequence[float], sigma: float) -> list[float | None]:
+    """The z-scores of both series of a host-read extras vector (``None``: not judged)."""
+    return [zscore(float(extras[i]), float(extras[2 + i]), float(extras[4 + i]), sigma) for i in range(2)]
+
+
+def device_spike(extras: torch.Tensor) -> torch.Tensor:
+    """0-d bool on the device: whether a reduced extras vector holds a spike (the deferred mode's skip): a raw value
+    above its threshold."""
+    return (extras[0:2] > extras[4:6]).any()
 
 
 def escalate(configured: str, spike_steps: Sequence[int], step: int, window: int, rollback_after: int) -> str:

@@ -65,6 +65,11 @@ def incident_message(
     convention = details.get("convention")
     if convention and kind in ("nonfinite_input", "suspicious_input"):
         return _convention_message(kind, names, details, int(convention.get("steps", 0)), at)
+    persistent = details.get("persistent")
+    if persistent and kind in ("nonfinite_input", "suspicious_input"):
+        rest = {k: v for k, v in details.items() if k != "persistent"}
+        text = incident_message(kind, where, rest, step, rank, op, module, site, source)
+        return text + _persistent_message(kind, names, int(persistent.get("steps", 0)))
     if kind == "nonfinite_input":
         text = f"non-finite value in {names} {at}"
         stats = details.get("stats") or {}
@@ -181,8 +186,20 @@ def _convention_message(kind: str, names: str, details: dict[str, Any], steps: i
     )
 
 
-def _restored(step: int, snapshot_step: int | None) -> str:
-    """What a rollback put back and what it cost, in words that match what happened."""
+def _persistent_message(kind: str, names: str, steps: int) -> str:
+    """A batch field flagged on ``steps`` consecutive steps with values that are no mask: a broken pipeline."""
+    off = "NumGuardCallback(max_abs_input=None)" if kind == "suspicious_input" else "check=[...] without 'inputs'"
+    return (
+        f". {names} was flagged on {steps} consecutive steps: these values are in every batch, so the data "
+        f"pipeline is broken (not one bad batch, and not a mask: only infinities or a dtype's own extremes are "
+        f"taken for masks). NumGuard halts rather than skip every step; fix the data (if the model ignores or "
+        f"clamps this field on purpose, {off} stops checking it)"
+    )
+
+
+def _restored(step: int, snapshot_step: int | None, lost: int | None = None) -> str:
+    """What a rollback put back and what it cost, in words that match what happened (``lost``: the updates it
+    discarded, when fewer than the steps since the snapshot)."""
     if snapshot_step is None:
         return ""
     if snapshot_step >= step:  # the state before this step was verified finite by its own check
@@ -190,11 +207,14 @@ def _restored(step: int, snapshot_step: int | None) -> str:
             " to the state at the start of this step (weights, optimizer and buffers, verified finite): only this "
             "batch's update is dropped, no earlier step is lost,"
         )
-    lost = step - snapshot_step
-    steps = f"step {snapshot_step}" if lost == 1 else f"steps {snapshot_step}-{step - 1}"
+    span = step - snapshot_step
+    steps = f"step {snapshot_step}" if span == 1 else f"steps {snapshot_step}-{step - 1}"
+    head = f" to the last verified-finite snapshot, taken at the start of step {snapshot_step}:"
+    if lost is None or lost >= span:
+        return f"{head} the updates of {steps} ({span} step{'s' if span != 1 else ''}) are lost,"
     return (
-        f" to the last verified-finite snapshot, taken at the start of step {snapshot_step}: the updates of "
-        f"{steps} ({lost} step{'s' if lost != 1 else ''}) are lost,"
+        f"{head} {lost} update{'s' if lost != 1 else ''} made since {'is' if lost == 1 else 'are'} lost (of {steps}, "
+        f"the other {span - lost} were skipped or already undone by an earlier rollback),"
     )
 
 
@@ -207,6 +227,7 @@ def action_message(
     snapshot_step: int | None = None,
     checkpoint: str | None = None,
     events_file: str | None = None,
+    steps_lost: int | None = None,
 ) -> str:
     """The one log line of an action taken: what was done, why, and where the files are.
 
@@ -219,9 +240,11 @@ def action_message(
         snapshot_step: the step of the finite state restored.
         checkpoint: ``last_finite.ckpt``'s path, when one was written.
         events_file: ``events.jsonl``'s path, when one was written.
+        steps_lost: the updates the restore discarded (fewer than the steps since the snapshot when some of them
+            were skipped or already undone by an earlier rollback); ``None``: all of them.
     """
     cause = f"{root['kind']} in {', '.join(root['where'][:3]) or '-'}" if root else "non-finite values"
-    restored = _restored(step, snapshot_step)
+    restored = _restored(step, snapshot_step, steps_lost)
     if action == "skip":
         text = f"NumGuard skipped the optimizer step at step {step} because of {cause}"
     elif action == "rollback":

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_numguard import NumGuardCallback
+from lightning_numguard import NonFiniteError, NumGuardCallback
 from tests.callbacks.test_setups_accumulation import TwoOptimizerGAN
 from tests.callbacks.test_setups_matrix import CompiledLogHeadModel
 from tests.helpers import FaultData, FaultModel, quiet_trainer
@@ -39,6 +39,12 @@ class Report(pl.Callback):
         self.out, self.guard = out, guard
 
     def on_train_end(self, trainer, pl_module):
+        self.write(trainer, pl_module, None)
+
+    def on_exception(self, trainer, pl_module, exception):  # a halt raises on every rank together: both write
+        self.write(trainer, pl_module, f"{type(exception).__name__}: {exception}")
+
+    def write(self, trainer, pl_module, raised):
         # parameters only: BatchNorm buffers legitimately differ per rank (each sees its own data)
         flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
         gathered = trainer.strategy.all_gather(flat)
@@ -50,6 +56,7 @@ class Report(pl.Callback):
                     "finite": bool(torch.isfinite(flat).all()),
                     "same_as_rank0": bool(torch.equal(gathered[0], gathered[trainer.global_rank])),
                     "global_step": trainer.global_step,
+                    "raised": raised,
                 }
             )
         )
@@ -228,11 +235,16 @@ def deferred_sharded_main(out: Path, fault_rank: int, action: str) -> None:
         save_sharded_result(out, f"deferred_{mode}", mode, trainer.global_rank, trainer, model, guard, extra)
     for mode in ("auto", "off"):  # the same fault under action="halt": the late halt gathers the snapshot once
         guard, trainer, model, data = _deferred_run(out / f"ng_halt_{mode}", mode, "halt", fault_rank, "opt_state", 3)
-        trainer.fit(model, data)
+        raised = None
+        try:
+            trainer.fit(model, data)
+        except NonFiniteError as err:  # every rank raises together
+            raised = str(err)
         rank = trainer.global_rank
         last = out / f"ng_halt_{mode}" / "last_finite.ckpt"
         halted = {
             **_ending(trainer, model, guard),
+            "raised": raised,
             "sharded": guard.snapshots.snapshot is not None and guard.snapshots.snapshot.sharded is not None,
             "last_finite": torch.load(last, weights_only=False)["state_dict"] if rank == 0 else None,
         }

@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_numguard import NumGuardCallback
+from lightning_numguard import NonFiniteError, NumGuardCallback
 from lightning_numguard.core.syncs import SyncCounter
 from tests.helpers import quiet_trainer
 
@@ -255,8 +255,12 @@ def run(out: Path, layout: str, name: str) -> None:
     counter = SyncCounter(package="lightning_numguard")
     if scenario in ("clean", "deferred_clean"):  # the guard's host reads in each training batch
         trainer.callbacks.append(StepWindow(counter))
-    with counter:
-        trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False), ckpt_path=ckpt)
+    raised = None
+    try:
+        with counter:
+            trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False), ckpt_path=ckpt)
+    except NonFiniteError as err:  # a halt: every rank raises together, and goes on to the collectives below
+        raised = str(err)
     weights = gathered(model)
     flat = torch.cat([w.reshape(-1) for w in weights.values()])
     every = trainer.strategy.all_gather(flat)
@@ -265,6 +269,7 @@ def run(out: Path, layout: str, name: str) -> None:
         "events": guard.events if guard else [],
         "counters": guard.counters if guard else {},
         "global_step": trainer.global_step,
+        "raised": raised,
         "finite": bool(torch.isfinite(flat).all()),
         "same_as_rank0": bool(torch.equal(every[0], every[rank])),
         "snapshot_nbytes": guard.snapshots.snapshot.nbytes if guard and guard.snapshots.snapshot else None,

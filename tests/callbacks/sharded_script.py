@@ -183,6 +183,9 @@ class Report(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.end = self._now(trainer, pl_module)
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.end = self._now(trainer, pl_module)  # a halt raises on every rank together: each reports its end
+
 
 def fit(root: Path, layout: str, name: str) -> None:
     spec = SCENARIOS[name]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import ClassVar
 
 import pytest
 import torch
@@ -132,12 +133,18 @@ def test_halt_saves_the_last_finite_state_and_no_callback_saves_poison(tmp_path,
     ckpt_dir = tmp_path / "ckpts"
     saver = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1, save_top_k=-1)
     on_exc = OnExceptionCheckpoint(dirpath=str(tmp_path / "exc"))
-    with guard_warns(guard_warning(SITE_WARNING[site])):
-        guard, model, t = fit(tmp_path, site, "halt", extra=[saver, on_exc], enable_checkpointing=True)
-    assert any(SITE_CULPRIT[site] in e["message"] for e in guard.events), [e["message"] for e in guard.events]
-    assert t.should_stop
-    assert t.global_step < 8
+    guard = NumGuardCallback(action="halt", dirpath=str(tmp_path / "ng"))
+    model = FaultModel(site=site, step=3)
+    t = trainer(tmp_path, [guard, saver, on_exc], max_steps=8, enable_checkpointing=True)
     last = tmp_path / "ng" / "last_finite.ckpt"
+    # a halt is a failure: fit raises (the process exits non-zero), naming the checkpoint to resume from
+    with guard_warns(guard_warning(SITE_WARNING[site])), pytest.raises(NonFiniteError) as raised:
+        t.fit(model, loader(FaultData(bad_batch=3, site=site)))
+    assert f"resume with trainer.fit(model, ckpt_path={str(last)!r})" in str(raised.value)
+    assert "halted training at step" in str(raised.value)
+    assert any(SITE_CULPRIT[site] in e["message"] for e in guard.events), [e["message"] for e in guard.events]
+    assert t.state.status == "interrupted"
+    assert t.global_step < 8
     assert last.exists() and not (tmp_path / "ng" / "last_finite.ckpt.tmp").exists()
     files = ckpt_files(str(tmp_path))
     assert len(files) >= 3
@@ -166,6 +173,30 @@ def test_halt_raises_when_min_steps_would_keep_lightning_going(tmp_path):
     assert (tmp_path / "ng" / "last_finite.ckpt").exists()
     ckpt = torch.load(tmp_path / "ng" / "last_finite.ckpt", weights_only=False)
     assert all_finite(ckpt["state_dict"])
+
+
+def test_halt_raises_false_stops_gracefully_and_loggers_see_which(tmp_path):
+    from pytorch_lightning.loggers import CSVLogger
+
+    class Finalised(CSVLogger):
+        status: ClassVar[list[str]] = []
+
+        def finalize(self, status):
+            self.status.append(status)
+            super().finalize(status)
+
+    with guard_warns(guard_warning("batch['x']", 3)):
+        guard, _, t = fit(tmp_path, "input", "halt", guard_kwargs={"halt_raises": False}, logger=Finalised(tmp_path))
+    assert t.should_stop and t.global_step == 4 and t.state.status == "finished"
+    assert Finalised.status[-1] == "success"
+    assert guard.events[0]["action"] == "halt" and (tmp_path / "ng" / "last_finite.ckpt").exists()
+    # the default: the same halt fails the fit, and the loggers are finalised as failed
+    Finalised.status.clear()
+    with guard_warns(guard_warning("batch['x']", 3)), pytest.raises(NonFiniteError, match="at step 3"):
+        fit(tmp_path / "raises", "input", "halt", logger=Finalised(tmp_path / "raises"))
+    assert Finalised.status == ["failed"]
+    with pytest.raises(NumGuardConfigError, match="halt_raises"):
+        NumGuardCallback(halt_raises="yes")  # type: ignore[arg-type]
 
 
 def test_on_save_checkpoint_never_writes_poisoned_weights(tmp_path):

@@ -21,7 +21,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_ddp(tmp_path: Path, site: str, fault_rank: int, action: str, *precisions: str) -> list[dict]:
+def run_ddp(
+    tmp_path: Path, site: str, fault_rank: int, action: str, *precisions: str, exit_ok: bool = True
+) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
     env["MASTER_PORT"] = str(_free_port())  # a fixed port can still be in TIME_WAIT from the previous launch
     args = [sys.executable, str(SCRIPT), str(tmp_path), site, str(fault_rank), action]
@@ -35,7 +37,10 @@ def run_ddp(tmp_path: Path, site: str, fault_rank: int, action: str, *precisions
         text=True,
         timeout=240,
     )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    failed = f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert (proc.returncode == 0) == exit_ok, failed
+    if not exit_ok:  # a halt fails the run: NonFiniteError, not a crash of the launch
+        assert "NonFiniteError: NumGuard halted training" in proc.stderr, failed
     if precisions:
         return []  # one fit per site and precision: read with ``ranks_of``
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -73,10 +78,13 @@ def test_a_weight_one_rank_made_nan_is_named_with_that_rank(tmp_path):
 
 @pytest.mark.ddp
 def test_loss_fault_on_rank_0_halts_every_rank(tmp_path):
-    ranks = run_ddp(tmp_path, "loss", 0, "halt")
+    ranks = run_ddp(tmp_path, "loss", 0, "halt", exit_ok=False)  # the process exits non-zero
     for r in ranks:
         assert r["finite"] and r["same_as_rank0"]
         assert r["global_step"] == 3  # stopped together after the bad step
+        # every rank raised at the same step (the report's all_gather in on_exception needs both)
+        assert r["raised"].startswith("NonFiniteError: NumGuard halted training at step 2"), r["raised"]
+        assert "ckpt_path=" in r["raised"]
     assert ranks[0]["events"][0]["kind"] == "nonfinite_loss" and ranks[0]["events"][0]["rank"] == 0
     assert (tmp_path / "ng" / "last_finite.ckpt").exists()
 
@@ -287,6 +295,7 @@ def test_deferred_sync_shards_its_snapshot_ring_and_rolls_back_late_bitwise_like
         assert _bitwise(h["state"], o["state"]) and _bitwise(h["optimizer"], o["optimizer"])
         assert h["events"] == o["events"] and h["counters"] == o["counters"]
         assert any(e["action"] == "halt" for e in h["events"])
+        assert h["raised"] and h["raised"] == o["raised"].replace("ng_halt_off", "ng_halt_auto")  # both ranks raised
         assert all(torch.isfinite(t).all() for t in h["state"].values() if t.is_floating_point())
     # a NaN weight on rank 1 at the last step (9): step 9 is skipped on the device, and the pending flags, read once
     # at the end of the fit, roll every rank back to the verified snapshot (gathered when sharded), bitwise as "off"

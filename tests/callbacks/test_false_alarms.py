@@ -2,7 +2,9 @@
 
 A clean run of a Hugging Face-style model, whose batches carry an additive attention mask filled with
 ``torch.finfo(dtype).min``, raises nothing and trains; a batch field flagged on step after step is a
-convention of the data: said once, with the setting that silences it, and no longer acted on.
+convention of the data only when its values are masks (infinities): said once, with the setting that silences
+it, and no longer acted on. Anything else in every batch (a fill value, a huge value, NaN) is a broken pipeline:
+the guard halts (issue 26).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_numguard import NumGuardCallback, NumGuardWarning
+from lightning_numguard import NonFiniteError, NumGuardCallback, NumGuardWarning
 from lightning_numguard.callbacks._conventions import CONVENTION_STEPS
 from tests.helpers import trainer
 
@@ -134,12 +136,10 @@ class Regressor(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize(
-    ("value", "kind", "setting"),
-    [(1e25, "suspicious_input", "max_abs_input=None"), (float("nan"), "nonfinite_input", "without 'inputs'")],
-)
-def test_a_field_flagged_step_after_step_is_a_convention(tmp_path, value, kind, setting):
+@pytest.mark.parametrize("value", [float("-inf"), float("inf")])
+def test_a_field_flagged_step_after_step_is_a_convention(tmp_path, value):
     """Before: every step skipped or rolled back, no progress at all, and no word that it was a convention."""
+    kind, setting = "nonfinite_input", "without 'inputs'"
     model = Regressor()
     guard = NumGuardCallback(dirpath=str(tmp_path / "ng"))
     with pytest.warns(NumGuardWarning) as caught:
@@ -158,6 +158,53 @@ def test_a_field_flagged_step_after_step_is_a_convention(tmp_path, value, kind, 
     # from the declaring step on, every step trains
     moved = [not torch.equal(a, b) for a, b in zip(model.snapshots, model.snapshots[1:])]
     assert all(moved[CONVENTION_STEPS - 2 :]), moved
+
+
+class Clamping(Regressor):
+    """Reads ``extra`` too, clamped: a fill value in it leaves the loss finite (the seeds' story)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(10, 1)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x = torch.cat([batch["x"], batch["extra"].nan_to_num(0.0).clamp(-10, 10)], dim=-1)
+        return F.mse_loss(self.net(x), batch["y"])
+
+
+@pytest.mark.parametrize(
+    ("value", "kind", "words"),
+    [
+        (1e20, "suspicious_input", "looks like a masked-array fill value leaked into the batch (numpy's"),
+        (9.969209968386869e36, "suspicious_input", "netCDF's default float fill value"),
+        (1e25, "suspicious_input", "suspiciously large finite value 1e+25"),
+        (float("nan"), "nonfinite_input", "non-finite value in `batch['extra']` at step 2 on rank 0 (8 NaN"),
+    ],
+)
+def test_a_value_in_every_batch_that_is_no_mask_halts_as_a_broken_pipeline(tmp_path, value, kind, words):
+    """The seeds' story (``seeds/003``: ``np.concatenate`` of masked arrays drops the mask, and the fill value
+    ``1e+20``, or netCDF's ``9.96921e+36``, reaches the data): a fill value in one feature of every batch, a model
+    that clamps its inputs so the loss stays finite. Before: steps 0 and 1 rolled back as a leak, then at step 2 "a convention of this data",
+    the field no longer checked, and the rest of the run trained on the poisoned feature."""
+    torch.manual_seed(0)
+    model = Clamping()
+    start = model.net.weight.detach().clone()
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), emit_warnings=False)
+    with pytest.raises(NonFiniteError) as raised:
+        trainer(tmp_path, [guard], max_steps=8).fit(model, DataLoader(SentinelData(value), batch_size=8))
+    steps = list(range(CONVENTION_STEPS))
+    assert [(e["step"], e["kind"], e["where"]) for e in guard.events] == [(s, kind, ["batch['extra']"]) for s in steps]
+    assert [e["action"] for e in guard.events] == ["rollback"] * (CONVENTION_STEPS - 1) + ["halt"]
+    assert not any(e["details"].get("convention") for e in guard.events)  # a leak is never taken for a convention
+    last = guard.events[-1]
+    assert last["details"]["persistent"] == {"steps": CONVENTION_STEPS}
+    assert words in last["message"] and f"flagged on {CONVENTION_STEPS} consecutive steps" in last["message"]
+    assert "data pipeline is broken" in last["message"] and "fix the data" in last["message"]
+    message = str(raised.value)
+    assert f"halted training at step {CONVENTION_STEPS - 1}" in message and "data pipeline is broken" in message
+    assert "ckpt_path=" in message
+    assert (guard.counters["rollbacks"], guard.counters["incidents"]) == (CONVENTION_STEPS - 1, CONVENTION_STEPS)
+    assert torch.equal(model.net.weight, start)  # no step ever trained on the poisoned feature
 
 
 def test_fill_values_in_real_features_are_still_caught_at_the_first_hit(tmp_path):

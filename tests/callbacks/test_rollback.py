@@ -10,7 +10,7 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins import MixedPrecision
 
-from lightning_numguard import NumGuardCallback
+from lightning_numguard import NonFiniteError, NumGuardCallback
 from lightning_numguard.errors import NumGuardWarning
 from tests.helpers import (
     SITE_CULPRIT,
@@ -122,11 +122,16 @@ def test_max_rollbacks_escalates_to_halt(tmp_path):
             return self.global_step >= 2
 
     guard = NumGuardCallback(action="rollback", max_rollbacks=2, dirpath=str(tmp_path / "ng"))
-    with pytest.warns(NumGuardWarning, match=guard_warning("the loss is non-finite", 2)):
-        model, t = run(tmp_path, FaultData(), EveryStep(site="loss"), guard)
+    model = EveryStep(site="loss")
+    t = trainer(tmp_path, [guard])
+    with (
+        pytest.warns(NumGuardWarning, match=guard_warning("the loss is non-finite", 2)),
+        pytest.raises(NonFiniteError, match=r"escalated from 'rollback': max_rollbacks reached \(2 rollbacks"),
+    ):
+        t.fit(model, loader(FaultData()))
     assert guard.counters["rollbacks"] == 2
     assert guard.events[-1]["action"] == "halt"
-    assert t.should_stop and t.global_step == 5
+    assert t.global_step == 5  # the halting step (4) ran, its update discarded
     assert (tmp_path / "ng" / "last_finite.ckpt").exists()
     assert all_finite(model.state_dict())
 

@@ -60,7 +60,8 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Results:
             path = root / scenario / f"rank{r}.json"
             assert path.exists(), f"{layout}/{scenario}: rank {r} wrote no result"
             result = json.loads(path.read_text())
-            assert "error" not in result, f"{layout}/{scenario} raised on rank {r}:\n{result['error']}"
+            halted = scenario == "halt" and "NonFiniteError: NumGuard halted training" in result.get("error", "")
+            assert "error" not in result or halted, f"{layout}/{scenario} raised on rank {r}:\n{result['error']}"
             ranks.append(result)
         return ranks
 
@@ -139,6 +140,7 @@ def assert_halted_and_resumed(sharded: Results, layout: str) -> None:
     for h in halt:
         assert h["global_step"] < 6 and h["finite"]
         assert any(e["action"] == "halt" for e in h["events"]), h["events"]
+        assert "NonFiniteError: NumGuard halted training" in h["error"], h.get("error")  # every rank raised
     assert_same_on_every_rank(halt, "global_step", "digest", "opt_digest", "events", "counters")
     for h, r in zip(halt, resume):
         start = r["start"]

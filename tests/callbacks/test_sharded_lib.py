@@ -49,9 +49,10 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def in_step(ranks: list[dict], steps: int) -> None:
+def in_step(ranks: list[dict], steps: int, raised: bool = False) -> None:
     for r in ranks:
         assert r["finite"] and r["same_as_rank0"] and r["global_step"] == steps, r
+        assert bool(r["raised"]) == raised, r["raised"]  # a halt raises NonFiniteError on every rank
     assert all(r["events"] == ranks[0]["events"] for r in ranks)  # every rank recorded the same
 
 
@@ -118,7 +119,7 @@ def test_every_action_on_local_shards(tmp_path, layout):
     assert out["skip"][0]["events"][0]["rank"] == {"fsdp": 1, "tp": 0, "2d": 2}[layout]  # dp rank 1's first rank
     assert same(weights(tmp_path, "skip"), weights(tmp_path, "omit"))
     # halt: every rank stops at the same step with a finite last_finite.ckpt folder; a resume from it continues
-    in_step(out["halt"], 3)
+    in_step(out["halt"], 3, raised=True)
     assert out["halt"][0]["events"][0]["kind"] == "nonfinite_loss" and out["halt"][0]["events"][0]["op"] == "add"
     assert out["halt"][0]["checkpoints"]["last_finite.ckpt"]
     in_step(out["resume"], 5)
@@ -182,7 +183,7 @@ def test_every_action_on_local_shards(tmp_path, layout):
     # (rank 0 holds the whole checkpoint here, so it is the rank named)
     assert ("nonfinite_param", ["checkpoint"], 0) in [(e["kind"], e["where"], e["rank"]) for e in ranks[0]["events"]]
     assert len(ranks[0]["checkpoints"]) == 6 and all(ranks[0]["checkpoints"].values()), ranks[0]["checkpoints"]
-    in_step(out["halt_file"], 3)
+    in_step(out["halt_file"], 3, raised=True)
     assert out["halt_file"][0]["checkpoints"] == {"last_finite.ckpt": True}
     assert (tmp_path / "halt_file" / "ng" / "last_finite.ckpt").is_file()
     in_step(out["resume_file"], 5)
@@ -198,7 +199,7 @@ def test_every_action_on_local_shards(tmp_path, layout):
     first = ranks[0]["events"][0]
     assert (first["kind"], first["where"], first["rank"], first["step"]) == ("nonfinite_param", ["body.0.weight"], 1, 2)
     assert ranks[0]["counters"]["rollbacks"] == 1
-    in_step(out["deferred_halt"], 4)
+    in_step(out["deferred_halt"], 4, raised=True)
     assert out["deferred_halt"][0]["events"][0]["kind"] == "nonfinite_loss"
     assert out["deferred_halt"][0]["checkpoints"]["last_finite.ckpt"]
     # action="warn" (before: both ranks crashed in on_train_start, `.tolist()` on a DTensor): recorded, not restored

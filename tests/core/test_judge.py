@@ -208,3 +208,21 @@ def test_a_batch_position_that_failed_twice_is_quarantined(action, facts, quaran
 def test_a_clean_decision_changes_nothing():
     d = Decision()
     assert not d.skips and not d.restore and not d.counts and d.quarantine is None
+
+
+def test_a_halt_after_repeated_rollbacks_names_what_they_share():
+    cause = "a schedule that brings the learning rate back: it was 0.3 at step 21 and 0.3 at step 43"
+    d = judge("rollback", Facts(incident=True), Budget(True, 10, 10, cause))
+    assert d.action == "halt"
+    assert d.escalation == f"max_rollbacks reached (10 rollbacks in this fit); the rollbacks repeat: {cause}"
+    assert judge("rollback", Facts(incident=True), Budget(True, 10, 10)).escalation == (
+        "max_rollbacks reached (10 rollbacks in this fit)"
+    )
+
+
+def test_a_broken_data_pipeline_halts_instead_of_skipping_every_step():
+    why = "batch['extra'] was flagged on 3 consecutive steps: the data pipeline is broken"
+    for action in ("skip", "rollback"):
+        d = judge(action, Facts(incident=True, broken=why), Budget(True, 0, 10))
+        assert (d.action, d.configured, d.escalation, d.restore) == ("halt", action, why, True)
+    assert judge("warn", Facts(incident=True, broken=why), Budget(True, 0, 10)).action == "warn"

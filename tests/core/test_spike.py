@@ -75,9 +75,13 @@ def test_the_device_window_agrees_with_the_host_rule_and_judges_both_series():
     z = window.scores(torch.tensor([50.0, 3.1]))
     assert z[0].item() == pytest.approx(spike_z(50.0, kept_losses, 64), rel=1e-4)
     assert z[1].item() == pytest.approx(spike_z(3.1, kept_norms, 64), rel=1e-4)
-    found = judge([50.0, 3.1, *z.tolist(), 0.0, -1.0, 0.0, 0.0], SIGMA)
-    assert [name for name, _, _ in found] == (["loss"] if z[0] > SIGMA else [])
-    assert bool(device_spike(torch.tensor([50.0, 3.1, *z.tolist(), 0.0, -1.0, 0.0, 0.0]), SIGMA)) is bool(found)
+    # the step's extras as a fit reads them: raw values, then the window's centers and raw thresholds
+    extras = [50.0, 3.1, *window.stats().tolist(), 0.0, -1.0, 0.0, 0.0]
+    found = judge(extras, SIGMA)
+    assert z[0] > SIGMA and [name for name, _, _ in found] == ["loss"]
+    assert found[0][2] == pytest.approx(z[0].item(), rel=1e-4)
+    assert bool(device_spike(torch.tensor(extras))) is True  # the deferred mode's device decision agrees
+    assert bool(device_spike(torch.tensor([1.0, 3.1, *extras[2:]]))) is False
 
 
 def test_a_nan_step_in_the_middle_of_the_window_never_poisons_the_statistics():

@@ -94,7 +94,7 @@ def test_no_logger_no_checkpointing_no_dirpath_writes_nothing_in_the_cwd(
     monkeypatch.chdir(tmp_path)
     cb = NumGuardCallback(action="halt", replay=False, check=EVERY_CHECK)
     tr = quiet_trainer([cb], max_steps=6)  # no default_root_dir: the working directory
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), pytest.raises(NonFiniteError, match="restored in memory"):
         warnings.simplefilter("ignore")
         tr.fit(FaultModel(site="loss", step=3), loader(FaultData()))
     assert [(e["kind"], e["action"]) for e in cb.events] == [("nonfinite_loss", "halt")]
