@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from lightning_numguard.core import spike
+from lightning_numguard.core.events import SPIKE_ACTIONS
 from lightning_numguard.core.findings import Finding, mark_consequences
 from lightning_numguard.core.spike import NOT_JUDGED, SpikeWindow
 
@@ -42,7 +43,6 @@ __all__ = ["SPIKE_ACTIONS", "SpikeGuard"]
 log = logging.getLogger(__name__)
 
 #: ``NumGuardCallback(spike_action=...)`` values besides ``None``.
-SPIKE_ACTIONS: tuple[str, ...] = ("warn", "skip", "rollback")
 #: The stateful name of the window in snapshots.
 STATEFUL_KEY = "numguard:spike_window"
 #: Steps between refreshes of the window's statistics (each step's value is scored against them), at most a quarter

@@ -13,13 +13,16 @@ from types import MappingProxyType
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 __all__ = [
+    "ACTING_ACTIONS",
     "ACTIONS",
     "ADVISORY_KINDS",
     "KINDS",
     "REQUIRED_FIELDS",
+    "SPIKE_ACTIONS",
     "Action",
     "Event",
     "JsonlWriter",
+    "acting",
     "counts_as_incident",
     "field_docs",
     "read_events",
@@ -46,6 +49,15 @@ ADVISORY_KINDS: tuple[str, ...] = ("optimizer_coverage", "overflow_risk")
 Action = Literal["warn", "skip", "rollback", "halt"]
 #: Every value of an event's ``action``: an :data:`Action`, or ``"none"`` for a finding only reported.
 ACTIONS: tuple[str, ...] = (*get_args(Action), "none")
+#: The actions that act on a step (its optimizer step becomes a no-op); ``"warn"`` only reports.
+ACTING_ACTIONS: tuple[str, ...] = ("skip", "rollback", "halt")
+#: What ``NumGuardCallback(spike_action=...)`` may be told to do on a finite spike.
+SPIKE_ACTIONS: tuple[str, ...] = ("warn", "skip", "rollback")
+
+
+def acting(action: str | None) -> bool:
+    """Whether ``action`` acts on a step (skips, rolls back or halts) rather than only reporting."""
+    return action in ACTING_ACTIONS
 
 
 def _doc(line: str) -> dict[str, str]:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_numguard.core.events import acting
 from lightning_numguard.core.policy import decide
 
 __all__ = ["Budget", "Decision", "Facts", "judge"]
@@ -97,7 +98,7 @@ class Decision:
     @property
     def skips(self) -> bool:
         """Whether the optimizer step is a no-op (the gradients are dropped, or the device skipped it)."""
-        return self.action in ("skip", "rollback", "halt")
+        return acting(self.action)
 
 
 def judge(action: str, facts: Facts, budget: Budget, *, quarantine: bool = True, retry: bool = False) -> Decision:
