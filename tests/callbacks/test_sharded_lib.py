@@ -130,7 +130,9 @@ def test_every_action_on_local_shards(tmp_path, layout):
     ranks = out["twice"]
     in_step(ranks, 5)
     assert ranks[0]["counters"]["rollbacks"] == 2
-    assert ranks[0]["ng_files"] == ["events.jsonl", "last_finite.ckpt"] and ranks[0]["checkpoints"]["last_finite.ckpt"]
+    # (trace.csv: the per-step loss and gradient norm of an eventful fit, for `numguard plot`)
+    assert ranks[0]["ng_files"] == ["events.jsonl", "last_finite.ckpt", "trace.csv"]
+    assert ranks[0]["checkpoints"]["last_finite.ckpt"]
     # AdamW state of rank 1 poisoned after the guard's check: the checkpoint saved meanwhile holds the snapshot
     ranks = out["opt_state"]
     in_step(ranks, 5)
