@@ -330,8 +330,5 @@ def _broken(findings: list[Finding]) -> str | None:
 def _instruments(s: Settings, spike: SpikeGuard, conventions: InputConventions) -> tuple[StepRecorder, StepRead]:
     """A fit's step recorder and read: the recorder leaves out the fields declared conventions; the read carries the
     spike statistics after its flags."""
-    recorder = StepRecorder(s.check, s.watch_modules, s.ignore_modules, s.watch_depth)
-    recorder.ignored_inputs = conventions.ignored
-    reader = StepRead(s.check, s.max_abs_input, recorder)
-    reader.spike = spike
-    return recorder, reader
+    recorder = StepRecorder(s.check, s.watch_modules, s.ignore_modules, s.watch_depth, conventions.ignored)
+    return recorder, StepRead(s.check, s.max_abs_input, recorder, spike)

@@ -46,7 +46,9 @@ class StepRead:
         recorder: the step record and its instruments.
     """
 
-    def __init__(self, check: list[str], max_abs_input: float | None, recorder: StepRecorder) -> None:
+    def __init__(
+        self, check: list[str], max_abs_input: float | None, recorder: StepRecorder, spike: Any = None
+    ) -> None:
         self.check = check
         self.max_abs_input = max_abs_input
         self.recorder = recorder
@@ -68,9 +70,9 @@ class StepRead:
         # Whether parameters, buffers and optimizer state may go through the CPU's fused check, which writes the
         # same bits back: not while a snapshot copies them on another thread (set at train start)
         self.state_rewritable = False
-        # Spike statistics and overflow headroom (callbacks/_spike.SpikeGuard), set by the callback: their
-        # values ride after the flag slots in the one read; the global gradient norm is the grads' check
-        self.spike: Any = None
+        # Spike statistics and overflow headroom (callbacks/_spike.SpikeGuard), or None: their values ride after
+        # the flag slots in the one read; the global gradient norm is the grads' check
+        self.spike: Any = spike
         #: the step's global gradient L2 norm (0-d, on the device) when the spike statistics carry it, else ``None``
         self.grad_norm: torch.Tensor | None = None
         self._zeros: dict[torch.device, torch.Tensor] = {}

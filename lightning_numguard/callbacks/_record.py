@@ -92,7 +92,12 @@ class StepRecorder:
     """
 
     def __init__(
-        self, check: list[str], watch_modules: list[str], ignore_modules: list[str], watch_depth: int | None = 1
+        self,
+        check: list[str],
+        watch_modules: list[str],
+        ignore_modules: list[str],
+        watch_depth: int | None = 1,
+        ignored_inputs: set[str] | None = None,
     ) -> None:
         self.check = check
         self.watch_modules = watch_modules
@@ -104,7 +109,7 @@ class StepRecorder:
         self._opguard_entered = False
         self._module_names: dict[int, str] = {}
         # batch fields no longer checked: flagged on step after step, a convention of the data (callbacks/_conventions)
-        self.ignored_inputs: set[str] = set()
+        self.ignored_inputs: set[str] = ignored_inputs if ignored_inputs is not None else set()
         # the buffers copied at each step's start (set once per fit by the read's name resolution)
         self.start_copies: tuple[list[torch.Tensor], list[torch.Tensor], dict[str, torch.Tensor]] = ([], [], {})
         self.metric_keys: list[str] = []
