@@ -1,20 +1,21 @@
 """``NumGuardCallback``: catch NaN/Inf on every training step, name the culprit, survive it.
 
 The callback is an adapter: configuration, state, and hooks that are one-line delegations to the step's flow
-(:class:`~lightning_numguard.callbacks._flow.StepFlow`, which writes the step's order once). The work is done by
+(:class:`~lightning_numguard.callbacks.step._flow.StepFlow`, which writes the step's order once). The work is done by
 parts with one job each (see ``ARCHITECTURE.md``), wired once per fit into one
-:class:`~lightning_numguard.callbacks._pipeline.StepPipeline`:
+:class:`~lightning_numguard.callbacks.step._pipeline.StepPipeline`:
 
-* :class:`~lightning_numguard.callbacks._record.StepRecorder`: what the step saw, on the device;
-* :class:`~lightning_numguard.callbacks._read.StepRead`: the step's one packed read;
-* :func:`~lightning_numguard.callbacks._diagnosis.diagnose`: the culprits of a hit, in causal order;
+* :class:`~lightning_numguard.callbacks.step._record.StepRecorder`: what the step saw, on the device;
+* :class:`~lightning_numguard.callbacks.step._read.StepRead`: the step's one packed read;
+* :func:`~lightning_numguard.callbacks.step._diagnosis.diagnose`: the culprits of a hit, in causal order;
 * :func:`~lightning_numguard.core.judge.judge`: what to do about it;
-* :class:`~lightning_numguard.callbacks._recovery.Recovery`: the only part that changes training state;
-* :class:`~lightning_numguard.callbacks._ledger.Ledger`: the only owner of events and counters.
+* :class:`~lightning_numguard.callbacks.state._recovery.Recovery`: the only part that changes training state;
+* :class:`~lightning_numguard.callbacks.state._ledger.Ledger`: the only owner of events and counters.
 
 ``sync_mode`` only changes when the read happens: the read schedule
-(:mod:`~lightning_numguard.callbacks._schedule`; ``"deferred"``: :mod:`~lightning_numguard.callbacks._zerosync`).
-The class docstring (the contract and LightningCLI's ``--help``) is in :mod:`~lightning_numguard.callbacks._doc`.
+(:mod:`~lightning_numguard.callbacks.step._schedule`; ``"deferred"``:
+:mod:`~lightning_numguard.callbacks.step._zerosync`).
+The class docstring (the contract and LightningCLI's ``--help``) is in :mod:`~lightning_numguard.callbacks.config._doc`.
 """
 
 from __future__ import annotations
@@ -29,15 +30,10 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from typing_extensions import override
 
-from lightning_numguard.callbacks import _config
-from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action, Check
-from lightning_numguard.callbacks._doc import DOC
-from lightning_numguard.callbacks._flow import StepFlow
-from lightning_numguard.callbacks._pipeline import Settings, StepPipeline
-from lightning_numguard.callbacks._schedule import SYNC_MODES
-from lightning_numguard.callbacks._sharded import SHARDING
-from lightning_numguard.callbacks._snapshots import SnapshotsView
-from lightning_numguard.callbacks._types import (
+from lightning_numguard.callbacks.config import _config
+from lightning_numguard.callbacks.config._config import CHECKS, DEFAULT_CHECKS, Action, Check
+from lightning_numguard.callbacks.config._doc import DOC
+from lightning_numguard.callbacks.config._types import (
     Backoff,
     Headroom,
     NonNegativeInt,
@@ -45,6 +41,11 @@ from lightning_numguard.callbacks._types import (
     PositiveInt,
     plain_args,
 )
+from lightning_numguard.callbacks.distributed._sharded import SHARDING
+from lightning_numguard.callbacks.state._snapshots import SnapshotsView
+from lightning_numguard.callbacks.step._flow import StepFlow
+from lightning_numguard.callbacks.step._pipeline import Settings, StepPipeline
+from lightning_numguard.callbacks.step._schedule import SYNC_MODES
 from lightning_numguard.core.quarantine import parse_state
 from lightning_numguard.errors import NumGuardError
 
@@ -286,7 +287,8 @@ class NumGuardCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Last line of defence: no checkpoint written during the run holds non-finite weights (see
-        :meth:`StepPipeline.swap_checkpoint <lightning_numguard.callbacks._pipeline.StepPipeline.swap_checkpoint>`)."""
+        :meth:`StepPipeline.swap_checkpoint
+        <lightning_numguard.callbacks.step._pipeline.StepPipeline.swap_checkpoint>`)."""
         self._flow.at_save_checkpoint(trainer, checkpoint)
 
     @override

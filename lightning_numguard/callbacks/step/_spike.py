@@ -18,7 +18,7 @@ already reported near their dtype's limit). Each optimizer step:
    threshold) joins the device-side skip through ``found_inf`` and the findings come with the late read;
 3. at batch end, :meth:`~SpikeGuard.push` moves the window on (several processes: it takes the reduced values;
    no sync), and :meth:`~SpikeGuard.scalars` gives ``numguard/grad_norm``, ``numguard/loss_zscore`` and
-   ``numguard/grad_norm_zscore`` to the series (:mod:`~lightning_numguard.callbacks._series`: Lightning's
+   ``numguard/grad_norm_zscore`` to the series (:mod:`~lightning_numguard.callbacks.output._series`: Lightning's
    logging steps and every event step; host numbers already read: no sync).
 
 The window is in the callback's checkpoint state (resume) and, as a stateful object of the snapshots, is put
@@ -259,7 +259,7 @@ class SpikeGuard:
     def scalars(self) -> dict[str, float]:
         """``numguard/grad_norm`` and the z-scores of the latest host read, once (no device read).
 
-        The caller hands them to :class:`~lightning_numguard.callbacks._series.RunSeries` with the counters.
+        The caller hands them to :class:`~lightning_numguard.callbacks.output._series.RunSeries` with the counters.
         """
         if self.last is None:
             return {}

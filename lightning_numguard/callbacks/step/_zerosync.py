@@ -1,7 +1,7 @@
 """``NumGuardCallback(sync_mode="deferred")``: the read schedule with no host read on the step it checks.
 
 The step's flag vector is packed and all-reduced on the device exactly as in the default mode
-(:meth:`StepRead.pack <lightning_numguard.callbacks._read.StepRead.pack>`), then
+(:meth:`StepRead.pack <lightning_numguard.callbacks.step._read.StepRead.pack>`), then
 
 * the optimizer step is skipped **on the device** when any flag is set (``Recovery.skip_on_device``:
   ``found_inf`` armed on the fused optimizer, as ``torch.amp.GradScaler`` does, and the buffers the bad
@@ -9,7 +9,7 @@ The step's flag vector is packed and all-reduced on the device exactly as in the
 * the vector is copied to host memory without blocking (:class:`~lightning_numguard.core.pending.PendingFlags`)
   and read at the *next* optimizer step, when the copy has long landed;
 * that late read goes through the same pipeline as the default mode's read
-  (:meth:`StepPipeline.judge <lightning_numguard.callbacks._pipeline.StepPipeline.judge>`): the one findings
+  (:meth:`StepPipeline.judge <lightning_numguard.callbacks.step._pipeline.StepPipeline.judge>`): the one findings
   builder, from the records kept for the step, and the one judge. A clean step verifies the snapshot
   candidate taken at its start; a restore it decides is carried out at the end of the batch in flight,
   whose own optimizer step is skipped on the device too.
@@ -27,11 +27,11 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_numguard.callbacks._diagnosis import StepView
-from lightning_numguard.callbacks._pipeline import StepPipeline
-from lightning_numguard.callbacks._read import Reading
-from lightning_numguard.callbacks._record import StepRecord
-from lightning_numguard.callbacks._schedule import ReadSchedule
+from lightning_numguard.callbacks.step._diagnosis import StepView
+from lightning_numguard.callbacks.step._pipeline import StepPipeline
+from lightning_numguard.callbacks.step._read import Reading
+from lightning_numguard.callbacks.step._record import StepRecord
+from lightning_numguard.callbacks.step._schedule import ReadSchedule
 from lightning_numguard.core import flags
 from lightning_numguard.core.pending import PendingFlags, supports_device_skip
 from lightning_numguard.errors import NumGuardConfigError

@@ -1,12 +1,12 @@
 """One step pipeline for both read schedules: read → diagnose → judge → carry out → record.
 
 ``sync_mode="every_step"`` reads a step's packed flags at its optimizer step (:meth:`StepPipeline.read`);
-``sync_mode="deferred"`` reads them one step later (:mod:`~lightning_numguard.callbacks._zerosync`). Both hand
+``sync_mode="deferred"`` reads them one step later (:mod:`~lightning_numguard.callbacks.step._zerosync`). Both hand
 the read to :meth:`StepPipeline.judge`, which names the culprits with the one builder
-(:func:`~lightning_numguard.callbacks._diagnosis.diagnose`), asks :func:`~lightning_numguard.core.judge.judge`
-what to do, and moves the counters (:class:`~lightning_numguard.callbacks._ledger.Ledger`, their one owner).
+(:func:`~lightning_numguard.callbacks.step._diagnosis.diagnose`), asks :func:`~lightning_numguard.core.judge.judge`
+what to do, and moves the counters (:class:`~lightning_numguard.callbacks.state._ledger.Ledger`, their one owner).
 :meth:`StepPipeline.finish` carries the decision out at batch end
-(:class:`~lightning_numguard.callbacks._recovery.Recovery`, the one part that changes training state) and
+(:class:`~lightning_numguard.callbacks.state._recovery.Recovery`, the one part that changes training state) and
 records its events.
 """
 
@@ -21,15 +21,15 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_numguard import _compat
-from lightning_numguard.callbacks._amp import AmpCounters
-from lightning_numguard.callbacks._conventions import InputConventions
-from lightning_numguard.callbacks._diagnosis import StepView, diagnose
-from lightning_numguard.callbacks._ledger import Ledger
-from lightning_numguard.callbacks._read import StepRead
-from lightning_numguard.callbacks._record import StepRecord, StepRecorder
-from lightning_numguard.callbacks._recovery import Recovery
-from lightning_numguard.callbacks._snapshots import Snapshots
-from lightning_numguard.callbacks._spike import SpikeGuard
+from lightning_numguard.callbacks.output._amp import AmpCounters
+from lightning_numguard.callbacks.state._conventions import InputConventions
+from lightning_numguard.callbacks.state._ledger import Ledger
+from lightning_numguard.callbacks.state._recovery import Recovery
+from lightning_numguard.callbacks.state._snapshots import Snapshots
+from lightning_numguard.callbacks.step._diagnosis import StepView, diagnose
+from lightning_numguard.callbacks.step._read import StepRead
+from lightning_numguard.callbacks.step._record import StepRecord, StepRecorder
+from lightning_numguard.callbacks.step._spike import SpikeGuard
 from lightning_numguard.core import flags, policy
 from lightning_numguard.core.events import acting
 from lightning_numguard.core.findings import Finding

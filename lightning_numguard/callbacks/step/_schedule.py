@@ -1,11 +1,11 @@
 """When a step's packed flags are read: the read schedule, one interface for both ``sync_mode`` values.
 
-The step's order is written once, in :class:`~lightning_numguard.callbacks._flow.StepFlow`; the schedule is the one
+The step's order is written once, in :class:`~lightning_numguard.callbacks.step._flow.StepFlow`; the schedule is the one
 part that differs between the modes:
 
 * :class:`EveryStep` (``sync_mode="every_step"``): the step's one host read at its optimizer step
-  (:meth:`StepPipeline.read <lightning_numguard.callbacks._pipeline.StepPipeline.read>`);
-* :class:`~lightning_numguard.callbacks._zerosync.Deferred` (``sync_mode="deferred"``): the flags pushed without
+  (:meth:`StepPipeline.read <lightning_numguard.callbacks.step._pipeline.StepPipeline.read>`);
+* :class:`~lightning_numguard.callbacks.step._zerosync.Deferred` (``sync_mode="deferred"``): the flags pushed without
   blocking, read and judged one step late.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_numguard.callbacks._pipeline import StepPipeline
+from lightning_numguard.callbacks.step._pipeline import StepPipeline
 
 __all__ = ["SYNC_MODES", "EveryStep", "ReadSchedule"]
 

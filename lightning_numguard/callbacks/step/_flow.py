@@ -3,7 +3,7 @@
 ``NumGuardCallback``'s hooks are one-line delegations to :class:`StepFlow` (as Lightning's ``SpikeDetection``
 delegates to Fabric's utility). The flow wires a fit's parts once (:meth:`StepFlow.setup`) and runs them in the
 step's order; the one part that differs between ``sync_mode`` values is the read schedule
-(:class:`~lightning_numguard.callbacks._schedule.ReadSchedule`).
+(:class:`~lightning_numguard.callbacks.step._schedule.ReadSchedule`).
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_numguard import _compat
-from lightning_numguard.callbacks import _nofiles
-from lightning_numguard.callbacks._coverage import CoverageCheck
-from lightning_numguard.callbacks._pipeline import Settings, StepPipeline
-from lightning_numguard.callbacks._progress import FitProgress
-from lightning_numguard.callbacks._schedule import EveryStep, ReadSchedule
-from lightning_numguard.callbacks._series import RunSeries
-from lightning_numguard.callbacks._snapshots import stateful_objects
-from lightning_numguard.callbacks._spike import STATEFUL_KEY
-from lightning_numguard.callbacks._strategies import check_strategy
-from lightning_numguard.callbacks._zerosync import Deferred
+from lightning_numguard.callbacks.distributed._strategies import check_strategy
+from lightning_numguard.callbacks.output import _nofiles
+from lightning_numguard.callbacks.output._progress import FitProgress
+from lightning_numguard.callbacks.output._series import RunSeries
+from lightning_numguard.callbacks.state._snapshots import stateful_objects
+from lightning_numguard.callbacks.step._coverage import CoverageCheck
+from lightning_numguard.callbacks.step._pipeline import Settings, StepPipeline
+from lightning_numguard.callbacks.step._schedule import EveryStep, ReadSchedule
+from lightning_numguard.callbacks.step._spike import STATEFUL_KEY
+from lightning_numguard.callbacks.step._zerosync import Deferred
 
 __all__ = ["StepFlow", "read_schedule"]
 
@@ -99,7 +99,8 @@ class StepFlow:
 
     def at_save_checkpoint(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
         """Last line of defence: no checkpoint written during the run holds non-finite weights (see
-        :meth:`StepPipeline.swap_checkpoint <lightning_numguard.callbacks._pipeline.StepPipeline.swap_checkpoint>`)."""
+        :meth:`StepPipeline.swap_checkpoint
+        <lightning_numguard.callbacks.step._pipeline.StepPipeline.swap_checkpoint>`)."""
         if self.settings.acting:
             self.pipeline.swap_checkpoint(trainer, checkpoint)
 
