@@ -12,6 +12,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from lightning_numguard.core import registry
+
 __all__ = [
     "ACTING_ACTIONS",
     "ACTIONS",
@@ -29,22 +31,10 @@ __all__ = [
     "validate_event",
 ]
 
-#: Incident kinds in causal order: the order events of one step are recorded in.
-KINDS: tuple[str, ...] = (
-    "optimizer_coverage",
-    "nonfinite_input",
-    "suspicious_input",
-    "nonfinite_param",
-    "nonfinite_output",
-    "overflow_risk",
-    "op_domain",
-    "nonfinite_loss",
-    "loss_spike",
-    "nonfinite_grad",
-    "grad_norm_spike",
-)
+#: Incident kinds in causal order: the order events of one step are recorded in (declared by ``core/registry``).
+KINDS: tuple[str, ...] = registry.kinds()
 #: Kinds that warn ahead of trouble and are not counted as incidents (no step was bad).
-ADVISORY_KINDS: tuple[str, ...] = ("optimizer_coverage", "overflow_risk")
+ADVISORY_KINDS: tuple[str, ...] = registry.advisory_kinds()
 #: What the guard may be told to do on an incident (``NumGuardCallback(action=...)``).
 Action = Literal["warn", "skip", "rollback", "halt"]
 #: Every value of an event's ``action``: an :data:`Action`, or ``"none"`` for a finding only reported.
