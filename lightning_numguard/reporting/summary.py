@@ -72,12 +72,17 @@ def summarize(
     order: list[str] = []
     count: dict[str, int] = {}
     first: dict[str, tuple[int, str]] = {}
+    named_by_root: set[str] = set()  # kinds whose first culprit comes from a root cause, not a consequence
     for event in events:
         kind = str(event.get("kind", "?"))
+        root = event.get("root_cause", True) is not False
         if kind not in count:
             order.append(kind)
+        if kind not in first or (root and kind not in named_by_root):
             where = event.get("where") or []
             first[kind] = (int(event.get("step", -1)), str(where[0]) if where else "")
+            if root:
+                named_by_root.add(kind)
         count[kind] = count.get(kind, 0) + 1
     return FitSummary(
         kinds=tuple(KindSummary(k, count[k], *first[k]) for k in order),

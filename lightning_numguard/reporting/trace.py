@@ -52,7 +52,8 @@ class Trace:
     _written_at: int | None = None
 
     def add(self, step: int, values: Sequence[float]) -> None:
-        """The host-read extras of ``step`` (``[loss, grad_norm, loss_z, grad_norm_z, ...]``)."""
+        """``step``'s host-read loss and gradient norm and their scores (``[loss, grad_norm, loss_z, grad_norm_z]``;
+        ``NaN``: not judged)."""
         if step % self.stride and step not in self.events:
             return
         self.points[step] = tuple(_clean(v) for v in values[:4])

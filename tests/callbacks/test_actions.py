@@ -186,14 +186,17 @@ def test_halt_raises_false_stops_gracefully_and_loggers_see_which(tmp_path):
             super().finalize(status)
 
     with guard_warns(guard_warning("batch['x']", 3)):
-        guard, _, t = fit(tmp_path, "input", "halt", guard_kwargs={"halt_raises": False}, logger=Finalised(tmp_path))
+        logger = Finalised(tmp_path)
+        guard, _, t = fit(
+            tmp_path, "input", "halt", guard_kwargs={"halt_raises": False}, logger=logger, log_every_n_steps=1
+        )
     assert t.should_stop and t.global_step == 4 and t.state.status == "finished"
     assert Finalised.status[-1] == "success"
     assert guard.events[0]["action"] == "halt" and (tmp_path / "ng" / "last_finite.ckpt").exists()
     # the default: the same halt fails the fit, and the loggers are finalised as failed
     Finalised.status.clear()
     with guard_warns(guard_warning("batch['x']", 3)), pytest.raises(NonFiniteError, match="at step 3"):
-        fit(tmp_path / "raises", "input", "halt", logger=Finalised(tmp_path / "raises"))
+        fit(tmp_path / "raises", "input", "halt", logger=Finalised(tmp_path / "raises"), log_every_n_steps=1)
     assert Finalised.status == ["failed"]
     with pytest.raises(NumGuardConfigError, match="halt_raises"):
         NumGuardCallback(halt_raises="yes")  # type: ignore[arg-type]

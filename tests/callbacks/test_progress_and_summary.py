@@ -250,3 +250,20 @@ def test_the_summary_is_shown_once_under_the_rich_bar_with_its_path_whole(
     path = str(guard.resolved_dirpath / "events.jsonl")
     assert len(path) > 80  # control: wider than the console
     assert path in out.splitlines() or f"events: {path}" in out.splitlines(), out
+
+
+def test_the_summary_names_a_kind_by_its_first_root_cause_not_a_consequence():
+    """A checkpoint swap is a consequence of the poisoned weight the next read names: the summary's first culprit of
+    ``nonfinite_param`` is that weight, not ``checkpoint``."""
+    from lightning_numguard.reporting.summary import summarize, summary_text
+
+    events = [
+        {"kind": "nonfinite_param", "step": 4, "where": ["checkpoint"], "root_cause": False},
+        {"kind": "nonfinite_param", "step": 5, "where": ["fc.weight"], "root_cause": True},
+        {"kind": "nonfinite_loss", "step": 5, "where": ["loss"], "root_cause": False},
+    ]
+    s = summarize(events, {"incidents": 1}, 0, 6, None)
+    param, loss = s.kinds
+    assert (param.count, param.first_step, param.first_culprit) == (2, 5, "fc.weight")
+    assert (loss.first_step, loss.first_culprit) == (5, "loss")  # only consequences: the first of them
+    assert "first at step 5: fc.weight" in summary_text(s)

@@ -278,22 +278,26 @@ def scenario_table() -> str:
     import tempfile
     from pathlib import Path
 
-    logging.disable(logging.WARNING)
-    rows = [
-        "| scenario | true culprit | guard: first culprit | op | user line | right? | message holds? |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for case in CASES:
-        with tempfile.TemporaryDirectory() as root:
-            event = run_guarded(case, root)["event"]
-        where = ", ".join(event.get("where", [])[:2])
-        source = event.get("source") or "-"
-        line = f"{Path(source.rsplit(':', 1)[0]).name}:{source.rsplit(':', 1)[1]}" if source != "-" else "-"
-        rows.append(
-            f"| {case.story} | {case.culprit} | {event.get('kind', 'nothing found')} `{where}` "
-            f"| {event.get('op') or '-'} | {line} | {'yes' if culprit_right(case, event) else '**no**'} "
-            f"| {'yes' if event and message_holds(event) else 'no'} |"
-        )
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # the fits' own warnings; put back after, for the tests that run later
+    try:
+        rows = [
+            "| scenario | true culprit | guard: first culprit | op | user line | right? | message holds? |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for case in CASES:
+            with tempfile.TemporaryDirectory() as root:
+                event = run_guarded(case, root)["event"]
+            where = ", ".join(event.get("where", [])[:2])
+            source = event.get("source") or "-"
+            line = f"{Path(source.rsplit(':', 1)[0]).name}:{source.rsplit(':', 1)[1]}" if source != "-" else "-"
+            rows.append(
+                f"| {case.story} | {case.culprit} | {event.get('kind', 'nothing found')} `{where}` "
+                f"| {event.get('op') or '-'} | {line} | {'yes' if culprit_right(case, event) else '**no**'} "
+                f"| {'yes' if event and message_holds(event) else 'no'} |"
+            )
+    finally:
+        logging.disable(previous)
     return "\n".join(rows)
 
 

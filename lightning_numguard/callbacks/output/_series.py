@@ -23,11 +23,13 @@ imports nothing.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
 
 from lightning_numguard import _compat
+from lightning_numguard.core import spike as spike_stats
 from lightning_numguard.reporting.report import Reporter, counter_scalars, is_tensorboard
 from lightning_numguard.reporting.trace import TRACE_FILENAME, Trace
 
@@ -70,8 +72,10 @@ class RunSeries:
                 event_steps.add(last[0])
         if event_steps:
             self.trace.mark(event_steps)
-        if last is not None:
-            self.trace.add(*last)
+        if last is not None:  # the extras hold the window's statistics: the trace keeps the scores made of them
+            read_at, values = last
+            scores = spike_stats.scores(values, self.sigma) if self.sigma is not None else [None, None]
+            self.trace.add(read_at, [values[0], values[1], *(math.nan if z is None else z for z in scores)])
         due = bool(trainer.loggers) and _compat.logs_due(trainer)
         if due:  # Lightning writes these with its own metrics, at this step
             scalars = self.reporter.unwritten(step, {**counter_scalars(counters), **spike})
