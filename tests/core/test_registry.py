@@ -33,3 +33,10 @@ def test_a_check_added_to_a_registry_gets_its_kind_position_hint_and_row() -> No
     rows = registry.kinds_table(checks).splitlines()
     assert rows[2 + 2] == "| `toy_kind` | a toy value above its threshold | lower it |"
     assert kind_hint("toy_kind") != "lower the toy"  # the package's own registry does not hold it
+
+
+def test_every_declared_kind_has_its_own_sentence() -> None:
+    from lightning_numguard.reporting.messages import SENTENCES, incident_message
+
+    assert set(SENTENCES) == set(events.KINDS)
+    assert incident_message("toy_kind", ["x"], {}, 3, 0) == "toy_kind in `x` at step 3 on rank 0"
