@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from lightning_numguard import NumGuardCallback
-from lightning_numguard.callbacks._config import DEFAULT_SPIKE_WARMUP
-from lightning_numguard.callbacks._spike import SpikeGuard
+from lightning_numguard.callbacks.config._config import DEFAULT_SPIKE_WARMUP
+from lightning_numguard.callbacks.step._spike import SpikeGuard
 
 VOCAB, SEQ = 128, 16
 _DEFAULTS = inspect.signature(NumGuardCallback.__init__).parameters

@@ -10,7 +10,7 @@ named by ``file:line`` and the expression:
 * ``f_locals``, ``f_back``, ``sys._getframe``, ``inspect.currentframe``/``stack``...: a walk over the caller's
   frames (``_compat.first_frame`` is the one walk outwards);
 * ``import torch._C``, ``from torch.x._y import z``, ``from torch import _C``: a private name of another package
-  (the package's own private modules, ``from lightning_numguard.callbacks import _distributed``, are fine).
+  (the package's own private modules, ``from lightning_numguard.callbacks.distributed import _distributed``, are fine).
 
 namedtuple's public underscore API (``_replace``, ``_asdict``, ``_fields``...) is allowed; anything else only
 through :data:`ALLOWED`, each entry saying why it cannot go through ``_compat``.
@@ -210,7 +210,7 @@ def test_the_checker_catches(source: str, expression: str) -> None:
         "def f(p):\n    return p._replace(x=1)._asdict(), p._fields",
         "def f(obj):\n    return hasattr(obj, '_fields')",
         "def f(func):\n    return getattr(func, '__name__', ''), func.__module__, func.__dict__",
-        "from lightning_numguard.callbacks import _distributed\n_distributed.reduce_max",
+        "from lightning_numguard.callbacks.distributed import _distributed\n_distributed.reduce_max",
         "from lightning_numguard.core._private import thing",
         "from . import _sibling\nfrom ._sibling import _helper",
         "import lightning_numguard._compat as c\nc.nn_bindings()",

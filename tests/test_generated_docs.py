@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import event_fields, readme_table
+from lightning_numguard.core.registry import kinds_table
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"<!-- ([A-Z][A-Z0-9 ]+) -->\n(.*?)\n<!-- /\1 -->", re.S)
@@ -33,6 +34,7 @@ GENERATORS: dict[tuple[str, str], tuple[Callable[[], str], str]] = {
         event_fields.table,
         "python -m benchmarks.event_fields --write docs/reference.md",
     ),
+    ("README.md", "EVENT KINDS"): (kinds_table, "python -m benchmarks.kinds_table --write README.md"),
     ("README.md", "BENCHMARK TABLE"): (
         _benchmark_table,
         "python -m benchmarks.readme_table benchmarks/results/overhead.json --write README.md",

@@ -1,18 +1,21 @@
 """``NumGuardCallback``: catch NaN/Inf on every training step, name the culprit, survive it.
 
-The callback is an adapter: configuration, state and hooks of a few lines. The work is done by
+The callback is an adapter: configuration, state, and hooks that are one-line delegations to the step's flow
+(:class:`~lightning_numguard.callbacks.step._flow.StepFlow`, which writes the step's order once). The work is done by
 parts with one job each (see ``ARCHITECTURE.md``), wired once per fit into one
-:class:`~lightning_numguard.callbacks._pipeline.StepPipeline`:
+:class:`~lightning_numguard.callbacks.step._pipeline.StepPipeline`:
 
-* :class:`~lightning_numguard.callbacks._record.StepRecorder`: what the step saw, on the device;
-* :class:`~lightning_numguard.callbacks._read.StepRead`: the step's one packed read;
-* :func:`~lightning_numguard.callbacks._diagnosis.diagnose`: the culprits of a hit, in causal order;
+* :class:`~lightning_numguard.callbacks.step._record.StepRecorder`: what the step saw, on the device;
+* :class:`~lightning_numguard.callbacks.step._read.StepRead`: the step's one packed read;
+* :func:`~lightning_numguard.callbacks.step._diagnosis.diagnose`: the culprits of a hit, in causal order;
 * :func:`~lightning_numguard.core.judge.judge`: what to do about it;
-* :class:`~lightning_numguard.callbacks._recovery.Recovery`: the only part that changes training state;
-* :class:`~lightning_numguard.callbacks._ledger.Ledger`: the only owner of events and counters.
+* :class:`~lightning_numguard.callbacks.state._recovery.Recovery`: the only part that changes training state;
+* :class:`~lightning_numguard.callbacks.state._ledger.Ledger`: the only owner of events and counters.
 
-``sync_mode="deferred"`` only changes when the read happens (:mod:`~lightning_numguard.callbacks._zerosync`).
-The class docstring (the contract and LightningCLI's ``--help``) is in :mod:`~lightning_numguard.callbacks._doc`.
+``sync_mode`` only changes when the read happens: the read schedule
+(:mod:`~lightning_numguard.callbacks.step._schedule`; ``"deferred"``:
+:mod:`~lightning_numguard.callbacks.step._zerosync`).
+The class docstring (the contract and LightningCLI's ``--help``) is in :mod:`~lightning_numguard.callbacks.config._doc`.
 """
 
 from __future__ import annotations
@@ -27,19 +30,10 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from typing_extensions import override
 
-from lightning_numguard import _compat
-from lightning_numguard.callbacks import _config, _nofiles
-from lightning_numguard.callbacks._config import CHECKS, DEFAULT_CHECKS, Action, Check
-from lightning_numguard.callbacks._coverage import CoverageCheck
-from lightning_numguard.callbacks._doc import DOC
-from lightning_numguard.callbacks._pipeline import Settings, StepPipeline
-from lightning_numguard.callbacks._progress import FitProgress
-from lightning_numguard.callbacks._series import RunSeries
-from lightning_numguard.callbacks._sharded import SHARDING
-from lightning_numguard.callbacks._snapshots import SnapshotsView, stateful_objects
-from lightning_numguard.callbacks._spike import STATEFUL_KEY
-from lightning_numguard.callbacks._strategies import check_strategy
-from lightning_numguard.callbacks._types import (
+from lightning_numguard.callbacks.config import _config
+from lightning_numguard.callbacks.config._config import CHECKS, DEFAULT_CHECKS, Action, Check
+from lightning_numguard.callbacks.config._doc import DOC
+from lightning_numguard.callbacks.config._types import (
     Backoff,
     Headroom,
     NonNegativeInt,
@@ -47,7 +41,11 @@ from lightning_numguard.callbacks._types import (
     PositiveInt,
     plain_args,
 )
-from lightning_numguard.callbacks._zerosync import SYNC_MODES, DeferredRead
+from lightning_numguard.callbacks.distributed._sharded import SHARDING
+from lightning_numguard.callbacks.state._snapshots import SnapshotsView
+from lightning_numguard.callbacks.step._flow import StepFlow
+from lightning_numguard.callbacks.step._pipeline import Settings, StepPipeline
+from lightning_numguard.callbacks.step._schedule import SYNC_MODES
 from lightning_numguard.core.quarantine import parse_state
 from lightning_numguard.errors import NumGuardError
 
@@ -143,17 +141,16 @@ class NumGuardCallback(Callback):
         self.spike_action = spike_action
         self.spike_window = int(spike_window)
         self.spike_rollback_after = int(spike_rollback_after)
-        self._fresh_run()
+        self._flow = StepFlow(self._settings())
 
-    def _fresh_run(self, dirpath: Path | None = None) -> None:
-        """New parts for a fit (run in ``setup``, before Lightning loads this callback's state)."""
-        settings = Settings(**{f.name: getattr(self, f.name) for f in fields(Settings)})
-        self._pipeline = StepPipeline.build(settings, dirpath)
-        self._reporter = self._pipeline.reporter
-        self._coverage = CoverageCheck(self.check_optimizer_coverage)
-        self._progress = FitProgress()
-        self._series = RunSeries(self._reporter, self.spike_sigma if self._pipeline.spike.window is not None else None)
-        self._deferred = DeferredRead(self._pipeline) if self.sync_mode == "deferred" else None
+    def _settings(self) -> Settings:
+        """The validated arguments the fit's parts act on (read again in ``setup``)."""
+        return Settings(**{f.name: getattr(self, f.name) for f in fields(Settings)})
+
+    @property
+    def _pipeline(self) -> StepPipeline:
+        """The parts of the current fit (the flow's pipeline)."""
+        return self._flow.pipeline
 
     # ------------------------------------------------------------------ public state
 
@@ -187,7 +184,8 @@ class NumGuardCallback(Callback):
     @property
     def resolved_dirpath(self) -> Path | None:
         """The folder events and checkpoints are written to (known from ``setup`` on)."""
-        return self._reporter.dirpath if self._reporter is not None else None
+        reporter = self._pipeline.reporter
+        return reporter.dirpath if reporter is not None else None
 
     @property
     @override
@@ -244,158 +242,62 @@ class NumGuardCallback(Callback):
         self._pipeline.ledger.load(parsed["counters"], parsed["incidents_by_kind"])
         self._pipeline.recovery.quarantine.load_state_dict(parsed)
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Hooks, the op-guard mode and the step record belong to a running fit; setup rebuilds them.
-        state = self.__dict__.copy()
-        state["_pipeline"] = self._pipeline.without_instruments()
-        state["_deferred"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        if self.sync_mode == "deferred":
-            self._deferred = DeferredRead(self._pipeline)
-
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ hooks: the step's flow
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        self._pipeline.recorder.detach()
-        _compat.require_accumulation_api(trainer)
-        check_strategy(trainer.strategy, self.action)
-        root = Path(trainer.log_dir or trainer.default_root_dir)
-        dirpath = Path(self.dirpath) if self.dirpath else root / "numguard"
-        self._fresh_run(dirpath if _nofiles.writes_files(trainer, self.dirpath) else None)  # None: no files
-        self._pipeline.recorder.attach(pl_module)
+        self._flow = self._flow.setup(trainer, pl_module, stage, self._settings())
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        p = self._pipeline
-        p.snapshots.stateful = stateful_objects(trainer, pl_module)
-        if p.spike.window is not None:  # snapshots hold the spike window: a rollback puts it back
-            p.snapshots.stateful[STATEFUL_KEY] = p.spike.window
-        p.reader.resolve(pl_module, p.snapshots.stateful)
-        self._coverage.at_fit_start(trainer, pl_module, p.ledger)
-        p.announce_spikes(trainer)
+        self._flow.at_fit_start(trainer, pl_module)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # After Lightning restored optimizers, schedulers and the scaler from a checkpoint (it does so after
-        # on_fit_start): a snapshot taken earlier would roll a resumed run back to fresh optimizers.
-        p = self._pipeline
-        bad = p.recovery.at_train_start(trainer, pl_module, p.reader, self.action != "warn")
-        # the fused check writes the same bits back: only while no snapshot is copied on another thread
-        p.reader.state_rewritable = not p.snapshots.async_on
-        if bad:
-            p.halt_at_fit_start(trainer, bad)
-        if self._deferred is not None:
-            self._deferred.at_fit_start(trainer, pl_module)
+        self._flow.at_train_start(trainer, pl_module)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        p = self._pipeline
-        new_step = p.recorder.record is None
-        acting = self.action != "warn"
-        rec = p.recorder.begin(trainer, pl_module, batch, batch_idx, acting, p.snapshots.stateful)
-        p.recovery.flag_batch(rec, batch, batch_idx, trainer.global_step, new_step)
-        if new_step and p.snapshots.async_on:  # start the due snapshot's copies, overlapped with the step
-            p.snapshots.start(trainer, pl_module, p.due(trainer.global_step))
-        if new_step and acting:
-            p.recovery.logged.mark(trainer)
-        p.recorder.enter_ops()
+        self._flow.batch_start(trainer, pl_module, batch, batch_idx)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._pipeline.recorder.exit_ops()
-        self._pipeline.recorder.record_loss(loss)
+        self._flow.before_backward(loss)
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        recorder = self._pipeline.recorder
-        recorder.exit_ops()
-        rec = recorder.record
-        if rec is None:  # an optimizer step outside a training batch (manual loops)
-            return
-        if rec.read_done and rec.bad:  # a further optimizer of a bad batch (manual optimization)
-            self._pipeline.recovery.drop_gradients(optimizer)
-            return
-        if rec.read_done:  # a further optimizer of a clean batch: its gradients only
-            recorder.forget_forward()
-        if rec.forced_skip is None:  # both read schedules: the gradients are known here, read or not
-            self._coverage.at_first_step(trainer, pl_module, optimizer, self._pipeline.ledger)
-        if self._deferred is not None:
-            self._deferred.before_step(trainer, pl_module, optimizer)
-            return
-        self._pipeline.read(trainer, pl_module, optimizer)
+        self._flow.before_optimizer_step(trainer, pl_module, optimizer)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        p = self._pipeline
-        p.recorder.exit_ops()
-        rec = p.recorder.record
-        if rec is None:
-            return
-        if not rec.read_done:
-            if _compat.should_accumulate(trainer):
-                return  # the window's records are read at its optimizer step
-            p.read(trainer, pl_module, None)  # a batch without an optimizer step is read at its end
-        p.recorder.end()
-        p.spike.push()  # before the action: a rollback puts back the window of its snapshot
-        if self._deferred is not None:
-            self._deferred.after_step(trainer, pl_module)  # a late decision taken during this batch
-        p.finish(trainer, pl_module, rec)
-        self._progress.after_step(trainer, pl_module, rec, p.snapshots.snapshot, self.counters)
-        p.amp.log(trainer, pl_module, self.counters["amp_overflow_steps"])
-        last = p.spike.last  # host numbers: the counters and the spike statistics of the step's one read
-        self._series.after_step(trainer, pl_module, rec.step, self.events, self.counters, last, p.spike.scalars())
+        self._flow.batch_end(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._deferred is not None:
-            self._deferred.at_train_end(trainer, pl_module)
-        self._pipeline.at_train_end(trainer, pl_module)  # the last step's update: checked once (one sync per fit)
+        self._flow.at_train_end(trainer, pl_module)
 
     @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Last line of defence: no checkpoint written during the run holds non-finite weights (see
-        :meth:`StepPipeline.swap_checkpoint <lightning_numguard.callbacks._pipeline.StepPipeline.swap_checkpoint>`)."""
-        if self.action != "warn":
-            self._pipeline.swap_checkpoint(trainer, checkpoint)
+        :meth:`StepPipeline.swap_checkpoint
+        <lightning_numguard.callbacks.step._pipeline.StepPipeline.swap_checkpoint>`)."""
+        self._flow.at_save_checkpoint(trainer, checkpoint)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._series.at_end(trainer, self.events)
-            self._progress.report(trainer, self.events, self.counters, self._events_path())
-        self._close()
+        self._flow.at_end(trainer, stage == "fit")
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if trainer.state.fn == "fit":
-            self._series.at_end(trainer, self.events, type(exception).__name__)
-            self._progress.report(trainer, self.events, self.counters, self._events_path(), type(exception).__name__)
-        self._close()
-
-    # ------------------------------------------------------------------ verbs
-
-    def _events_path(self) -> Path | None:
-        return self._reporter.events_path if self._reporter is not None else None
-
-    def _close(self) -> None:
-        self._pipeline.recorder.detach()
-        self._pipeline.recovery.logged.release()
-        if self._reporter is not None:
-            self._reporter.close()
+        self._flow.at_end(trainer, trainer.state.fn == "fit", exception)
 
 
 # LightningCLI's --help prints the Args: entries: plain text there, RST in the source.

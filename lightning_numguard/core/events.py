@@ -12,40 +12,42 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from lightning_numguard.core import registry
+
 __all__ = [
+    "ACTING_ACTIONS",
     "ACTIONS",
     "ADVISORY_KINDS",
     "KINDS",
     "REQUIRED_FIELDS",
+    "SPIKE_ACTIONS",
     "Action",
     "Event",
     "JsonlWriter",
+    "acting",
     "counts_as_incident",
     "field_docs",
     "read_events",
     "validate_event",
 ]
 
-#: Incident kinds in causal order: the order events of one step are recorded in.
-KINDS: tuple[str, ...] = (
-    "optimizer_coverage",
-    "nonfinite_input",
-    "suspicious_input",
-    "nonfinite_param",
-    "nonfinite_output",
-    "overflow_risk",
-    "op_domain",
-    "nonfinite_loss",
-    "loss_spike",
-    "nonfinite_grad",
-    "grad_norm_spike",
-)
+#: Incident kinds in causal order: the order events of one step are recorded in (declared by ``core/registry``).
+KINDS: tuple[str, ...] = registry.kinds()
 #: Kinds that warn ahead of trouble and are not counted as incidents (no step was bad).
-ADVISORY_KINDS: tuple[str, ...] = ("optimizer_coverage", "overflow_risk")
+ADVISORY_KINDS: tuple[str, ...] = registry.advisory_kinds()
 #: What the guard may be told to do on an incident (``NumGuardCallback(action=...)``).
 Action = Literal["warn", "skip", "rollback", "halt"]
 #: Every value of an event's ``action``: an :data:`Action`, or ``"none"`` for a finding only reported.
 ACTIONS: tuple[str, ...] = (*get_args(Action), "none")
+#: The actions that act on a step (its optimizer step becomes a no-op); ``"warn"`` only reports.
+ACTING_ACTIONS: tuple[str, ...] = ("skip", "rollback", "halt")
+#: What ``NumGuardCallback(spike_action=...)`` may be told to do on a finite spike.
+SPIKE_ACTIONS: tuple[str, ...] = ("warn", "skip", "rollback")
+
+
+def acting(action: str | None) -> bool:
+    """Whether ``action`` acts on a step (skips, rolls back or halts) rather than only reporting."""
+    return action in ACTING_ACTIONS
 
 
 def _doc(line: str) -> dict[str, str]:

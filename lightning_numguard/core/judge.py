@@ -3,8 +3,8 @@
 The callback reads a step's packed flags either at its optimizer step (``sync_mode="every_step"``) or one
 step later (``sync_mode="deferred"``). Either way, what the read found is summed up as :class:`Facts`, and
 :func:`judge` answers with a :class:`Decision`: the action, why it escalated, how the counters move, what
-becomes of the snapshot and whether the batch is quarantined. ``callbacks/_recovery`` carries the decision
-out on the training state and ``callbacks/_ledger`` applies its counts; nothing here touches a tensor.
+becomes of the snapshot and whether the batch is quarantined. ``callbacks/state/_recovery`` carries the decision
+out on the training state and ``callbacks/state/_ledger`` applies its counts; nothing here touches a tensor.
 
 The table in ``tests/core/test_judge.py`` is the specification.
 """
@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_numguard.core.events import acting
 from lightning_numguard.core.policy import decide
 
 __all__ = ["Budget", "Decision", "Facts", "judge"]
@@ -97,7 +98,7 @@ class Decision:
     @property
     def skips(self) -> bool:
         """Whether the optimizer step is a no-op (the gradients are dropped, or the device skipped it)."""
-        return self.action in ("skip", "rollback", "halt")
+        return acting(self.action)
 
 
 def judge(action: str, facts: Facts, budget: Budget, *, quarantine: bool = True, retry: bool = False) -> Decision:

@@ -6,6 +6,8 @@ The callback gathers what was found, then asks these functions what to do; the t
 
 from __future__ import annotations
 
+from lightning_numguard.core.events import acting
+
 __all__ = ["ACTIONS_TAKEN", "decide", "is_amp_overflow", "snapshot_due"]
 
 #: What :func:`decide` can answer.
@@ -51,4 +53,4 @@ def is_amp_overflow(*, grads_bad: bool, has_scaler: bool, local_incident: bool, 
 
 def snapshot_due(action: str, step: int, last_snapshot_step: int, every: int) -> bool:
     """Whether the state at the start of ``step`` should become the new snapshot once verified."""
-    return action != "warn" and step - last_snapshot_step >= every
+    return acting(action) and step - last_snapshot_step >= every

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from lightning_numguard.core import registry
 from lightning_numguard.core.findings import AFTER_FORWARD
 
 __all__ = [
@@ -46,34 +47,7 @@ __all__ = [
 
 # --------------------------------------------------------------------------- incident kinds
 
-KIND_HINTS: Mapping[str, str] = MappingProxyType(
-    {
-        "optimizer_coverage": "build the optimizer from `[p for p in model.parameters() if p.requires_grad]` "
-        "and give every trainable parameter exactly one param group",
-        "nonfinite_input": "the data is bad before the model sees it: check the dataset/transforms for NaN "
-        "(missing values, log(0), 0/0) and clean or drop those samples",
-        "suspicious_input": "finite values this large overflow in the first layers; mask or clip them in the "
-        "data pipeline",
-        "nonfinite_param": "the weights themselves are no longer finite (an earlier bad update, or the optimizer "
-        "state): restore a finite state and lower the learning rate",
-        "nonfinite_output": "look in this module for division by a zero std, sqrt/log of 0 or negatives, "
-        "exp overflow; add an eps or clamp",
-        "op_domain": "an op received inputs outside its domain and would have tripped a device-side assert "
-        "(BCE input outside [0, 1], class index >= n_classes, embedding index out of range); fix the values "
-        "feeding that op (often an upstream NaN, or a label/vocabulary off by one)",
-        "nonfinite_loss": "compute the loss in its numerically stable form (BCEWithLogitsLoss, log_softmax + "
-        "nll_loss, logsumexp) or add an eps where it divides or takes a log",
-        "nonfinite_grad": "look for a sqrt/pow/norm at 0 or a division by a small number, whose gradient is "
-        "infinite; add an eps, or lower the learning rate",
-        "loss_spike": "a bad batch or an update that went too far: look at this batch, and if spikes repeat lower "
-        "the learning rate, lengthen its warm-up or clip gradients (Trainer(gradient_clip_val=1.0))",
-        "grad_norm_spike": "clip gradients (Trainer(gradient_clip_val=1.0)), lower the learning rate, or look "
-        "at this batch for outliers",
-        "overflow_risk": "run this block in float32 (wrap it in torch.autocast(device_type, enabled=False) and "
-        "cast its input with .float()), scale its inputs or weights down (a normalisation, a smaller init), or "
-        "train in bf16-mixed, whose range is float32's",
-    }
-)
+KIND_HINTS: Mapping[str, str] = MappingProxyType(registry.kind_hints())
 """One sentence of advice per incident kind (every kind of :data:`~lightning_numguard.core.events.KINDS`)."""
 
 _UNKNOWN_KIND = "an incident kind this version of lightning_numguard does not describe."

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from lightning_numguard.core.events import ACTIONS, REQUIRED_FIELDS, counts_as_incident
+from lightning_numguard.core.events import ACTING_ACTIONS, ACTIONS, REQUIRED_FIELDS, counts_as_incident
 from lightning_numguard.reporting.hints import event_hint, kind_hint, op_hint
 from lightning_numguard.reporting.logs import wrap
 
@@ -29,7 +29,7 @@ _MAX_WHERE = 48
 Event = dict[str, Any]
 
 #: Actions that turn a step into a no-op (the summary's "steps skipped" counts them).
-_STEP_SKIPPED = ("skip", "rollback", "halt")
+_STEP_SKIPPED = ACTING_ACTIONS
 
 
 def _is_note(event: Event) -> bool:

@@ -7,12 +7,13 @@ sentence such as "the inputs were finite" appears only when that site was checke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_numguard.reporting.hints import KIND_HINTS, event_hint, fill_value_name
 
-__all__ = ["incident_message"]
+__all__ = ["SENTENCES", "incident_message"]
 
 _SITE_WORDS = {"param": "parameters", "buffer": "buffers", "optimizer_state": "optimizer state"}
 
@@ -70,101 +71,11 @@ def incident_message(
         rest = {k: v for k, v in details.items() if k != "persistent"}
         text = incident_message(kind, where, rest, step, rank, op, module, site, source)
         return text + _persistent_message(kind, names, int(persistent.get("steps", 0)))
-    if kind == "nonfinite_input":
-        text = f"non-finite value in {names} {at}"
-        stats = details.get("stats") or {}
-        if stats:
-            text += f" ({stats.get('nan', 0)} NaN, {stats.get('posinf', 0)} +Inf, {stats.get('neginf', 0)} -Inf)"
-    elif kind == "suspicious_input":
-        value = details.get("max_abs")
-        text = f"suspiciously large finite value {value:.6g} in {names} {at}" if value else f"huge value in {names}"
-        if fill_value_name(value):
-            return f"{text}: {hint}"
-    elif kind == "nonfinite_output" and details.get("received_from"):
-        text = f"module {names} received non-finite values from `{details['received_from']}` {at}"
-    elif kind == "nonfinite_output":
-        text = f"module {names} produced the first non-finite output {at}"
-        if details.get("own_code"):
-            text = f"the LightningModule's own code ({names}, outside every submodule) made the first non-finite "
-            text += f"value {at}"
-        if op and replay.get("literal"):
-            text += (
-                f"; replay traced it to op `{op}`" + (f" at {source}" if source else "") + ", writing a NaN/Inf literal"
-            )
-        elif op:
-            # kept word for word from earlier versions: "replay traced it to op `div` in `norm`"
-            text += f"; replay traced it to op `{op}`" + (f" in `{module}`" if module else "")
-            text += f" at {source}" if source else ""
-            text += " from inputs holding ±Inf but no NaN" if replay.get("inf_in") else " from finite inputs"
-        elif replay.get("from_another_rank"):
-            via = replay.get("first_bad_op")
-            text += "; its values came from another rank" + (f" through `{via}`" if via else "")
-            text += ", so no op on this rank is to blame"
-        elif replay.get("stage") == "inputs":
-            text += "; the values entering it were already non-finite, so no op inside it is to blame"
-        elif replay.get("error"):
-            text += f"; the replay could not run ({replay['error']}), so the module is named from the step's flags"
-    elif kind == "op_domain":
-        op_ = op or details.get("op", where[0] if where else "op")
-        module_ = module or details.get("module")
-        text = f"`{op_}` got inputs outside its domain ({details.get('rule', '')})"
-        if module_:
-            text += f" in module `{module_}`"
-        text += f" at {source}" if source else ""
-        text += f" {at}"
-        if details.get("count") is not None:
-            text += f": {details['count']} bad values"
-            nan = details.get("nan_count") or 0
-            lo, hi = details.get("min"), details.get("max")
-            numbers = [f"min {lo:.6g}, max {hi:.6g}"] if lo is not None and hi is not None else []
-            text += f" ({', '.join(([f'{nan} NaN'] if nan else []) + numbers)})" if nan or numbers else ""
-    elif kind == "nonfinite_loss":
-        text = f"the loss is non-finite {at}"
-        if op:
-            text += "; " + _op_clause(op, module, source, inf_in=bool(replay.get("inf_in")))
-        elif root and replay.get("stage") == "inputs":
-            text += "; the replay found the forward pass's inputs already non-finite"
-        elif root and {"inputs", "outputs"} <= checked:
-            text += "; the batch and every watched module output were finite, so the loss computation went non-finite"
-        elif root and "inputs" in checked:
-            text += "; the batch was finite (module outputs were not checked)"
-    elif kind == "nonfinite_grad":
-        text = f"non-finite gradient in {names} {at}"
-        if op:
-            text += "; " + _op_clause(op, module, source, backward=True)
-            if replay.get("stage") == "backward":
-                text += " (the replayed forward pass was finite)"
-        elif root and "loss" in checked:
-            text += "; the loss was finite, so the backward pass made it"
-    elif kind == "nonfinite_param":
-        when = details.get("when")
-        what = _SITE_WORDS.get(site or "", "")
-        text = f"non-finite values in {what + ' ' if what else ''}{names} {when + ' ' if when else ''}{at}"
-    elif kind == "optimizer_coverage":
-        text = f"{details.get('problem', 'optimizer coverage problem')}: {names}"
-    elif kind in ("loss_spike", "grad_norm_spike"):
-        what = "the loss" if kind == "loss_spike" else "the global gradient norm"
-        value, z = details.get("value"), details.get("zscore")
-        text = f"{what} spiked to {value:.4g}" if isinstance(value, (int, float)) else f"{what} spiked"
-        if isinstance(z, (int, float)):
-            text += f", {z:.1f} robust sigma above the median of its last {details.get('window', '?')} steps"
-            text += f" (threshold {details.get('sigma', '?')})"
-        text += f" {at}"
-        if details.get("escalated"):
-            text += f"; rolled back: {details['escalated']}"
-    elif kind == "overflow_risk" and details.get("loss_scale_collapse"):
-        return str(details["loss_scale_collapse"])
-    elif kind == "overflow_risk":
-        peak, limit, dtype = details.get("peak"), details.get("limit"), details.get("dtype", "?")
-        if isinstance(peak, (int, float)) and isinstance(limit, (int, float)) and peak > 0:
-            text = (
-                f"module {names} output reached |x| = {peak:.5g}, within {limit / peak:.3g}x of {dtype}'s largest "
-                f"finite value {limit:.6g}, {at}"
-            )
-        else:
-            text = f"module {names} output is near {dtype}'s largest finite value {at}"
-    else:
-        text = f"{kind} in {names} {at}"
+    first = where[0] if where else "op"
+    say = _Say(kind, names, first, details, at, hint, checked, replay, root, op, module, site, source)
+    text = SENTENCES.get(kind, _unknown)(say)
+    if isinstance(text, _Whole):
+        return str(text)
     return f"{text}; {hint}" if hint else text
 
 
@@ -267,3 +178,168 @@ def action_message(
         )
     text += f"; events: {events_file}" if events_file else "; events are in callback.events (no events.jsonl written)"
     return text + "."
+
+
+# --------------------------------------------------------------------------- one sentence per kind
+
+
+@dataclass(frozen=True)
+class _Say:
+    """What a kind's sentence is made of (the fields of :func:`incident_message`, prepared once)."""
+
+    kind: str
+    names: str
+    first: str  # the first place named, or "op"
+    details: dict[str, Any]
+    at: str
+    hint: str
+    checked: set[str]
+    replay: dict[str, Any]
+    root: bool
+    op: str | None
+    module: str | None
+    site: str | None
+    source: str | None
+
+
+class _Whole(str):
+    """A sentence complete as it is: no hint is appended."""
+
+
+def _input(s: _Say) -> str:
+    text = f"non-finite value in {s.names} {s.at}"
+    stats = s.details.get("stats") or {}
+    if stats:
+        text += f" ({stats.get('nan', 0)} NaN, {stats.get('posinf', 0)} +Inf, {stats.get('neginf', 0)} -Inf)"
+    return text
+
+
+def _suspicious(s: _Say) -> str:
+    value = s.details.get("max_abs")
+    text = f"suspiciously large finite value {value:.6g} in {s.names} {s.at}" if value else f"huge value in {s.names}"
+    return _Whole(f"{text}: {s.hint}") if fill_value_name(value) else text
+
+
+def _output(s: _Say) -> str:
+    op, replay, source, module = s.op, s.replay, s.source, s.module
+    if s.details.get("received_from"):
+        return f"module {s.names} received non-finite values from `{s.details['received_from']}` {s.at}"
+    text = f"module {s.names} produced the first non-finite output {s.at}"
+    if s.details.get("own_code"):
+        text = f"the LightningModule's own code ({s.names}, outside every submodule) made the first non-finite "
+        text += f"value {s.at}"
+    if op and replay.get("literal"):
+        text += f"; replay traced it to op `{op}`" + (f" at {source}" if source else "") + ", writing a NaN/Inf literal"
+    elif op:
+        # kept word for word from earlier versions: "replay traced it to op `div` in `norm`"
+        text += f"; replay traced it to op `{op}`" + (f" in `{module}`" if module else "")
+        text += f" at {source}" if source else ""
+        text += " from inputs holding ±Inf but no NaN" if replay.get("inf_in") else " from finite inputs"
+    elif replay.get("from_another_rank"):
+        via = replay.get("first_bad_op")
+        text += "; its values came from another rank" + (f" through `{via}`" if via else "")
+        text += ", so no op on this rank is to blame"
+    elif replay.get("stage") == "inputs":
+        text += "; the values entering it were already non-finite, so no op inside it is to blame"
+    elif replay.get("error"):
+        text += f"; the replay could not run ({replay['error']}), so the module is named from the step's flags"
+    return text
+
+
+def _op_domain(s: _Say) -> str:
+    details = s.details
+    op_ = s.op or details.get("op", s.first)
+    module_ = s.module or details.get("module")
+    text = f"`{op_}` got inputs outside its domain ({details.get('rule', '')})"
+    if module_:
+        text += f" in module `{module_}`"
+    text += f" at {s.source}" if s.source else ""
+    text += f" {s.at}"
+    if details.get("count") is not None:
+        text += f": {details['count']} bad values"
+        nan = details.get("nan_count") or 0
+        lo, hi = details.get("min"), details.get("max")
+        numbers = [f"min {lo:.6g}, max {hi:.6g}"] if lo is not None and hi is not None else []
+        text += f" ({', '.join(([f'{nan} NaN'] if nan else []) + numbers)})" if nan or numbers else ""
+    return text
+
+
+def _loss(s: _Say) -> str:
+    text = f"the loss is non-finite {s.at}"
+    if s.op:
+        text += "; " + _op_clause(s.op, s.module, s.source, inf_in=bool(s.replay.get("inf_in")))
+    elif s.root and s.replay.get("stage") == "inputs":
+        text += "; the replay found the forward pass's inputs already non-finite"
+    elif s.root and {"inputs", "outputs"} <= s.checked:
+        text += "; the batch and every watched module output were finite, so the loss computation went non-finite"
+    elif s.root and "inputs" in s.checked:
+        text += "; the batch was finite (module outputs were not checked)"
+    return text
+
+
+def _grad(s: _Say) -> str:
+    text = f"non-finite gradient in {s.names} {s.at}"
+    if s.op:
+        text += "; " + _op_clause(s.op, s.module, s.source, backward=True)
+        if s.replay.get("stage") == "backward":
+            text += " (the replayed forward pass was finite)"
+    elif s.root and "loss" in s.checked:
+        text += "; the loss was finite, so the backward pass made it"
+    return text
+
+
+def _param(s: _Say) -> str:
+    when = s.details.get("when")
+    what = _SITE_WORDS.get(s.site or "", "")
+    return f"non-finite values in {what + ' ' if what else ''}{s.names} {when + ' ' if when else ''}{s.at}"
+
+
+def _coverage(s: _Say) -> str:
+    return f"{s.details.get('problem', 'optimizer coverage problem')}: {s.names}"
+
+
+def _spike(s: _Say) -> str:
+    details = s.details
+    what = "the loss" if s.kind == "loss_spike" else "the global gradient norm"
+    value, z = details.get("value"), details.get("zscore")
+    text = f"{what} spiked to {value:.4g}" if isinstance(value, (int, float)) else f"{what} spiked"
+    if isinstance(z, (int, float)):
+        text += f", {z:.1f} robust sigma above the median of its last {details.get('window', '?')} steps"
+        text += f" (threshold {details.get('sigma', '?')})"
+    text += f" {s.at}"
+    if details.get("escalated"):
+        text += f"; rolled back: {details['escalated']}"
+    return text
+
+
+def _overflow(s: _Say) -> str:
+    details = s.details
+    if details.get("loss_scale_collapse"):
+        return _Whole(str(details["loss_scale_collapse"]))
+    peak, limit, dtype = details.get("peak"), details.get("limit"), details.get("dtype", "?")
+    if isinstance(peak, (int, float)) and isinstance(limit, (int, float)) and peak > 0:
+        return (
+            f"module {s.names} output reached |x| = {peak:.5g}, within {limit / peak:.3g}x of {dtype}'s largest "
+            f"finite value {limit:.6g}, {s.at}"
+        )
+    return f"module {s.names} output is near {dtype}'s largest finite value {s.at}"
+
+
+def _unknown(s: _Say) -> str:
+    return f"{s.kind} in {s.names} {s.at}"
+
+
+#: The sentence of each kind of :data:`~lightning_numguard.core.events.KINDS` (a kind not here: ``"<kind> in …"``).
+SENTENCES: dict[str, Callable[[_Say], str]] = {
+    "nonfinite_input": _input,
+    "suspicious_input": _suspicious,
+    "nonfinite_output": _output,
+    "op_domain": _op_domain,
+    "nonfinite_loss": _loss,
+    "nonfinite_grad": _grad,
+    "nonfinite_param": _param,
+    "optimizer_coverage": _coverage,
+    "loss_spike": _spike,
+    "grad_norm_spike": _spike,
+    "overflow_risk": _overflow,
+}

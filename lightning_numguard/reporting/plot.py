@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_numguard.core.events import counts_as_incident, read_events
+from lightning_numguard.core.events import acting, counts_as_incident, read_events
 from lightning_numguard.errors import NumGuardError
 from lightning_numguard.reporting.trace import TRACE_FILENAME, Trace, read_trace
 
@@ -70,7 +70,7 @@ def _category(event: Mapping[str, Any]) -> list[str]:
         found.append("spike")
     elif counts_as_incident(event):
         found.append("incident")
-    if action in ("skip", "rollback", "halt"):
+    if acting(action):
         found.append(action)
     return found
 

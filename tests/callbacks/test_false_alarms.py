@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_numguard import NonFiniteError, NumGuardCallback, NumGuardWarning
-from lightning_numguard.callbacks._conventions import CONVENTION_STEPS
+from lightning_numguard.callbacks.state._conventions import CONVENTION_STEPS
 from tests.helpers import trainer
 
 VOCAB, DIM, SEQ = 24, 16, 6

@@ -300,7 +300,7 @@ def test_the_package_imports_and_validates_without_jsonargparse() -> None:
     code = (
         "import sys; sys.modules['jsonargparse'] = None\n"
         "from lightning_numguard import NumGuardCallback, NumGuardConfigError\n"
-        "from lightning_numguard.callbacks import _types\n"
+        "from lightning_numguard.callbacks.config import _types\n"
         "assert (_types.PositiveInt, _types.NonNegativeInt, _types.PositiveFloat, _types.Backoff) == (int, int, float, float)\n"
         "assert NumGuardCallback(snapshot_every_n_steps=3).snapshot_every_n_steps == 3\n"
         "try:\n"
@@ -314,7 +314,7 @@ def test_the_package_imports_and_validates_without_jsonargparse() -> None:
 
 
 def test_plain_args_changes_only_the_args_section() -> None:
-    from lightning_numguard.callbacks._types import plain_args
+    from lightning_numguard.callbacks.config._types import plain_args
 
     doc = 'Do ``x``.\n\n    Args:\n        a: ``"on"`` or ``None``.\n            More ``b``.\n\n    Raises:\n        E: ``c``.\n'
     assert (

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_numguard.callbacks._ledger import Ledger
-from lightning_numguard.callbacks._record import StepRecord
-from lightning_numguard.callbacks._recovery import Recovery
-from lightning_numguard.callbacks._snapshots import Snapshots
+from lightning_numguard.callbacks.state._ledger import Ledger
+from lightning_numguard.callbacks.state._recovery import Recovery
+from lightning_numguard.callbacks.state._snapshots import Snapshots
+from lightning_numguard.callbacks.step._record import StepRecord
 from lightning_numguard.core.findings import Finding
 from lightning_numguard.core.judge import Budget, Decision, Facts, judge
 

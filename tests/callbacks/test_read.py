@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from lightning_numguard.callbacks._read import StepRead
-from lightning_numguard.callbacks._record import StepRecorder
+from lightning_numguard.callbacks.step._read import StepRead
+from lightning_numguard.callbacks.step._record import StepRecorder
 
 
 def _reader(check: list[str]) -> StepRead:

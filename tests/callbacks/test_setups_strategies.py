@@ -7,7 +7,7 @@ import torch
 from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from lightning_numguard import NumGuardCallback
-from lightning_numguard.callbacks._strategies import check_strategy
+from lightning_numguard.callbacks.distributed._strategies import check_strategy
 from lightning_numguard.errors import NumGuardError, NumGuardWarning
 from tests.helpers import FaultData, FaultModel, loader, trainer
 

@@ -18,7 +18,7 @@ already reported near their dtype's limit). Each optimizer step:
    threshold) joins the device-side skip through ``found_inf`` and the findings come with the late read;
 3. at batch end, :meth:`~SpikeGuard.push` moves the window on (several processes: it takes the reduced values;
    no sync), and :meth:`~SpikeGuard.scalars` gives ``numguard/grad_norm``, ``numguard/loss_zscore`` and
-   ``numguard/grad_norm_zscore`` to the series (:mod:`~lightning_numguard.callbacks._series`: Lightning's
+   ``numguard/grad_norm_zscore`` to the series (:mod:`~lightning_numguard.callbacks.output._series`: Lightning's
    logging steps and every event step; host numbers already read: no sync).
 
 The window is in the callback's checkpoint state (resume) and, as a stateful object of the snapshots, is put
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from lightning_numguard.core import spike
+from lightning_numguard.core.events import SPIKE_ACTIONS
 from lightning_numguard.core.findings import Finding, mark_consequences
 from lightning_numguard.core.spike import NOT_JUDGED, SpikeWindow
 
@@ -42,7 +43,6 @@ __all__ = ["SPIKE_ACTIONS", "SpikeGuard"]
 log = logging.getLogger(__name__)
 
 #: ``NumGuardCallback(spike_action=...)`` values besides ``None``.
-SPIKE_ACTIONS: tuple[str, ...] = ("warn", "skip", "rollback")
 #: The stateful name of the window in snapshots.
 STATEFUL_KEY = "numguard:spike_window"
 #: Steps between refreshes of the window's statistics (each step's value is scored against them), at most a quarter
@@ -259,7 +259,7 @@ class SpikeGuard:
     def scalars(self) -> dict[str, float]:
         """``numguard/grad_norm`` and the z-scores of the latest host read, once (no device read).
 
-        The caller hands them to :class:`~lightning_numguard.callbacks._series.RunSeries` with the counters.
+        The caller hands them to :class:`~lightning_numguard.callbacks.output._series.RunSeries` with the counters.
         """
         if self.last is None:
             return {}

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_numguard.core.events import Event, counts_as_incident
+from lightning_numguard.core.events import Event, acting, counts_as_incident
 from lightning_numguard.core.findings import Finding
 from lightning_numguard.reporting.messages import action_message, incident_message
 from lightning_numguard.reporting.report import Reporter
@@ -113,7 +113,7 @@ class Ledger:
             ckpt: ``last_finite.ckpt``'s path, when one is written in this run.
         """
         decision = rec.decision
-        if rec.action not in ("skip", "rollback", "halt") or not rec.events or not trainer.is_global_zero:
+        if not acting(rec.action) or not rec.events or not trainer.is_global_zero:
             return
         acted = [e for e in rec.events if e["action"] == rec.action] or rec.events  # not a field declared a convention
         root = next((e for e in acted if e.get("root_cause", True)), acted[0])

@@ -1,7 +1,7 @@
 """``NumGuardCallback(sync_mode="deferred")``: the read schedule with no host read on the step it checks.
 
 The step's flag vector is packed and all-reduced on the device exactly as in the default mode
-(:meth:`StepRead.pack <lightning_numguard.callbacks._read.StepRead.pack>`), then
+(:meth:`StepRead.pack <lightning_numguard.callbacks.step._read.StepRead.pack>`), then
 
 * the optimizer step is skipped **on the device** when any flag is set (``Recovery.skip_on_device``:
   ``found_inf`` armed on the fused optimizer, as ``torch.amp.GradScaler`` does, and the buffers the bad
@@ -9,7 +9,7 @@ The step's flag vector is packed and all-reduced on the device exactly as in the
 * the vector is copied to host memory without blocking (:class:`~lightning_numguard.core.pending.PendingFlags`)
   and read at the *next* optimizer step, when the copy has long landed;
 * that late read goes through the same pipeline as the default mode's read
-  (:meth:`StepPipeline.judge <lightning_numguard.callbacks._pipeline.StepPipeline.judge>`): the one findings
+  (:meth:`StepPipeline.judge <lightning_numguard.callbacks.step._pipeline.StepPipeline.judge>`): the one findings
   builder, from the records kept for the step, and the one judge. A clean step verifies the snapshot
   candidate taken at its start; a restore it decides is carried out at the end of the batch in flight,
   whose own optimizer step is skipped on the device too.
@@ -27,30 +27,29 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_numguard.callbacks._diagnosis import StepView
-from lightning_numguard.callbacks._pipeline import StepPipeline
-from lightning_numguard.callbacks._read import Reading
-from lightning_numguard.callbacks._record import StepRecord
+from lightning_numguard.callbacks.step._diagnosis import StepView
+from lightning_numguard.callbacks.step._pipeline import StepPipeline
+from lightning_numguard.callbacks.step._read import Reading
+from lightning_numguard.callbacks.step._record import StepRecord
+from lightning_numguard.callbacks.step._schedule import ReadSchedule
 from lightning_numguard.core import flags
 from lightning_numguard.core.pending import PendingFlags, supports_device_skip
 from lightning_numguard.errors import NumGuardConfigError
 
-__all__ = ["SYNC_MODES", "DeferredRead"]
-
-SYNC_MODES = ("every_step", "deferred")
+__all__ = ["Deferred"]
 
 
-class DeferredRead:
+class Deferred(ReadSchedule):
     """The deferred read schedule of one fit: flags pushed without blocking, read and judged one step late."""
 
     def __init__(self, pipeline: StepPipeline) -> None:
-        self.pipeline = pipeline
+        super().__init__(pipeline)
         self.pending = PendingFlags()
         self.records: dict[int, StepRecord] = {}
         self.kept: dict[int, tuple[Any, list[Any]]] = {}  # per step: the watch's and op guard's records
         self.carry: StepRecord | None = None  # a late decision, carried out at the end of the batch in flight
 
-    def at_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def at_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Refuse what a device-side skip cannot serve; the fit-start state becomes the first verified snapshot."""
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             raise NumGuardConfigError(
@@ -62,7 +61,7 @@ class DeferredRead:
                 "`sync_mode='deferred'` needs automatic optimization with one optimizer; use sync_mode='every_step'"
             )
         optimizer = trainer.optimizers[0]
-        if self.pipeline.settings.action != "warn" and not supports_device_skip(optimizer):
+        if self.pipeline.settings.acting and not supports_device_skip(optimizer):
             raise NumGuardConfigError(
                 f"`sync_mode='deferred'` skips a bad step on the device through `found_inf`, which "
                 f"{type(optimizer).__name__} ignores unless it is fused: create it with `fused=True` "
@@ -70,7 +69,7 @@ class DeferredRead:
             )
         self.pipeline.recovery.start_late(trainer, pl_module, self.pipeline.reader.start_buffer_map)
 
-    def before_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def at_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """Pack and reduce the flags, arm the device skip, push the flags, judge the previous step's."""
         p = self.pipeline
         rec = p.recorder.record
@@ -78,7 +77,7 @@ class DeferredRead:
         due = p.due(trainer.global_step)
         packed = p.reader.pack(trainer, pl_module, optimizer, due)
         n = len(flags.SLOTS)
-        if p.settings.action != "warn":
+        if p.settings.acting:
             bad = packed.narrow(0, 0, n).any()
             if p.spike.acting and packed.numel() > n:  # a spike is skipped on the device too
                 bad = bad | p.spike.device_flag(packed[n:])

@@ -14,8 +14,8 @@ from typing import Any, Literal, NamedTuple
 
 import pytorch_lightning as pl
 
-from lightning_numguard.callbacks import _sharded
-from lightning_numguard.callbacks._record import StepRecord
+from lightning_numguard.callbacks.distributed import _sharded
+from lightning_numguard.callbacks.step._record import StepRecord
 from lightning_numguard.core.pending import LateSnapshots
 from lightning_numguard.core.snapshot import (
     PendingCapture,

@@ -4,7 +4,7 @@
 with consequences marked. Read at the step (``sync_mode="every_step"``) it looks at the live instruments,
 gradients and buffers, and may replay the batch to name the exact module and op; read one step late
 (``sync_mode="deferred"``) it looks at the records kept for that step (:meth:`StepRecorder.keep
-<lightning_numguard.callbacks._record.StepRecorder.keep>`) and the state now, and a slot whose place no rank
+<lightning_numguard.callbacks.step._record.StepRecorder.keep>`) and the state now, and a slot whose place no rank
 can name any more is reported by its flag. Every call here is collective (every rank holds the same flag
 vector, so every rank takes the same branches).
 """
@@ -18,10 +18,10 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_numguard.callbacks import _distributed
-from lightning_numguard.callbacks._read import Reading, StepRead
-from lightning_numguard.callbacks._record import StepRecord, StepRecorder
-from lightning_numguard.callbacks._replay import replay_batch
+from lightning_numguard.callbacks.distributed import _distributed
+from lightning_numguard.callbacks.step._read import Reading, StepRead
+from lightning_numguard.callbacks.step._record import StepRecord, StepRecorder
+from lightning_numguard.callbacks.step._replay import replay_batch
 from lightning_numguard.core import checks, flags
 from lightning_numguard.core.findings import AFTER_FORWARD, Finding, mark_consequences, merge
 from lightning_numguard.core.opguard import OpGuard

@@ -1,12 +1,12 @@
 """One step pipeline for both read schedules: read → diagnose → judge → carry out → record.
 
 ``sync_mode="every_step"`` reads a step's packed flags at its optimizer step (:meth:`StepPipeline.read`);
-``sync_mode="deferred"`` reads them one step later (:mod:`~lightning_numguard.callbacks._zerosync`). Both hand
+``sync_mode="deferred"`` reads them one step later (:mod:`~lightning_numguard.callbacks.step._zerosync`). Both hand
 the read to :meth:`StepPipeline.judge`, which names the culprits with the one builder
-(:func:`~lightning_numguard.callbacks._diagnosis.diagnose`), asks :func:`~lightning_numguard.core.judge.judge`
-what to do, and moves the counters (:class:`~lightning_numguard.callbacks._ledger.Ledger`, their one owner).
+(:func:`~lightning_numguard.callbacks.step._diagnosis.diagnose`), asks :func:`~lightning_numguard.core.judge.judge`
+what to do, and moves the counters (:class:`~lightning_numguard.callbacks.state._ledger.Ledger`, their one owner).
 :meth:`StepPipeline.finish` carries the decision out at batch end
-(:class:`~lightning_numguard.callbacks._recovery.Recovery`, the one part that changes training state) and
+(:class:`~lightning_numguard.callbacks.state._recovery.Recovery`, the one part that changes training state) and
 records its events.
 """
 
@@ -21,16 +21,17 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_numguard import _compat
-from lightning_numguard.callbacks._amp import AmpCounters
-from lightning_numguard.callbacks._conventions import InputConventions
-from lightning_numguard.callbacks._diagnosis import StepView, diagnose
-from lightning_numguard.callbacks._ledger import Ledger
-from lightning_numguard.callbacks._read import StepRead
-from lightning_numguard.callbacks._record import StepRecord, StepRecorder
-from lightning_numguard.callbacks._recovery import Recovery
-from lightning_numguard.callbacks._snapshots import Snapshots
-from lightning_numguard.callbacks._spike import SpikeGuard
+from lightning_numguard.callbacks.output._amp import AmpCounters
+from lightning_numguard.callbacks.state._conventions import InputConventions
+from lightning_numguard.callbacks.state._ledger import Ledger
+from lightning_numguard.callbacks.state._recovery import Recovery
+from lightning_numguard.callbacks.state._snapshots import Snapshots
+from lightning_numguard.callbacks.step._diagnosis import StepView, diagnose
+from lightning_numguard.callbacks.step._read import StepRead
+from lightning_numguard.callbacks.step._record import StepRecord, StepRecorder
+from lightning_numguard.callbacks.step._spike import SpikeGuard
 from lightning_numguard.core import flags, policy
+from lightning_numguard.core.events import acting
 from lightning_numguard.core.findings import Finding
 from lightning_numguard.core.judge import Budget, Decision, Facts, judge
 from lightning_numguard.core.quarantine import position_key
@@ -47,7 +48,9 @@ class Settings:
     """The callback's validated arguments that its parts act on (see ``NumGuardCallback``)."""
 
     action: str
+    dirpath: str | None
     check: list[str]
+    check_optimizer_coverage: str
     max_abs_input: float | None
     watch_modules: list[str]
     ignore_modules: list[str]
@@ -71,6 +74,11 @@ class Settings:
     spike_warmup: int
     spike_rollback_after: int
     overflow_headroom: float | None
+
+    @property
+    def acting(self) -> bool:
+        """Whether the guard acts on a bad step (skip, rollback, halt), not only reports it (``action="warn"``)."""
+        return acting(self.action)
 
 
 @dataclass
@@ -145,8 +153,7 @@ class StepPipeline:
         elif seen.any:
             if not late:
                 self.recorder.point_to_bad_micro_batch(trainer)  # under accumulation: the micro-batch that went bad
-            acting = s.action != "warn"
-            found = diagnose(trainer, pl_module, self.recorder, self.reader, view, s.replay and acting, acting)
+            found = diagnose(trainer, pl_module, self.recorder, self.reader, view, s.replay and s.acting, s.acting)
             if found.amp_overflow:
                 self._loss_scale(trainer, rec)
             findings, declared = self.conventions.sort(found.findings)  # a field flagged step after step: not a fault
@@ -159,7 +166,7 @@ class StepPipeline:
                 failures=failures,
                 snapshot_due=due,
                 late=late,
-                device_skipped=late and acting,  # every flagged step is skipped on the device when read late
+                device_skipped=late and s.acting,  # every flagged step is skipped on the device when read late
                 broken=_broken(findings),
             )
         else:
@@ -240,7 +247,7 @@ class StepPipeline:
         """The weights are non-finite before the first step: recorded, and (unless ``"warn"``) refused."""
         finding = Finding("nonfinite_param", bad, {"when": "fit start"})
         self.ledger.record(trainer, [self.ledger.event(trainer, finding, 0, "none")])
-        if self.settings.action != "warn":
+        if self.settings.acting:
             raise NonFiniteError(
                 f"NumGuard: the weights or optimizer state are already non-finite at fit start ({bad[:3]}); "
                 "there is no finite state to protect. Resume from an earlier checkpoint."
@@ -248,7 +255,7 @@ class StepPipeline:
 
     def at_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The last step's update has not been checked yet: check it once, repair it (from the snapshot)."""
-        end = self.recovery.at_train_end(trainer, pl_module, self.reader, self.settings.action == "warn")
+        end = self.recovery.at_train_end(trainer, pl_module, self.reader, not self.settings.acting)
         if end is not None:
             bad, action, details = end
             self.ledger.count({"rollbacks": int(action == "rollback")})  # the repair restored from the snapshot
@@ -323,8 +330,5 @@ def _broken(findings: list[Finding]) -> str | None:
 def _instruments(s: Settings, spike: SpikeGuard, conventions: InputConventions) -> tuple[StepRecorder, StepRead]:
     """A fit's step recorder and read: the recorder leaves out the fields declared conventions; the read carries the
     spike statistics after its flags."""
-    recorder = StepRecorder(s.check, s.watch_modules, s.ignore_modules, s.watch_depth)
-    recorder.ignored_inputs = conventions.ignored
-    reader = StepRead(s.check, s.max_abs_input, recorder)
-    reader.spike = spike
-    return recorder, reader
+    recorder = StepRecorder(s.check, s.watch_modules, s.ignore_modules, s.watch_depth, conventions.ignored)
+    return recorder, StepRead(s.check, s.max_abs_input, recorder, spike)

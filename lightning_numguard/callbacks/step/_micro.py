@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_numguard.callbacks import _distributed
+from lightning_numguard.callbacks.distributed import _distributed
 from lightning_numguard.core.checks import as_f32
 
 if TYPE_CHECKING:
-    from lightning_numguard.callbacks._record import StepRecord
+    from lightning_numguard.callbacks.step._record import StepRecord
     from lightning_numguard.core.watch import OutputWatch
 
 __all__ = ["MicroBatch", "first_bad", "merge_flag", "micro_rng"]

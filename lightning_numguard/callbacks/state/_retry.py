@@ -17,7 +17,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_numguard.callbacks._strategies import holds_local_shards
+from lightning_numguard.callbacks.distributed._strategies import holds_local_shards
 from lightning_numguard.core import checks
 from lightning_numguard.core.replay import loss_of
 from lightning_numguard.core.snapshot import set_rng_state

@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
-from lightning_numguard.core.events import Action
+from lightning_numguard.core.events import SPIKE_ACTIONS, Action
 from lightning_numguard.errors import NumGuardConfigError
 
 __all__ = [
@@ -99,7 +99,7 @@ def spike_settings(
 ) -> tuple[float, int, float | None]:
     """Check the spike and overflow arguments; returns ``(sigma, warmup, headroom)`` (``warmup`` resolved)."""
     if spike_action is not None:
-        choice("spike_action", spike_action, ("warn", "skip", "rollback"))
+        choice("spike_action", spike_action, SPIKE_ACTIONS)
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not 0 < sigma < math.inf:
         raise NumGuardConfigError(f"`spike_sigma` must be a positive number, got {sigma!r}")
     integer("spike_window", window, 0)

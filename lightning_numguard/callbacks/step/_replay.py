@@ -16,8 +16,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_numguard.callbacks import _distributed
-from lightning_numguard.callbacks._strategies import holds_local_shards
+from lightning_numguard.callbacks.distributed import _distributed
+from lightning_numguard.callbacks.distributed._strategies import holds_local_shards
 from lightning_numguard.core.replay import replay
 
 __all__ = ["replay_batch"]

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_numguard.callbacks._ledger import Ledger
+from lightning_numguard.callbacks.state._ledger import Ledger
 from lightning_numguard.core.coverage import NO_GRAD_IN_FIRST_STEP, check_coverage, never_got_grad
 from lightning_numguard.core.findings import Finding
 from lightning_numguard.errors import NumGuardError

@@ -1,9 +1,9 @@
 """Recovery: the one part that changes training state, carrying out each step's judged ``Decision``.
 
 It drops a bad step's gradients (or skips it on the device), puts back what a skipped forward pass changed,
-restores the last verified-finite snapshot (:class:`~lightning_numguard.callbacks._snapshots.Snapshots`), backs
+restores the last verified-finite snapshot (:class:`~lightning_numguard.callbacks.state._snapshots.Snapshots`), backs
 the learning rate off, retries, quarantines, halts and writes ``last_finite.ckpt``, and swaps non-finite state
-out of any checkpoint written during the run. It counts nothing (``callbacks/_ledger`` does).
+out of any checkpoint written during the run. It counts nothing (``callbacks/state/_ledger`` does).
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_numguard.callbacks import _distributed, _micro, _sharded
-from lightning_numguard.callbacks._metrics import LoggedValues
-from lightning_numguard.callbacks._read import StepRead
-from lightning_numguard.callbacks._record import StepRecord
-from lightning_numguard.callbacks._repeats import Restores, learning_rate, put_schedule, schedule
-from lightning_numguard.callbacks._retry import is_transient
-from lightning_numguard.callbacks._snapshots import Snapshots
-from lightning_numguard.callbacks._strategies import holds_local_shards
+from lightning_numguard.callbacks.distributed import _distributed, _sharded
+from lightning_numguard.callbacks.distributed._strategies import holds_local_shards
+from lightning_numguard.callbacks.state._metrics import LoggedValues
+from lightning_numguard.callbacks.state._repeats import Restores, learning_rate, put_schedule, schedule
+from lightning_numguard.callbacks.state._retry import is_transient
+from lightning_numguard.callbacks.state._snapshots import Snapshots
+from lightning_numguard.callbacks.step import _micro
+from lightning_numguard.callbacks.step._read import StepRead
+from lightning_numguard.callbacks.step._record import StepRecord
 from lightning_numguard.core import checks
 from lightning_numguard.core.dtensor import local
 from lightning_numguard.core.judge import Decision
@@ -288,7 +289,7 @@ class Recovery:
     def _retry(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord) -> None:
         """Decide whether the incident was transient: re-run the batch once from the restored state.
 
-        The re-run trains nothing (see :mod:`~lightning_numguard.callbacks._retry`) and the snapshot is put back
+        The re-run trains nothing (see :mod:`~lightning_numguard.callbacks.state._retry`) and the snapshot is put back
         after it. A transient batch is simply not trained on; a persistent one is quarantined at once.
         """
         ok = is_transient(trainer, pl_module, rec.batch, rec.batch_idx, rec.start_rng)

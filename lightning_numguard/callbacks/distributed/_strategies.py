@@ -24,6 +24,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from lightning_numguard.core.events import acting
 from lightning_numguard.errors import NumGuardError, NumGuardWarning
 
 __all__ = ["LOCAL_SHARDS", "SHARDED", "SUPPORTED", "UNTESTED_SHARDED", "check_strategy", "holds_local_shards"]
@@ -57,7 +58,7 @@ def check_strategy(strategy: Any, action: str) -> None:
     name = type(strategy).__name__
     untested = next((s for s in UNTESTED_SHARDED if s in mro), None)
     if untested is not None:
-        if action != "warn":
+        if acting(action):
             raise NumGuardError(
                 f"NumGuard: action={action!r} is not supported under {name}: {UNTESTED_SHARDED[untested]}, so a "
                 "skip or rollback could silently corrupt the run. Use ModelParallelStrategy with "

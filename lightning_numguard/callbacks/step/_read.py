@@ -1,6 +1,6 @@
 """The step's one read: names resolved once per fit, per-segment plans, the packed flags and their reduce.
 
-:class:`StepRead` turns what the step recorded (:class:`~lightning_numguard.callbacks._record.StepRecord`) and
+:class:`StepRead` turns what the step recorded (:class:`~lightning_numguard.callbacks.step._record.StepRecord`) and
 the state it checks (gradients, parameters, buffers, optimizer state) into the 0-d slot values of
 :mod:`~lightning_numguard.core.flags`, packs them with the spike statistics' values, all-reduces them across
 ranks in one call and reads them back once (:meth:`~StepRead.read`); ``sync_mode="deferred"`` stops before the
@@ -17,8 +17,8 @@ from typing import Any, cast
 import pytorch_lightning as pl
 import torch
 
-from lightning_numguard.callbacks import _distributed
-from lightning_numguard.callbacks._record import Named, StepRecorder
+from lightning_numguard.callbacks.distributed import _distributed
+from lightning_numguard.callbacks.step._record import Named, StepRecorder
 from lightning_numguard.core import checks, flags, spike
 from lightning_numguard.core.dtensor import local
 
@@ -46,7 +46,9 @@ class StepRead:
         recorder: the step record and its instruments.
     """
 
-    def __init__(self, check: list[str], max_abs_input: float | None, recorder: StepRecorder) -> None:
+    def __init__(
+        self, check: list[str], max_abs_input: float | None, recorder: StepRecorder, spike: Any = None
+    ) -> None:
         self.check = check
         self.max_abs_input = max_abs_input
         self.recorder = recorder
@@ -68,9 +70,9 @@ class StepRead:
         # Whether parameters, buffers and optimizer state may go through the CPU's fused check, which writes the
         # same bits back: not while a snapshot copies them on another thread (set at train start)
         self.state_rewritable = False
-        # Spike statistics and overflow headroom (callbacks/_spike.SpikeGuard), set by the callback: their
-        # values ride after the flag slots in the one read; the global gradient norm is the grads' check
-        self.spike: Any = None
+        # Spike statistics and overflow headroom (callbacks/step/_spike.SpikeGuard), or None: their values ride after
+        # the flag slots in the one read; the global gradient norm is the grads' check
+        self.spike: Any = spike
         #: the step's global gradient L2 norm (0-d, on the device) when the spike statistics carry it, else ``None``
         self.grad_norm: torch.Tensor | None = None
         self._zeros: dict[torch.device, torch.Tensor] = {}

@@ -9,7 +9,7 @@
 3. :meth:`~StepRecorder.record_loss` (before backward);
 4. :meth:`~StepRecorder.end` (batch end): the instruments cleared for the next step.
 
-Nothing here reads a value on the host; the read is :mod:`~lightning_numguard.callbacks._read`'s.
+Nothing here reads a value on the host; the read is :mod:`~lightning_numguard.callbacks.step._read`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_numguard import _compat
-from lightning_numguard.callbacks import _micro
+from lightning_numguard.callbacks.step import _micro
 from lightning_numguard.core import checks
 from lightning_numguard.core.dtensor import local
 from lightning_numguard.core.opguard import OpGuard
@@ -92,7 +92,12 @@ class StepRecorder:
     """
 
     def __init__(
-        self, check: list[str], watch_modules: list[str], ignore_modules: list[str], watch_depth: int | None = 1
+        self,
+        check: list[str],
+        watch_modules: list[str],
+        ignore_modules: list[str],
+        watch_depth: int | None = 1,
+        ignored_inputs: set[str] | None = None,
     ) -> None:
         self.check = check
         self.watch_modules = watch_modules
@@ -103,8 +108,9 @@ class StepRecorder:
         self.opguard: OpGuard | None = None
         self._opguard_entered = False
         self._module_names: dict[int, str] = {}
-        # batch fields no longer checked: flagged on step after step, a convention of the data (callbacks/_conventions)
-        self.ignored_inputs: set[str] = set()
+        # batch fields no longer checked: flagged on step after step, a convention of the data
+        # (callbacks/state/_conventions)
+        self.ignored_inputs: set[str] = ignored_inputs if ignored_inputs is not None else set()
         # the buffers copied at each step's start (set once per fit by the read's name resolution)
         self.start_copies: tuple[list[torch.Tensor], list[torch.Tensor], dict[str, torch.Tensor]] = ([], [], {})
         self.metric_keys: list[str] = []
@@ -234,7 +240,7 @@ class StepRecorder:
     def point_to_bad_micro_batch(self, trainer: pl.Trainer | None = None) -> None:
         """Under gradient accumulation, make ``record.batch``/``batch_idx``/``start_rng`` the first bad micro-batch's.
 
-        See :func:`~lightning_numguard.callbacks._micro.first_bad` (syncs, after a hit only; collective with
+        See :func:`~lightning_numguard.callbacks.step._micro.first_bad` (syncs, after a hit only; collective with
         ``trainer`` under DDP).
         """
         rec = self.record
