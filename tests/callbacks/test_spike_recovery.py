@@ -92,21 +92,20 @@ def test_the_readmes_spike_claim_and_counts_that_add_up(tmp_path, caplog):
     guard = NumGuardCallback(
         dirpath=str(tmp_path / "ng"), spike_action="rollback", snapshot_every_n_steps=5, emit_warnings=False
     )
-    from pytorch_lightning.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core import rank_zero
 
-    lightning = logging.getLogger("pytorch_lightning")  # the fit-start line goes where Lightning's own go
+    # the fit-start line goes where Lightning's own go: `rank_zero_info`'s logger, which the Lightning package
+    # imported last names (`pytorch_lightning...` or `lightning.pytorch...`; the suite imports both)
+    lightning = rank_zero.log
     lightning.addHandler(caplog.handler)
-    lightning.setLevel(logging.INFO)  # the suite quiets it (conftest); a user's run shows it
-    # an earlier test of the suite may leave Lightning's rank-zero logger off, or the process's rank-zero rank set by
-    # a strategy it built: this process is rank 0 of one, as a user's
-    logging.getLogger("pytorch_lightning.utilities.rank_zero").disabled = False
-    logging.getLogger("pytorch_lightning.utilities.rank_zero").setLevel(logging.NOTSET)
-    rank_zero_only.rank = 0  # type: ignore[attr-defined]
+    level = lightning.level
+    lightning.setLevel(logging.INFO)  # the suite quiets Lightning (conftest); a user's run shows it
     try:
         with caplog.at_level(logging.INFO):
             guarded, finite, (before, after) = _run(tmp_path / "guarded", 100.0, guard)
     finally:
         lightning.removeHandler(caplog.handler)
+        lightning.setLevel(level)
     assert finite and guarded < 1.5 * clean, (clean, raised, guarded)
     # fit start said when detection arms
     assert any(
