@@ -36,7 +36,7 @@ from benchmarks import bench_models
 from benchmarks.variants import incidents, make_variant
 from lightning_numguard.core.syncs import SyncCounter
 
-__all__ = ["StepClock", "count_syncs", "environment", "log", "quiet", "run_fit", "time_model"]
+__all__ = ["StepClock", "bench_trainer", "count_syncs", "environment", "log", "quiet", "run_fit", "time_model"]
 
 
 def log(msg: str) -> None:
@@ -127,6 +127,25 @@ def step_clock_name(device: str) -> str:
     return "CUDA events" if device == "cuda" else "perf_counter wall time"
 
 
+def bench_trainer(root: str, steps: int, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
+    """A one-device ``Trainer`` that runs ``steps`` training steps and nothing else: no logger, checkpoint, progress
+    bar, summary or validation (``kwargs`` override, e.g. ``accelerator`` and ``precision``)."""
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": steps,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+        "default_root_dir": root,
+        "callbacks": callbacks,
+    }
+    return pl.Trainer(**(options | kwargs))
+
+
 def run_fit(
     spec: bench_models.ModelSpec, variant: str, args: argparse.Namespace, steps: int, clock: StepClock
 ) -> dict[str, Any]:
@@ -136,19 +155,12 @@ def run_fit(
     torch.manual_seed(1234)
     with tempfile.TemporaryDirectory(prefix="numguard-bench-") as tmp:
         kwargs, cbs = make_variant(variant, Path(tmp))
-        trainer = pl.Trainer(
+        trainer = bench_trainer(
+            tmp,
+            steps,
+            [_StartStamp(clock), *cbs, _EndStamp(clock)],
             accelerator=args.device,
-            devices=1,
             precision=args.precision,
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            default_root_dir=tmp,
-            callbacks=[_StartStamp(clock), *cbs, _EndStamp(clock)],
             **kwargs,
         )
         error = None

@@ -25,13 +25,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks import bench_models
-from benchmarks.harness import quiet
+from benchmarks.harness import bench_trainer, quiet
 from benchmarks.markdown import replace_block
 from lightning_numguard.callbacks import NumGuardCallback
 
@@ -183,18 +182,10 @@ def count_ops(
     counter = OpCounter()
     with tempfile.TemporaryDirectory(prefix="numguard-ops-") as tmp:
         guard = [] if guard_kwargs is None else [NumGuardCallback(dirpath=str(Path(tmp) / "ng"), **guard_kwargs)]
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_steps=last,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            default_root_dir=tmp,
-            callbacks=[
+        trainer = bench_trainer(
+            tmp,
+            last,
+            [
                 _Window(counter, True),
                 *guard,
                 *([_CheckFirst(guard[0])] if guard and check_first else []),

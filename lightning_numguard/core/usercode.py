@@ -5,6 +5,7 @@ Messages and warnings point there (``file:line``), never at a frame inside ``lig
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
@@ -28,20 +29,22 @@ _LIBRARIES = (
 )
 
 
-def _library_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(the libraries' own directories, the standard library's)``."""
+def _library_dirs() -> tuple[str, ...]:
+    """The libraries' own directories (asked again each time: a library imported later joins them)."""
     dirs = []
     for name in _LIBRARIES:
         module = sys.modules.get(name)
         file = getattr(module, "__file__", None)
         if file:
             dirs.append(os.path.dirname(os.path.abspath(file)) + os.sep)
-    stdlib = []
-    for key in ("stdlib", "platstdlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            stdlib.append(os.path.abspath(path) + os.sep)
-    return tuple(dirs), tuple(stdlib)
+    return tuple(dirs)
+
+
+@functools.cache
+def _stdlib_dirs() -> tuple[str, ...]:
+    """The standard library's directories (fixed for the process; the replay asks once per frame of every call)."""
+    paths = (sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib"))
+    return tuple(os.path.abspath(path) + os.sep for path in paths if path)
 
 
 _INSTALLED = ("site-packages", "dist-packages")
@@ -54,12 +57,11 @@ def is_library_file(filename: str) -> bool:
     path = os.path.abspath(filename)
     if f"{os.sep}site-packages{os.sep}typing_extensions" in path:
         return True
-    libraries, stdlib = _library_dirs()
-    if path.startswith(libraries):
+    if path.startswith(_library_dirs()):
         return True
     # a virtual environment's stdlib directory holds its site-packages: an installed model library
     # (transformers, timm) is the model's code, not the standard library
-    return path.startswith(stdlib) and not any(f"{os.sep}{d}{os.sep}" in path for d in _INSTALLED)
+    return path.startswith(_stdlib_dirs()) and not any(f"{os.sep}{d}{os.sep}" in path for d in _INSTALLED)
 
 
 def user_frame(start: FrameType | None = None) -> FrameType | None:
