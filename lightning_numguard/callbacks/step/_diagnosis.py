@@ -131,6 +131,7 @@ def diagnose(
         if output is not None and _inside(culprit.where[0], output.where[0]):  # the block that made it
             found.remove(output)
             culprit.details.update({k: v for k, v in output.details.items() if k not in culprit.details})
+            output = None  # one event: the culprit's
         elif output is not None:
             output.details["received_from"] = culprit.where[0]
     elif output is not None and result.get("forward_module") and result["forward_module"] != output.where[0]:
