@@ -9,12 +9,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_numguard.__about__ import __version__
+from lightning_numguard.core.registry import Check, CheckStep
 from lightning_numguard.errors import NonFiniteError, NumGuardConfigError, NumGuardError, NumGuardWarning
 
 if TYPE_CHECKING:
     from lightning_numguard.callbacks.numguard import NumGuardCallback
 
 __all__ = [
+    "Check",
+    "CheckStep",
     "NonFiniteError",
     "NumGuardCallback",
     "NumGuardConfigError",

@@ -31,7 +31,7 @@ from pytorch_lightning.callbacks import Callback
 from typing_extensions import override
 
 from lightning_numguard.callbacks.config import _config
-from lightning_numguard.callbacks.config._config import CHECKS, DEFAULT_CHECKS, Action, Check
+from lightning_numguard.callbacks.config._config import CHECKS, DEFAULT_CHECKS, Action, CheckSite
 from lightning_numguard.callbacks.config._doc import DOC
 from lightning_numguard.callbacks.config._types import (
     Backoff,
@@ -47,6 +47,7 @@ from lightning_numguard.callbacks.step._flow import StepFlow
 from lightning_numguard.callbacks.step._pipeline import Settings, StepPipeline
 from lightning_numguard.callbacks.step._schedule import SYNC_MODES
 from lightning_numguard.core.quarantine import parse_state
+from lightning_numguard.core.registry import Check
 from lightning_numguard.errors import NumGuardError
 
 __all__ = ["CHECKS", "DEFAULT_CHECKS", "NumGuardCallback"]
@@ -65,7 +66,7 @@ class NumGuardCallback(Callback):
         self,
         action: Action = "rollback",
         dirpath: str | None = None,
-        check: list[Check] = list(DEFAULT_CHECKS),  # noqa: B006 - shown as the default in --help
+        check: list[CheckSite] = list(DEFAULT_CHECKS),  # noqa: B006 - shown as the default in --help
         max_abs_input: PositiveFloat | None = 1e18,
         watch_modules: list[str] = ["*"],  # noqa: B006
         ignore_modules: list[str] = [],  # noqa: B006
@@ -90,6 +91,7 @@ class NumGuardCallback(Callback):
         spike_warmup: PositiveInt | None = None,
         spike_rollback_after: NonNegativeInt = 3,
         overflow_headroom: Headroom | None = 8.0,
+        extra_checks: list[Check] | None = None,
     ) -> None:
         super().__init__()
         _config.choice("sync_mode", sync_mode, SYNC_MODES)
@@ -141,6 +143,7 @@ class NumGuardCallback(Callback):
         self.spike_action = spike_action
         self.spike_window = int(spike_window)
         self.spike_rollback_after = int(spike_rollback_after)
+        self.extra_checks = _config.extra_checks(extra_checks)
         self._flow = StepFlow(self._settings())
 
     def _settings(self) -> Settings:

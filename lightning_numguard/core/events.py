@@ -220,7 +220,9 @@ def counts_as_incident(event: Mapping[str, Any]) -> bool:
     """
     details = event.get("details")
     convention = isinstance(details, Mapping) and bool(details.get("convention"))  # a field declared a convention
-    return event.get("kind") not in ADVISORY_KINDS and bool(event.get("root_cause", True)) and not convention
+    kind = event.get("kind")
+    advisory = kind in ADVISORY_KINDS or (isinstance(kind, str) and registry.is_advisory(kind))  # a registered check
+    return not advisory and bool(event.get("root_cause", True)) and not convention
 
 
 def validate_event(obj: Any) -> str | None:

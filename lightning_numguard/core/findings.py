@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .events import KINDS
+from . import registry
 
 __all__ = ["AFTER_FORWARD", "Finding", "causal_position", "mark_consequences", "merge"]
 
@@ -24,7 +24,7 @@ class Finding:
     """One thing found non-finite (or out of domain) in a step, on one rank.
 
     Attributes:
-        kind: an incident kind from :data:`~lightning_numguard.core.events.KINDS`.
+        kind: an incident kind from :data:`~lightning_numguard.core.events.KINDS`, or a registered check's.
         where: names of what went bad (batch paths, module, parameter or op names).
         details: the numbers behind it (counts, max-|x|, the replay's result…).
         rank: the global rank that saw it (``-1`` when the rank is not known).
@@ -55,13 +55,15 @@ class Finding:
 
 
 def causal_position(finding: Finding) -> int:
-    """Where in a step ``finding`` happens: the index of its kind in ``KINDS``.
+    """Where in a step ``finding`` happens: the index of its kind in the checks' causal order (``core/registry``:
+    the built-in kinds, ``KINDS``, with every registered check at its place).
 
     Buffers poisoned by the forward pass come after everything else; unknown kinds last.
     """
+    order = registry.kinds(registry.known())
     if finding.kind == "nonfinite_param" and finding.details.get("when") == AFTER_FORWARD:
-        return len(KINDS)
-    return KINDS.index(finding.kind) if finding.kind in KINDS else len(KINDS) + 1
+        return len(order)
+    return order.index(finding.kind) if finding.kind in order else len(order) + 1
 
 
 def merge(parts: Iterable[Iterable[Finding]]) -> list[Finding]:
@@ -88,10 +90,10 @@ def mark_consequences(findings: list[Finding]) -> None:
     """Mark every finding after the first (the root cause) as its consequence.
 
     Sets ``root_cause=False``, ``consequence_of`` (the root's kind) and ``details["after"]`` (the
-    root's kind and first name, for the hint). Optimizer coverage problems are never incidents:
-    they are neither a root cause nor a consequence of one.
+    root's kind and first name, for the hint). Advisory findings (optimizer coverage, overflow risks) are
+    never incidents: they are neither a root cause nor a consequence of one.
     """
-    incidents = [f for f in findings if f.kind != "optimizer_coverage"]
+    incidents = [f for f in findings if not registry.is_advisory(f.kind)]
     if len(incidents) < 2:
         return
     root = incidents[0]

@@ -55,7 +55,10 @@ _UNKNOWN_KIND = "an incident kind this version of lightning_numguard does not de
 
 def kind_hint(kind: str) -> str:
     """The hint for one incident kind; a generic sentence for a kind this version does not know."""
-    return KIND_HINTS.get(kind, _UNKNOWN_KIND)
+    if kind in KIND_HINTS:
+        return KIND_HINTS[kind]
+    check = registry.check_of(kind)  # a check passed to NumGuardCallback(extra_checks=...)
+    return check.hint if check is not None else _UNKNOWN_KIND
 
 
 #: Kinds whose hint assumes that nothing upstream of them went bad in the same step.

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_numguard.core import registry
 from lightning_numguard.reporting.hints import KIND_HINTS, event_hint, fill_value_name
 
 __all__ = ["SENTENCES", "incident_message"]
@@ -59,7 +60,8 @@ def incident_message(
     """
     at = f"at step {step} on rank {rank}"
     names = _names(where)
-    hint = event_hint(kind, details) if kind in KIND_HINTS else ""
+    check = registry.check_of(kind) if kind not in KIND_HINTS else None  # a check passed as extra_checks
+    hint = event_hint(kind, details) if kind in KIND_HINTS or check is not None else ""
     checked = set(details.get("checked") or ())
     replay = details.get("replay") or {}
     root = not details.get("after")
@@ -73,7 +75,7 @@ def incident_message(
         return text + _persistent_message(kind, names, int(persistent.get("steps", 0)))
     first = where[0] if where else "op"
     say = _Say(kind, names, first, details, at, hint, checked, replay, root, op, module, site, source)
-    text = SENTENCES.get(kind, _unknown)(say)
+    text = SENTENCES[kind](say) if kind in SENTENCES else check.message(names, details, at) if check else _unknown(say)
     if isinstance(text, _Whole):
         return str(text)
     return f"{text}; {hint}" if hint else text

@@ -3,8 +3,6 @@ table of kinds all come from that declaration."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from lightning_numguard.core import events, registry
 from lightning_numguard.core.findings import Finding, causal_position
 from lightning_numguard.reporting.hints import KIND_HINTS, kind_hint
@@ -29,7 +27,8 @@ def test_a_check_added_to_a_registry_gets_its_kind_position_hint_and_row() -> No
     assert registry.kinds(checks)[2] == "toy_kind"
     assert registry.kind_hints(checks)["toy_kind"] == "lower the toy"
     assert "toy_kind" not in registry.advisory_kinds(checks)
-    assert "toy_kind" in registry.advisory_kinds((replace(toy, advisory=True),))
+    advisory = registry.Check("toy threshold", "toy_kind", "a toy value", "lower it", "lower the toy", advisory=True)
+    assert "toy_kind" in registry.advisory_kinds((advisory,))
     rows = registry.kinds_table(checks).splitlines()
     assert rows[2 + 2] == "| `toy_kind` | a toy value above its threshold | lower it |"
     assert kind_hint("toy_kind") != "lower the toy"  # the package's own registry does not hold it

@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
+from lightning_numguard.core import registry
 from lightning_numguard.core.events import SPIKE_ACTIONS, Action
 from lightning_numguard.errors import NumGuardConfigError
 
@@ -16,9 +17,10 @@ __all__ = [
     "DEFAULT_CHECKS",
     "DEFAULT_SPIKE_WARMUP",
     "Action",
-    "Check",
+    "CheckSite",
     "checks",
     "choice",
+    "extra_checks",
     "flag",
     "flag_or_none",
     "fraction",
@@ -29,10 +31,10 @@ __all__ = [
     "spike_settings",
 ]
 
-Check = Literal["inputs", "outputs", "ops", "loss", "grads", "buffers", "params", "optimizer_state"]
+CheckSite = Literal["inputs", "outputs", "ops", "loss", "grads", "buffers", "params", "optimizer_state"]
 ACTIONS: tuple[str, ...] = get_args(Action)
-CHECKS: tuple[str, ...] = get_args(Check)
-DEFAULT_CHECKS: tuple[Check, ...] = ("inputs", "outputs", "ops", "loss", "grads", "buffers")
+CHECKS: tuple[str, ...] = get_args(CheckSite)
+DEFAULT_CHECKS: tuple[CheckSite, ...] = ("inputs", "outputs", "ops", "loss", "grads", "buffers")
 #: ``spike_warmup=None``: the window judges once it holds this many values (or half of a shorter window).
 DEFAULT_SPIKE_WARMUP = 16
 
@@ -64,6 +66,23 @@ def checks(value: Any) -> list[str]:
     for c in value:
         choice("check", c, CHECKS)
     return list(dict.fromkeys(value))
+
+
+def extra_checks(value: Any) -> tuple[registry.Check, ...]:
+    """``extra_checks``: ``None`` or a list of :class:`~lightning_numguard.core.registry.Check` instances, each
+    registered: its kind known to the events, hints and sentences (:func:`~lightning_numguard.core.registry.register`).
+    """
+    if value is None:
+        return ()
+    if isinstance(value, (str, registry.Check)) or not isinstance(value, (list, tuple)):
+        raise NumGuardConfigError(
+            f"`extra_checks` must be a list of lightning_numguard.Check instances (e.g. [MyCheck(threshold=3.0)]), "
+            f"got {value!r}"
+        )
+    kinds = [getattr(c, "kind", None) for c in value]
+    if len(set(kinds)) != len(kinds):
+        raise NumGuardConfigError(f"`extra_checks` holds two checks of one kind ({kinds}): give each its own kind")
+    return tuple(registry.register(c) for c in value)
 
 
 def patterns(name: str, value: Any) -> list[str]:

@@ -123,6 +123,10 @@ DOC = r"""Check every training step for NaN/Inf, act before the damage lands, an
         overflow_headroom: a watched block whose output peak comes within this factor of its dtype's largest
             finite value (float16 65504; bfloat16 and float32 3.4e38) is reported once as ``overflow_risk``;
             ``None`` turns it off. A collapsing fp16 loss scale is reported as ``overflow_risk`` too.
+        extra_checks: checks of your own, each a subclass of ``lightning_numguard.Check`` in one file (its kind,
+            hint, where it records, its 0-d device value and its findings): each is folded into the step's one
+            read, judged like a built-in check (acted on, or only reported when ``advisory``) and written to the
+            events. In a LightningCLI YAML file: ``class_path`` and ``init_args``. See ``ARCHITECTURE.md``.
 
     Raises:
         NumGuardConfigError: at construction, for any invalid argument.

@@ -19,10 +19,11 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_numguard.callbacks.distributed import _distributed
+from lightning_numguard.callbacks.step import _extra
 from lightning_numguard.callbacks.step._read import Reading, StepRead
 from lightning_numguard.callbacks.step._record import StepRecord, StepRecorder
 from lightning_numguard.callbacks.step._replay import replay_batch
-from lightning_numguard.core import checks, flags
+from lightning_numguard.core import checks, flags, registry
 from lightning_numguard.core.findings import AFTER_FORWARD, Finding, mark_consequences, merge
 from lightning_numguard.core.opguard import OpGuard
 from lightning_numguard.core.policy import is_amp_overflow
@@ -31,9 +32,8 @@ __all__ = ["Diagnosis", "StepView", "diagnose"]
 
 #: The finding of a slot whose place no rank could name (read late: the records are gone).
 _PLACEHOLDERS = {
-    flags.OUTPUT: ("nonfinite_output", "a watched module"),
-    flags.OP: ("op_domain", "a guarded op"),
-    flags.NORMS: ("nonfinite_grad", "a gradient"),
+    slot: (kind, registry.CHECK_BY_KIND[kind].placeholder)
+    for slot, kind in ((flags.OUTPUT, "nonfinite_output"), (flags.OP, "op_domain"))
 }
 
 
@@ -45,6 +45,8 @@ class StepView:
     reading: Reading
     #: read late: the watch's kept buffer and the op guard's records of that step; ``None``: the live instruments
     kept: tuple[Any, list[Any]] | None = None
+    #: read late: the parts of the ``NORMS`` slot (``"grads"``, ``"live_buffers"``, ...) and their totals then
+    norms: tuple[list[str], torch.Tensor] | None = None
 
 
 @dataclass
@@ -161,6 +163,8 @@ def diagnose(
             loss.details["replay"] = result
             if stage == "forward" and culprit is None:  # no module output went bad: the loss code made it
                 _name_op(loss, result)
+    if recorder.extra_checks:  # the checks passed as extra_checks, each by its own findings
+        found.extend(_extra.findings(recorder.extra_checks, seen, rec.check_step, rank, world, late))
     if grad_bad:
         grad = Finding("nonfinite_grad", grad_bad, {}, seen.rank(flags.NORMS))
         if result:
@@ -178,13 +182,16 @@ def diagnose(
 
     findings = merge(_distributed.gather(trainer, found))  # so that rank 0 can write every rank's findings
     if late:
-        findings = _placeholders(seen, findings)
+        findings = _placeholders(seen, findings, view.norms)
     mark_consequences(findings)
     return Diagnosis(findings, state_bad, amp_overflow)
 
 
-def _placeholders(seen: flags.StepFlags, findings: list[Finding]) -> list[Finding]:
-    """Read late, a slot seen on some rank whose place no rank could name is reported by its flag."""
+def _placeholders(
+    seen: flags.StepFlags, findings: list[Finding], norms: tuple[list[str], torch.Tensor] | None = None
+) -> list[Finding]:
+    """Read late, a slot seen on some rank whose place no rank could name is reported by its flag (the ``NORMS``
+    slot by the part of it that went bad, from its kept totals: a gradient, a buffer, a parameter...)."""
     kinds = {f.kind for f in findings}
     out = list(findings)
     for slot in (flags.OUTPUT, flags.OP):
@@ -192,9 +199,29 @@ def _placeholders(seen: flags.StepFlags, findings: list[Finding]) -> list[Findin
         if seen.seen(slot) and kind not in kinds:
             out.append(Finding(kind, [where], {}, seen.rank(slot)))
     if not out and seen.seen(flags.NORMS):
-        kind, where = _PLACEHOLDERS[flags.NORMS]
-        out.append(Finding(kind, [where], {}, seen.rank(flags.NORMS)))
+        out.append(_norms_placeholder(norms, seen.rank(flags.NORMS)))
     return merge([out])
+
+
+#: The finding of each part of the ``NORMS`` slot read late: kind, what it names, site and details.
+_NORM_PARTS: dict[str, tuple[str, str, str | None, dict[str, Any]]] = {
+    "grads": ("nonfinite_grad", registry.CHECK_BY_KIND["nonfinite_grad"].placeholder, None, {}),
+    "live_buffers": ("nonfinite_param", "a buffer", "buffer", {"when": AFTER_FORWARD}),
+    "start_buffers": ("nonfinite_param", "a buffer", "buffer", {}),
+    "params": ("nonfinite_param", "a parameter", "param", {}),
+    "opt_state": ("nonfinite_param", "the optimizer state", "optimizer_state", {}),
+}
+
+
+def _norms_placeholder(norms: tuple[list[str], torch.Tensor] | None, rank: int) -> Finding:
+    """The first part of the ``NORMS`` slot whose kept total is non-finite (a host read, after a hit only)."""
+    part = "grads"
+    if norms is not None:
+        names, totals = norms
+        bad = [n for n, v in zip(names, totals.tolist()) if not math.isfinite(v)]
+        part = bad[0] if bad and bad[0] in _NORM_PARTS else part
+    kind, where, site, details = _NORM_PARTS[part]
+    return Finding(kind, [where], dict(details), rank, site=site)
 
 
 # ------------------------------------------------------------------ the findings of each site (sync; after a hit)

@@ -144,6 +144,7 @@ class StepFlow:
             recorder.forget_forward()
         if rec.forced_skip is None:  # both read schedules: the gradients are known here, read or not
             self.coverage.at_first_step(trainer, pl_module, optimizer, self.pipeline.ledger)
+        recorder.at_optimizer_step(optimizer)
         self.schedule.at_optimizer_step(trainer, pl_module, optimizer)
 
     def batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -30,11 +30,12 @@ from lightning_numguard.callbacks.step._diagnosis import StepView, diagnose
 from lightning_numguard.callbacks.step._read import StepRead
 from lightning_numguard.callbacks.step._record import StepRecord, StepRecorder
 from lightning_numguard.callbacks.step._spike import SpikeGuard
-from lightning_numguard.core import flags, policy
+from lightning_numguard.core import flags, policy, registry
 from lightning_numguard.core.events import acting
 from lightning_numguard.core.findings import Finding
 from lightning_numguard.core.judge import Budget, Decision, Facts, judge
 from lightning_numguard.core.quarantine import position_key
+from lightning_numguard.core.registry import Check
 from lightning_numguard.errors import NonFiniteError
 from lightning_numguard.reporting.report import Reporter
 
@@ -74,6 +75,7 @@ class Settings:
     spike_warmup: int
     spike_rollback_after: int
     overflow_headroom: float | None
+    extra_checks: tuple[Check, ...] = ()
 
     @property
     def acting(self) -> bool:
@@ -141,7 +143,7 @@ class StepPipeline:
         """Name the culprits of a read, judge it, move the counters; sets ``rec.decision`` and ``rec.events``."""
         rec, seen, late = view.rec, view.reading.flags, view.kept is not None
         s = self.settings
-        spikes = self._spikes(trainer, rec, view.reading.extras)
+        spikes, advisory = self._spikes(trainer, rec, view.reading.extras)
         if seen.seen(flags.QUARANTINE) and rec.forced_skip is None:
             rec.forced_skip = "it holds samples quarantined after they failed before"
         findings: list[Finding] = []
@@ -155,12 +157,13 @@ class StepPipeline:
                 self.recorder.point_to_bad_micro_batch(trainer)  # under accumulation: the micro-batch that went bad
             found = diagnose(trainer, pl_module, self.recorder, self.reader, view, s.replay and s.acting, s.acting)
             if found.amp_overflow:
-                self._loss_scale(trainer, rec)
+                advisory += self._loss_scale(trainer)
             findings, declared = self.conventions.sort(found.findings)  # a field flagged step after step: not a fault
             events = self._conventions_declared(trainer, declared, rec)
-            failures = self.recovery.quarantine.count_failure(position_key(rec.batch, rec.batch_idx)) if findings else 0
+            incident = [f for f in findings if not registry.is_advisory(f.kind)]
+            failures = self.recovery.quarantine.count_failure(position_key(rec.batch, rec.batch_idx)) if incident else 0
             facts = Facts(
-                incident=bool(findings),
+                incident=bool(incident),
                 state_bad=bool(found.state_bad),
                 amp_overflow=found.amp_overflow,
                 failures=failures,
@@ -177,6 +180,7 @@ class StepPipeline:
                     f.details["escalated"] = f"{s.spike_rollback_after} spikes within {s.spike_window} steps"
             findings = spikes
             facts = Facts(spike=wanted, snapshot_due=due, late=late)
+        findings = advisory + findings  # advisory findings (overflow risks) are judged too: reported, never acted on
         budget = Budget(
             self.snapshots.snapshot is not None,
             self.ledger.rollbacks_this_fit,
@@ -185,9 +189,10 @@ class StepPipeline:
         )
         decision = judge(s.action, facts, budget, quarantine=s.quarantine, retry=s.retry_transient)
         for f in findings:
-            if late:
+            if late and not registry.is_advisory(f.kind):
                 f.details.update({"deferred": True, "read_at_step": trainer.global_step})
-            events.append(self.ledger.event(trainer, f, rec.step, decision.action, rec.epoch, rec.batch_idx))
+            taken = "none" if registry.is_advisory(f.kind) else decision.action  # an advisory finding is not acted on
+            events.append(self.ledger.event(trainer, f, rec.step, taken, rec.epoch, rec.batch_idx))
         if rec.decision is None or decision.action != "none":  # a further optimizer's clean read keeps the first's
             rec.decision = decision
         rec.events = rec.events + events
@@ -288,25 +293,17 @@ class StepPipeline:
 
     # ------------------------------------------------------------------ parts
 
-    def _spikes(self, trainer: pl.Trainer, rec: StepRecord, extras: list[float]) -> list[Finding]:
-        """The step's spikes (judged by the caller) from the read's extras; its overflow risks recorded now."""
+    def _spikes(self, trainer: pl.Trainer, rec: StepRecord, extras: list[float]) -> tuple[list[Finding], list[Finding]]:
+        """The step's spikes and overflow risks (advisory) from the read's extras, both judged by the caller."""
         if not extras:
-            return []
-        spikes, risks = self.spike.findings(extras, rec.step, self.recorder.watch, trainer.world_size)
-        if risks:
-            self.ledger.record(trainer, [self._advisory(trainer, f, rec) for f in risks])
-        return spikes
+            return [], []
+        return self.spike.findings(extras, rec.step, self.recorder.watch, trainer.world_size)
 
-    def _advisory(self, trainer: pl.Trainer, finding: Finding, rec: StepRecord) -> dict[str, Any]:
-        """The event (action ``"none"``) of a finding only reported, with the step's epoch and batch index."""
-        return self.ledger.event(trainer, finding, rec.step, "none", rec.epoch, rec.batch_idx)
-
-    def _loss_scale(self, trainer: pl.Trainer, rec: StepRecord) -> None:
+    def _loss_scale(self, trainer: pl.Trainer) -> list[Finding]:
         """The GradScaler's own overflow: a collapsing loss scale is reported like a block near its dtype's limit."""
         collapsed = self.amp.after_overflow(trainer)
         risk = self.spike.loss_scale_finding(collapsed) if collapsed is not None else None
-        if risk is not None:
-            self.ledger.record(trainer, [self._advisory(trainer, risk, rec)])
+        return [risk] if risk is not None else []
 
     def _conventions_declared(
         self, trainer: pl.Trainer, declared: list[Finding], rec: StepRecord
@@ -330,5 +327,7 @@ def _broken(findings: list[Finding]) -> str | None:
 def _instruments(s: Settings, spike: SpikeGuard, conventions: InputConventions) -> tuple[StepRecorder, StepRead]:
     """A fit's step recorder and read: the recorder leaves out the fields declared conventions; the read carries the
     spike statistics after its flags."""
-    recorder = StepRecorder(s.check, s.watch_modules, s.ignore_modules, s.watch_depth, conventions.ignored)
+    recorder = StepRecorder(
+        s.check, s.watch_modules, s.ignore_modules, s.watch_depth, conventions.ignored, s.extra_checks
+    )
     return recorder, StepRead(s.check, s.max_abs_input, recorder, spike)

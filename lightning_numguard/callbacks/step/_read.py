@@ -62,6 +62,8 @@ class StepRead:
         self._opt_params: dict[
             int, tuple[Any, list[tuple[list[Any], int]], list[str], list[torch.Tensor], checks.TotalPlan]
         ] = {}
+        #: the segments of the last ``NORMS`` total and their totals on the device (see :meth:`norm_total`)
+        self.norm_parts: tuple[list[str], torch.Tensor] | None = None
         self._grads_plan: checks.TotalPlan | None = None  # the plan of the gradients grads() last returned
         self._grads: list[torch.Tensor] = []  # those gradients, when the plan applies
         # per state segment: its named list, its tensors and their plan, kept while the list is the same object
@@ -240,9 +242,11 @@ class StepRead:
         tensors stay the same): a step does no per-tensor grouping.
         """
         totals = []
+        parts: list[str] = []  # the segment of each total (a late read names the part that went bad)
         for name, named in segments.items():
             if not named:
                 continue
+            parts.append(name)
             if name == "grads":
                 if self.spike is not None and self.spike.window is not None:  # the global L2 norm is the check
                     plan = self._grads_plan if self._grads_plan is not None else checks.TotalPlan([t for _, t in named])
@@ -264,8 +268,14 @@ class StepRead:
                 cached = self._segment_plans[name] = (named, tensors, checks.TotalPlan(tensors))
             totals.append(cached[2].total(cached[1], device, rewritable=self.state_rewritable))
         if not totals:
+            self.norm_parts = None
             return zero
-        return totals[0] if len(totals) == 1 else torch.stack(totals).sum()
+        if len(totals) == 1:
+            self.norm_parts = (parts, totals[0].reshape(1))  # a view: no kernel
+            return totals[0]
+        stacked = torch.stack(totals)
+        self.norm_parts = (parts, stacked)  # kept by a late read, to say which part went bad (no kernel of its own)
+        return stacked.sum()
 
     # ------------------------------------------------------------------ exact, after a hit
 

@@ -15,17 +15,18 @@ Nothing here reads a value on the host; the read is :mod:`~lightning_numguard.ca
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch
 
 from lightning_numguard import _compat
-from lightning_numguard.callbacks.step import _micro
+from lightning_numguard.callbacks.step import _extra, _micro
 from lightning_numguard.core import checks
 from lightning_numguard.core.dtensor import local
 from lightning_numguard.core.opguard import OpGuard
+from lightning_numguard.core.registry import Check, CheckStep
 from lightning_numguard.core.snapshot import rng_state
 from lightning_numguard.core.stateful import clone_states
 from lightning_numguard.core.tree import floating_leaves
@@ -69,6 +70,9 @@ class StepRecord:
     bad_micro_batch: int = 0
     seen_at_read: tuple[int, int] = (0, 0)  # losses and output records already read by an earlier optimizer
     spike_read: bool = False  # the spike statistics' values went into a read of this step
+    # the checks passed as extra_checks: their values this step (by kind) and what they see of it
+    checks: dict[str, torch.Tensor] = field(default_factory=dict)
+    check_step: CheckStep | None = None
 
     @property
     def action(self) -> str:
@@ -98,8 +102,10 @@ class StepRecorder:
         ignore_modules: list[str],
         watch_depth: int | None = 1,
         ignored_inputs: set[str] | None = None,
+        extra_checks: tuple[Check, ...] = (),
     ) -> None:
         self.check = check
+        self.extra_checks = extra_checks
         self.watch_modules = watch_modules
         self.ignore_modules = ignore_modules
         self.watch_depth = watch_depth  # blocks, not every module (core.watch.select_modules)
@@ -168,6 +174,9 @@ class StepRecorder:
         if rec.start_rng is not None:
             micro.rng = _micro.micro_rng(rec.start_rng) if rec.micro else rec.start_rng
         rec.micro.append(micro)
+        if self.extra_checks:
+            rec.check_step = CheckStep(trainer, pl_module, batch, batch_idx, trainer.global_step)
+            _extra.record(self.extra_checks, "batch_start", rec.check_step, rec.checks)
         if "inputs" in self.check:
             leaves = floating_leaves(batch)
             if self.ignored_inputs:
@@ -203,10 +212,21 @@ class StepRecorder:
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Keep the loss of this micro-batch for the step's read."""
+        rec = self.record
+        if rec is not None and rec.check_step is not None:
+            rec.check_step = replace(rec.check_step, loss=loss)
+            _extra.record(self.extra_checks, "loss", rec.check_step, rec.checks)
         if "loss" in self.check and self.record is not None:
             self.record.losses.append(local(loss.detach()))  # a DTensor loss (loss parallel): this rank's part
             if self.record.micro:
                 self.record.micro[-1].loss = self.record.losses[-1]
+
+    def at_optimizer_step(self, optimizer: Any) -> None:
+        """Record the checks passed as ``extra_checks`` that look at the step before its optimizer step."""
+        rec = self.record
+        if rec is not None and rec.check_step is not None:
+            rec.check_step = replace(rec.check_step, optimizer=optimizer)
+            _extra.record(self.extra_checks, "optimizer_step", rec.check_step, rec.checks)
 
     def end(self) -> StepRecord | None:
         """Close the step record and clear the instruments for the next step."""
@@ -222,6 +242,7 @@ class StepRecorder:
         assert self.record is not None
         n_losses, n_outputs = self.record.seen_at_read  # keep what came after the last read (manual optimization)
         self.record.inputs, self.record.input_unmasked = [], []
+        self.record.checks = {}  # the further optimizer's own checks are recorded again at its step
         self.record.losses = self.record.losses[n_losses:]
         if self.watch is not None:
             self.watch.records[:n_outputs] = []

@@ -46,7 +46,8 @@ class Deferred(ReadSchedule):
         super().__init__(pipeline)
         self.pending = PendingFlags()
         self.records: dict[int, StepRecord] = {}
-        self.kept: dict[int, tuple[Any, list[Any]]] = {}  # per step: the watch's and op guard's records
+        # per step: the watch's and op guard's records, and the NORMS slot's totals by part
+        self.kept: dict[int, tuple[Any, list[Any], Any]] = {}
         self.carry: StepRecord | None = None  # a late decision, carried out at the end of the batch in flight
 
     def at_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -85,7 +86,7 @@ class Deferred(ReadSchedule):
                 bad = torch.ones((), dtype=torch.bool, device=packed.device)
             p.recovery.skip_on_device(trainer, rec.step, optimizer, bad)
         self.records[rec.step] = rec
-        self.kept[rec.step] = p.recorder.keep()
+        self.kept[rec.step] = (*p.recorder.keep(), p.reader.norm_parts)
         late = self.pending.push(packed, rec.step)
         restored = late is not None and self._late(trainer, pl_module, *late, optimizer=optimizer)
         if due and not restored:  # the state at this step's start, verified when this step's flags read clean
@@ -110,7 +111,7 @@ class Deferred(ReadSchedule):
     ) -> bool:
         """Step ``step``'s flags, read one step late, through the pipeline. Returns whether a restore is due."""
         rec = self.records.pop(step, None)
-        kept = self.kept.pop(step, (None, []))
+        kept = self.kept.pop(step, (None, [], None))
         for table in (self.records, self.kept):
             for old in [s for s in table if s < step]:
                 del table[old]
@@ -120,7 +121,7 @@ class Deferred(ReadSchedule):
         n = len(flags.SLOTS)
         reading = Reading(flags.decode(values[:n], trainer.world_size), {}, values[n:])
         forced = rec.forced_skip is not None or reading.flags.seen(flags.QUARANTINE)
-        decision = p.judge(trainer, pl_module, StepView(rec, reading, kept), due=False)
+        decision = p.judge(trainer, pl_module, StepView(rec, reading, kept[:2], norms=kept[2]), due=False)
         p.recovery.at_late_read(trainer, step, decision, forced)
         if decision.restore and optimizer is not None:  # the step in flight started from the state to replace
             p.recovery.skip_in_flight(optimizer, pl_module.device)
