@@ -123,8 +123,8 @@ class Check:
         advisory: bool | None = None,
         placeholder: str | None = None,
     ) -> None:
-        declared = {"name": name, "kind": kind, "what": what, "short_hint": short_hint, "hint": hint}
-        declared |= {"advisory": advisory, "placeholder": placeholder}
+        declared: dict[str, str | bool | None] = {"name": name, "kind": kind, "what": what, "hint": hint}
+        declared |= {"short_hint": short_hint, "advisory": advisory, "placeholder": placeholder}
         for key, value in declared.items():
             if value is not None:
                 setattr(self, key, value)
