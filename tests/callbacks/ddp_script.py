@@ -6,7 +6,8 @@ too: one fit per site and precision, in sequence in the same processes, each und
 SITE ``accumulate``: ``accumulate_grad_batches=2`` and NaN inputs in batch 3 (a window's second micro-batch);
 SITE ``manual``: a two-optimizer GAN (manual optimization) whose discriminator loss is NaN at batch 2;
 SITE ``compile``: a ``torch.compile``d head whose ``log1p`` goes NaN at batch 3.
-SITE ``spike``: an outlier batch (finite) on FAULT_RANK at step 20, ``spike_action="skip"``, in both sync modes.
+SITE ``spike``: an outlier batch (finite) on FAULT_RANK at step 20, ``spike_action="skip"``, in both sync modes; then
+the same seen by a check of one's own (``extra_checks``, the loss above a threshold) instead, in both sync modes.
 Each rank writes OUT_DIR/rank{r}.json with its events, counters and a digest of its weights.
 """
 
@@ -304,16 +305,18 @@ def spike_main(out: Path, fault_rank: int, action: str) -> None:
                 y = y * 10 + 30
             return torch.nn.functional.mse_loss(self.lin(x), y)
 
-    for mode in ("every_step", "deferred"):
+    from tests.toy.loss_above import LossAbove
+
+    for mode in ("every_step", "deferred", "extra_every_step", "extra_deferred"):
         pl.seed_everything(0, verbose=False)
+        # extra_*: no spike action; the check of one's own (loss above 100) sees the outlier instead
+        spikes: dict[str, Any] = {"spike_action": "skip", "spike_window": 16, "spike_warmup": 8}
         guard = NumGuardCallback(
             action=action,
             dirpath=str(out / f"ng_{mode}"),
-            spike_action="skip",
-            spike_window=16,
-            spike_warmup=8,
-            sync_mode=mode,  # type: ignore[arg-type]
+            sync_mode=mode.removeprefix("extra_"),  # type: ignore[arg-type]
             emit_warnings=False,
+            **({"extra_checks": [LossAbove(100.0)]} if mode.startswith("extra_") else spikes),
         )
         trainer = ddp_trainer(24, [guard])
         rank = trainer.global_rank

@@ -325,20 +325,43 @@ def test_deferred_sync_shards_its_snapshot_ring_and_rolls_back_late_bitwise_like
     print({f"rank{r}": (auto[r]["snapshot_nbytes"], off[r]["snapshot_nbytes"]) for r in (0, 1)})
 
 
+@pytest.fixture(scope="module")
+def spike_launch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch of the ``spike`` site (four fits: a spike action, then a check of one's own, in both sync modes)."""
+    out = tmp_path_factory.mktemp("spike")
+    run_ddp(out, "spike", 1, "rollback")
+    return out
+
+
 @pytest.mark.ddp
-def test_a_spike_on_one_rank_is_skipped_by_every_rank_with_the_same_window(tmp_path):
+def test_a_spike_on_one_rank_is_skipped_by_every_rank_with_the_same_window(spike_launch):
     """An outlier batch on rank 1 only (finite, its loss ~1000x) at step 20: the loss rides the one MAX all-reduce, so
     both ranks judge the same value against the same window, skip the same step (in both sync modes) and end with
     identical windows and weights."""
     import torch
 
-    run_ddp(tmp_path, "spike", 1, "rollback")
     for mode in ("every_step", "deferred"):
-        ranks = [torch.load(tmp_path / f"spike_{mode}_rank{r}.pt", weights_only=False) for r in (0, 1)]
+        ranks = [torch.load(spike_launch / f"spike_{mode}_rank{r}.pt", weights_only=False) for r in (0, 1)]
         for r in ranks:
             spikes = [(e["kind"], e["step"], e["action"]) for e in r["events"] if e["kind"] == "loss_spike"]
             assert spikes == [("loss_spike", 20, "skip")], (mode, r["events"])
             assert r["counters"]["spikes"] == 1 and r["counters"]["skipped_steps"] == 1
             assert torch.equal(r["params"][0], r["params"][1]) and torch.isfinite(r["params"]).all()
         assert ranks[0]["window"] == ranks[1]["window"], mode
+        assert ranks[0]["events"] == ranks[1]["events"], mode
+
+
+@pytest.mark.ddp
+def test_a_check_of_ones_own_rides_the_one_all_reduce_and_every_rank_acts_on_it(spike_launch):
+    """The same outlier seen by ``extra_checks=[LossAbove(100)]`` (no spike action) in the same launch: its flag rides
+    the step's one all-reduce, which keeps the rank that saw it (1), and both ranks skip the same step."""
+    import torch
+
+    for mode in ("every_step", "deferred"):
+        ranks = [torch.load(spike_launch / f"spike_extra_{mode}_rank{r}.pt", weights_only=False) for r in (0, 1)]
+        for r in ranks:
+            seen = [(e["kind"], e["step"], e["action"], e["rank"]) for e in r["events"]]
+            assert seen == [("loss_above", 20, "skip", 1)], (mode, r["events"])
+            assert r["counters"]["incidents"] == 1 and r["counters"]["skipped_steps"] == 1
+            assert torch.equal(r["params"][0], r["params"][1]) and torch.isfinite(r["params"]).all()
         assert ranks[0]["events"] == ranks[1]["events"], mode
