@@ -150,7 +150,7 @@ def test_the_fields_are_the_dataclass_s():
 
 def test_the_scan_finds_each_kind_of_write():
     fields = {"forced_skip", "events", "step", "micro"}
-    source = '''
+    source = """
 def f(rec, other, state: "StepRecord | None", self):
     rec.forced_skip = "why"
     self.recorder.record.step += 1
@@ -166,7 +166,7 @@ def f(rec, other, state: "StepRecord | None", self):
     self.events = []  # not a record
     details["x"] = 1  # not an event's details
     rec.batch_idx = 1  # not a field named here
-'''
+"""
     found = violations(source, "lightning_numguard/x.py", fields)
     lines = sorted(int(v.split(":")[1]) for v in found)
     assert lines == list(range(3, 13)), found

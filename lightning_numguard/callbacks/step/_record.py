@@ -232,7 +232,7 @@ class StepRecorder:
     def force_skip(self, reason: str, rec: StepRecord | None = None) -> None:
         """Skip ``rec`` (the step in progress by default) whatever its read finds; the first reason stands."""
         rec = rec if rec is not None else self.record
-        if rec is not None and rec.forced_skip is None:
+        if rec is not None and not rec.skip_forced:
             rec.forced_skip = reason
 
     def flag_quarantine(self, flag: torch.Tensor | None) -> None:
