@@ -65,7 +65,9 @@ def _parts(lr_backoff: float = 1.0, skip_after: int = 0) -> tuple[Net, Any, Reco
 def _record(model: nn.Module, decision: Decision) -> StepRecord:
     rec = StepRecord(epoch=0, batch_idx=5, batch=torch.zeros(4, 3), step=3, decision=decision)
     rec.start_buffers = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
-    rec.events = [{"kind": "nonfinite_loss", "details": {}, "action": decision.action}]
+    rec.events = [
+        {"kind": "nonfinite_loss", "details": {}, "action": decision.action, "message": "m", "step": 3, "where": []}
+    ]
     return rec
 
 
@@ -111,17 +113,22 @@ def test_recovery_carries_out_each_decision(caplog, action, facts, restored, buf
 def test_a_rollback_backs_the_learning_rate_off_and_says_so():
     model, host, recovery = _parts(lr_backoff=0.5)
     rec = _record(model, judge("rollback", BAD, Budget(True, 0, 3)))
-    recovery.carry_out(host, model, rec, late=False)
+    outcome = recovery.carry_out(host, model, rec, late=False)
     assert host.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05)
-    assert rec.events[0]["details"]["lr_after_backoff"] == [pytest.approx(0.05)]
+    assert outcome.lr_after_backoff == [pytest.approx(0.05)]
+    assert outcome.restore is not None and outcome.restore.snapshot_step == 3 and outcome.steps_lost == 0
+    assert rec.events[0]["details"] == {}  # the built event is left as it is: the ledger records it with the outcome
+    ledger = Ledger()
+    ledger.record(host, rec.events, outcome=outcome)
+    assert ledger.events[0]["details"] == {"steps_lost": 0, "snapshot_step": 3, "lr_after_backoff": [0.05]}
 
 
 def test_a_batch_that_failed_twice_is_quarantined_by_the_decision():
     model, host, recovery = _parts()
     rec = _record(model, judge("rollback", Facts(incident=True, failures=2), Budget(True, 0, 3)))
-    recovery.carry_out(host, model, rec, late=False)
+    outcome = recovery.carry_out(host, model, rec, late=False)
     assert [q["batch_idx"] for q in recovery.quarantine.entries] == [5]
-    assert rec.events[0]["details"]["quarantined"] is True
+    assert outcome.quarantined is True and outcome.said_in(rec.events[0])["details"]["quarantined"] is True
 
 
 @pytest.mark.parametrize(

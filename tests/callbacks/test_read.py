@@ -99,7 +99,7 @@ def test_state_goes_through_the_rewriting_check_only_while_no_snapshot_copies_it
     assert fused == {False: True, True: False}
 
     inspector = StepRead(every, None, StepRecorder(every, [], []))
-    inspector.state_rewritable = True
+    inspector.allow_rewrite(True)
     weight = nn.Parameter(torch.tensor([[1.0, -0.0, 1e-40]]))
     bits = weight.detach().clone().view(torch.int32)
     named = [("w", weight)]

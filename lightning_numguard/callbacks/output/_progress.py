@@ -43,10 +43,13 @@ class FitProgress:
         self.steps_lost_to_rollbacks = 0
         self.reported = False
 
-    def after_step(self, trainer: Any, pl_module: Any, rec: Any, snapshot: Any, counters: dict[str, int]) -> None:
-        """At batch end, after the step's action: count the steps a new rollback discarded; update the bar."""
+    def after_step(
+        self, trainer: Any, pl_module: Any, rec: Any, snapshot: Any, counters: dict[str, int], outcome: Any = None
+    ) -> None:
+        """At batch end, after the step's action (``outcome``: what was done): count the steps a new rollback
+        discarded; update the bar."""
         if rec.action == "rollback" and rec.events and snapshot is not None:  # the updates the restore discarded
-            self.steps_lost_to_rollbacks += max(int(e["details"].get("steps_lost", 0)) for e in rec.events)
+            self.steps_lost_to_rollbacks += (outcome.steps_lost if outcome is not None else None) or 0
         if getattr(trainer, "progress_bar_callback", None) is None:
             return
         shown = trainer.progress_bar_metrics  # the connector's own dict, kept between batches (a public property)

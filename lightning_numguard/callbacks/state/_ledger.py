@@ -1,4 +1,8 @@
-"""The guard's record of what happened: the one owner of its events and counters, handed to reporting."""
+"""The guard's record of what happened: the one owner of its events and counters, handed to reporting.
+
+The ledger builds each event (:meth:`Ledger.event`) and records it; what carrying a decision out did (an
+:class:`~lightning_numguard.callbacks.state._outcome.Outcome`) is added to the events when they are recorded, never
+written into events already built."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from lightning_numguard.callbacks.state._outcome import Outcome
 from lightning_numguard.core.events import Event, acting, counts_as_incident
 from lightning_numguard.core.findings import Finding
 from lightning_numguard.reporting.messages import action_message, incident_message
@@ -88,22 +93,34 @@ class Ledger:
             consequence_of=finding.consequence_of,
         ).to_dict()
 
-    def record(self, trainer: pl.Trainer, events: list[dict[str, Any]], counted: bool = False) -> None:
+    def record(
+        self, trainer: pl.Trainer, events: list[dict[str, Any]], counted: bool = False, outcome: Outcome | None = None
+    ) -> None:
         """Count ``events`` (unless :meth:`count_events` already did), keep them, and report them (files and loggers
-        on rank 0).
+        on rank 0); with ``outcome``, what carrying their decision out did is said in each.
 
         ``incidents`` counts root causes only: a consequence (``root_cause: false``) is recorded,
         labelled and reported, but it is the same incident.
         """
         if not events:
             return
+        if outcome is not None:
+            events = [outcome.said_in(e) for e in events]
         if not counted:
             self.count_events(events)
         self.events.extend(events)
         if self.reporter is not None:
             self.reporter.emit(trainer, events, self.counters)
 
-    def log_action(self, trainer: pl.Trainer, rec: Any, snapshot_step: int | None, ckpt: Any) -> None:
+    def complete(self, events: list[dict[str, Any]], outcome: Outcome) -> None:
+        """A halt's ``events``, recorded (and written) before it was carried out: the fit's record of them
+        (``callback.events``) says what was done too (the file keeps them as they were written)."""
+        done = {id(e): outcome.said_in(e) for e in events}
+        self.events[:] = [done.get(id(e), e) for e in self.events]
+
+    def log_action(
+        self, trainer: pl.Trainer, rec: Any, snapshot_step: int | None, ckpt: Any, steps_lost: int | None = None
+    ) -> None:
         """One WARNING (``skip``, ``rollback``) or ERROR (``halt``) log line on rank 0 per action taken.
 
         Args:
@@ -111,6 +128,7 @@ class Ledger:
             rec: the step's record (its ``decision``, ``events`` and ``step``).
             snapshot_step: the step of the snapshot a rollback or halt went back to.
             ckpt: ``last_finite.ckpt``'s path, when one is written in this run.
+            steps_lost: the updates the restore of a rollback or halt discarded (its outcome's).
         """
         decision = rec.decision
         if not acting(rec.action) or not rec.events or not trainer.is_global_zero:
@@ -128,6 +146,6 @@ class Ledger:
             snapshot_step if rec.action != "skip" else None,
             str(ckpt) if written else None,
             str(events_file) if events_file else None,
-            root["details"].get("steps_lost"),
+            steps_lost,
         )
         log.log(logging.ERROR if rec.action == "halt" else logging.WARNING, text)

@@ -9,8 +9,6 @@ out of any checkpoint written during the run. It counts nothing (``callbacks/sta
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +17,12 @@ import torch
 
 from lightning_numguard.callbacks.distributed import _distributed, _sharded
 from lightning_numguard.callbacks.distributed._strategies import holds_local_shards
+from lightning_numguard.callbacks.state._files import remove, replace
 from lightning_numguard.callbacks.state._metrics import LoggedValues
+from lightning_numguard.callbacks.state._outcome import Outcome
 from lightning_numguard.callbacks.state._repeats import Restores, learning_rate, put_schedule, schedule
 from lightning_numguard.callbacks.state._retry import is_transient
 from lightning_numguard.callbacks.state._snapshots import Snapshots
-from lightning_numguard.callbacks.step import _micro
 from lightning_numguard.callbacks.step._read import StepRead
 from lightning_numguard.callbacks.step._record import StepRecord
 from lightning_numguard.core import checks
@@ -164,15 +163,19 @@ class Recovery:
 
     # ------------------------------------------------------------------ the step
 
-    def flag_batch(self, rec: StepRecord, batch: Any, batch_idx: int, step: int, first: bool) -> None:
-        """Skip the batches of the window after a rollback; flag quarantined micro-batches for the read (no sync)."""
-        if rec.forced_skip is not None:
-            return
+    def flag_batch(
+        self, rec: StepRecord, batch: Any, batch_idx: int, step: int, first: bool
+    ) -> tuple[str | None, torch.Tensor | None]:
+        """Why the batches of the window after a rollback are skipped; the quarantine flag of a micro-batch for the
+        read (0-d, on the device, no sync). Returns ``(skip reason, flag)``, each ``None`` when there is none."""
+        if rec.skip_forced:
+            return None, None
         if first and self.skip_remaining > 0:
             self.skip_remaining -= 1
-            rec.forced_skip = "in the skip window after a rollback"
-        elif self.use_quarantine:
-            _micro.merge_flag(rec, self.quarantine.flag(batch, batch_idx, step))
+            return "in the skip window after a rollback", None
+        if self.use_quarantine:
+            return None, self.quarantine.flag(batch, batch_idx, step)
+        return None, None
 
     def at_read(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, decision: Decision, optimizer: Any
@@ -205,36 +208,40 @@ class Recovery:
                 for group, lr in zip(opt.param_groups, lrs):
                     group["lr"] = lr
 
-    def carry_out(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, late: bool) -> None:
-        """Batch end: what the decision leaves to be done once the optimizer step is over."""
+    def carry_out(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, late: bool) -> Outcome:
+        """Batch end: what the decision leaves to be done once the optimizer step is over. Returns what was done
+        (the ledger records the step's events with it)."""
         decision = rec.decision
         assert decision is not None
+        restore, lrs, retry, quarantined = None, None, None, False
         if decision.skips and not late:  # what the discarded step logged must not reach monitors or loggers
             self.logged.discard(trainer)
         if decision.action == "skip":
             if not late:  # read late, the device put the buffers back itself
                 self.undo_forward(pl_module, rec)
             if decision.quarantine:
-                self.quarantine_batch(trainer, rec, decision.quarantine)
+                quarantined = self.quarantine_batch(trainer, rec, decision.quarantine)
         elif decision.action == "rollback":
-            repeat = self.restores.before(trainer, rec, self.snapshot, decision.new_rollback)
-            kept = schedule(trainer) if repeat else None
+            restore = self.restores.before(trainer, rec, self.snapshot, decision.new_rollback)
+            kept = schedule(trainer) if restore is not None and restore.repeat is not None else None
             self.snapshots.restore(trainer, pl_module)  # collective when sharded: every rank read the same flags
             put_schedule(trainer, kept)  # a repeat: the LR schedule keeps its place, the same steps are not run again
             self.restores.repeats.restored(learning_rate(trainer))
             if decision.new_rollback:
-                self.after_rollback(trainer, rec.events)
+                lrs = self.after_rollback(trainer)
                 if self.retry_transient and not late:
-                    self._retry(trainer, pl_module, rec)
+                    retry, quarantined = self._retry(trainer, pl_module, rec)
                     put_schedule(trainer, kept)
                 elif decision.quarantine:
-                    self.quarantine_batch(trainer, rec, decision.quarantine)
+                    quarantined = self.quarantine_batch(trainer, rec, decision.quarantine)
                 self.save_last_finite(trainer)
         elif decision.action == "halt":
-            self.restores.before(trainer, rec, self.snapshot, False)
+            restore = self.restores.before(trainer, rec, self.snapshot, False)
             self.halt(trainer, pl_module)
         if decision.skips:
             self.restores.skipped.add(rec.step)
+        now = self.snapshot.step if self.snapshot is not None else None
+        return Outcome(decision.action, restore, now, lrs, retry, quarantined)
 
     # ------------------------------------------------------------------ read late: the device-side skip
 
@@ -277,33 +284,35 @@ class Recovery:
             if name.startswith("metric:"):
                 self.stateful[name].load_state_dict(clone_tree(state))
 
-    def after_rollback(self, trainer: pl.Trainer, events: list[dict[str, Any]]) -> None:
-        """A new rollback's skip window and learning-rate back-off (said in ``events``)."""
+    def after_rollback(self, trainer: pl.Trainer) -> list[float] | None:
+        """A new rollback's skip window and learning-rate back-off; returns the learning rates after the back-off
+        (``None``: none applied)."""
         self.skip_remaining = self.skip_batches_after_rollback
-        if self.lr_backoff != 1.0:
-            schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
-            lrs = apply_lr_backoff(trainer.optimizers, schedulers, self.lr_backoff)
-            for e in events:
-                e["details"]["lr_after_backoff"] = lrs
+        if self.lr_backoff == 1.0:
+            return None
+        schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
+        return apply_lr_backoff(trainer.optimizers, schedulers, self.lr_backoff)
 
-    def _retry(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord) -> None:
+    def _retry(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord) -> tuple[str, bool]:
         """Decide whether the incident was transient: re-run the batch once from the restored state.
 
         The re-run trains nothing (see :mod:`~lightning_numguard.callbacks.state._retry`) and the snapshot is put back
-        after it. A transient batch is simply not trained on; a persistent one is quarantined at once.
+        after it. A transient batch is simply not trained on; a persistent one is quarantined at once. Returns what
+        the re-run said and whether the batch was quarantined.
         """
         ok = is_transient(trainer, pl_module, rec.batch, rec.batch_idx, rec.start_rng)
         ok = not _distributed.any_rank(trainer, [] if ok else ["retry"])
-        for e in rec.events:
-            e["details"]["retry"] = "transient: finite on retry" if ok else "persistent: non-finite again"
+        said = "transient: finite on retry" if ok else "persistent: non-finite again"
         self.snapshots.restore(trainer, pl_module)
         if not ok and self.use_quarantine:
-            self.quarantine_batch(trainer, rec, "non-finite again when re-run from the last finite state")
+            return said, self.quarantine_batch(trainer, rec, "non-finite again when re-run from the last finite state")
+        return said, False
 
-    def quarantine_batch(self, trainer: pl.Trainer, rec: StepRecord, reason: str) -> None:
-        """Quarantine ``rec``'s batch, saving it under ``bad_batches/`` (rank 0)."""
+    def quarantine_batch(self, trainer: pl.Trainer, rec: StepRecord, reason: str) -> bool:
+        """Quarantine ``rec``'s batch, saving it under ``bad_batches/`` (rank 0). Returns whether it was (not when
+        it already is)."""
         if self.quarantine.holds(rec.batch_idx):
-            return
+            return False
         entry: dict[str, Any] = {
             "epoch": rec.epoch,
             "batch_idx": rec.batch_idx,
@@ -318,8 +327,7 @@ class Recovery:
             torch.save({**entry, "batch": to_plain(rec.batch)}, path)
             entry["file"] = str(path)
         self.quarantine.add(entry)
-        for e in rec.events:
-            e["details"]["quarantined"] = True
+        return True
 
     def halt(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Restore the last finite state, save it, and ask every rank to stop."""
@@ -340,10 +348,10 @@ class Recovery:
         tmp = final.with_name(final.name + ".tmp")
         if trainer.is_global_zero:
             final.parent.mkdir(parents=True, exist_ok=True)
-            _remove(tmp)  # a folder left by an interrupted save would mix old shards with new ones
+            remove(tmp)  # a folder left by an interrupted save would mix old shards with new ones
         trainer.save_checkpoint(tmp, weights_only=False)  # collective: every rank calls it (after rank 0 cleared tmp)
         if trainer.is_global_zero:
-            _replace(tmp, final)
+            replace(tmp, final)
         if trainer.world_size > 1 and holds_local_shards(trainer.strategy):  # a folder, written by every rank
             trainer.strategy.barrier("numguard_last_finite")
 
@@ -374,25 +382,3 @@ class Recovery:
         if "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = clone_tree(snapshot.optimizers, "cpu")
         return True
-
-
-def _remove(path: Path) -> None:
-    """Delete a file or a folder, if there is one."""
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
-
-
-def _replace(tmp: Path, final: Path) -> None:
-    """Put ``tmp`` (a file or a folder) in place of ``final``: a file atomically; a folder by two renames, so
-    that at every moment a whole checkpoint exists under ``final`` or under ``final.old``."""
-    if not tmp.is_dir() and not final.is_dir():
-        os.replace(tmp, final)
-        return
-    old = final.with_name(final.name + ".old")
-    _remove(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _remove(old)

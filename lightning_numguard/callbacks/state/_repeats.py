@@ -15,6 +15,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from lightning_numguard.callbacks.state._outcome import Restore
+
 __all__ = ["Repeats", "Restores", "learning_rate", "put_schedule", "schedule"]
 
 
@@ -26,12 +28,12 @@ class Restores:
         self.skipped: set[int] = set()  # steps whose update was not made (since the last restore)
         self.repeats = Repeats()  # the rollbacks per (snapshot, trouble): a repeat keeps the LR schedule's place
 
-    def before(self, trainer: pl.Trainer, rec: Any, snapshot: Any, new: bool) -> bool:
-        """Count the updates a restore to ``snapshot`` discards (``details["steps_lost"]`` of ``rec``'s events): the
+    def before(self, trainer: pl.Trainer, rec: Any, snapshot: Any, new: bool) -> Restore | None:
+        """A restore of ``rec``'s step to ``snapshot`` (``None`` when there is none): the updates it discards, the
         steps since the snapshot or the last restore whose update was made. A ``new`` rollback landing on a snapshot
-        already restored for the same trouble is a repeat (said in its events). Returns whether it is one."""
+        already restored for the same trouble is a repeat (its details in the returned :class:`Restore`)."""
         if snapshot is None:
-            return False
+            return None
         start = max(snapshot.step, self.restored_after + 1)
         lost = sum(1 for t in range(start, rec.step) if t not in self.skipped)
         self.restored_after = max(trainer.global_step - 1, rec.step)
@@ -41,13 +43,7 @@ class Restores:
         if new and root is not None:
             self.repeats.initial_lr = learning_rate(trainer, "initial_lr")
             repeat = self.repeats.add(snapshot.step, root["kind"], rec.step, learning_rate(trainer))
-        for e in rec.events:
-            e["details"]["steps_lost"] = lost
-            e["details"]["snapshot_step"] = snapshot.step
-            if repeat is not None:
-                e["details"]["repeat"] = repeat
-                e["message"] += f"; {repeat['said']}"
-        return repeat is not None
+        return Restore(snapshot.step, lost, repeat)
 
 
 class Repeats:

@@ -121,6 +121,10 @@ class Snapshots:
         self.last_step = -(10**9)
         self.stateful: dict[str, Stateful] = {}
 
+    def track(self, stateful: dict[str, Stateful]) -> None:
+        """Fit start: the stateful objects (metrics, loops, the spike window...) every snapshot holds."""
+        self.stateful = stateful
+
     @property
     def where(self) -> Literal["host", "device"]:
         return "host" if self.device == "host" else "device"

@@ -28,8 +28,11 @@ from lightning_numguard.errors import NumGuardConfigError
 __all__ = ["as_flags", "findings", "record", "seen_raw", "slot_values"]
 
 
-def record(checks: Sequence[Check], hook: str, step: CheckStep, values: dict[str, torch.Tensor]) -> None:
-    """Record the value of each check of ``hook`` for ``step`` into ``values`` (by kind); no host read."""
+def record(
+    checks: Sequence[Check], hook: str, step: CheckStep, recorded: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``recorded`` (by kind) with the value of each check of ``hook`` for ``step`` folded in; no host read."""
+    values = dict(recorded)
     for check in checks:
         if check.records_at != hook:
             continue
@@ -46,6 +49,7 @@ def record(checks: Sequence[Check], hook: str, step: CheckStep, values: dict[str
             values[check.kind] = value
         else:  # a further micro-batch of the window
             values[check.kind] = old + value if check.seen_when == "nonfinite" else torch.maximum(old, value)
+    return values
 
 
 def slot_values(

@@ -75,10 +75,11 @@ class StepFlow:
 
     def at_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         p = self.pipeline
-        p.snapshots.stateful = stateful_objects(trainer, pl_module)
+        stateful = stateful_objects(trainer, pl_module)
         if p.spike.window is not None:  # snapshots hold the spike window: a rollback puts it back
-            p.snapshots.stateful[STATEFUL_KEY] = p.spike.window
-        p.reader.resolve(pl_module, p.snapshots.stateful)
+            stateful[STATEFUL_KEY] = p.spike.window
+        p.snapshots.track(stateful)
+        p.reader.resolve(pl_module, stateful)
         self.coverage.at_fit_start(trainer, pl_module, p.ledger)
         p.announce_spikes(trainer)
 
@@ -88,7 +89,7 @@ class StepFlow:
         p = self.pipeline
         bad = p.recovery.at_train_start(trainer, pl_module, p.reader, self.settings.acting)
         # the fused check writes the same bits back: only while no snapshot is copied on another thread
-        p.reader.state_rewritable = not p.snapshots.async_on
+        p.reader.allow_rewrite(not p.snapshots.async_on)
         if bad:
             p.halt_at_fit_start(trainer, bad)
         self.schedule.at_train_start(trainer, pl_module)
@@ -120,7 +121,10 @@ class StepFlow:
         new_step = p.recorder.record is None
         acting = self.settings.acting
         rec = p.recorder.begin(trainer, pl_module, batch, batch_idx, acting, p.snapshots.stateful)
-        p.recovery.flag_batch(rec, batch, batch_idx, trainer.global_step, new_step)
+        skip, flag = p.recovery.flag_batch(rec, batch, batch_idx, trainer.global_step, new_step)
+        if skip is not None:
+            p.recorder.force_skip(skip)
+        p.recorder.flag_quarantine(flag)
         if new_step and p.snapshots.async_on:  # start the due snapshot's copies, overlapped with the step
             p.snapshots.start(trainer, pl_module, p.due(trainer.global_step))
         if new_step and acting:
@@ -142,7 +146,7 @@ class StepFlow:
             return
         if rec.read_done:  # a further optimizer of a clean batch: its gradients only
             recorder.forget_forward()
-        if rec.forced_skip is None:  # both read schedules: the gradients are known here, read or not
+        if not rec.skip_forced:  # both read schedules: the gradients are known here, read or not
             self.coverage.at_first_step(trainer, pl_module, optimizer, self.pipeline.ledger)
         recorder.at_optimizer_step(optimizer)
         self.schedule.at_optimizer_step(trainer, pl_module, optimizer)
@@ -160,9 +164,9 @@ class StepFlow:
         p.recorder.end()
         p.spike.push()  # before the action: a rollback puts back the window of its snapshot
         self.schedule.after_step(trainer, pl_module)  # a late decision taken during this batch
-        p.finish(trainer, pl_module, rec)
+        outcome = p.finish(trainer, pl_module, rec)
         counters, events = p.ledger.counters, p.ledger.events
-        self.progress.after_step(trainer, pl_module, rec, p.snapshots.snapshot, counters)
+        self.progress.after_step(trainer, pl_module, rec, p.snapshots.snapshot, counters, outcome)
         p.amp.log(trainer, pl_module, counters["amp_overflow_steps"])
         last = p.spike.last  # host numbers: the counters and the spike statistics of the step's one read
         self.series.after_step(trainer, pl_module, rec.step, events, counters, last, p.spike.scalars())

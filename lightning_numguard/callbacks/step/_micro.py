@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from lightning_numguard.callbacks.step._record import StepRecord
     from lightning_numguard.core.watch import OutputWatch
 
-__all__ = ["MicroBatch", "first_bad", "merge_flag", "micro_rng"]
+__all__ = ["MicroBatch", "first_bad", "merged_flag", "micro_rng"]
 
 
 @dataclass
@@ -44,11 +44,9 @@ def micro_rng(window_rng: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def merge_flag(rec: StepRecord, flag: torch.Tensor | None) -> None:
-    """Fold a later micro-batch's quarantine flag into the window's (device-side, no sync)."""
-    if flag is not None:
-        old = rec.quarantine_flag
-        rec.quarantine_flag = flag if old is None else torch.maximum(old, flag.to(old.device))
+def merged_flag(old: torch.Tensor | None, flag: torch.Tensor) -> torch.Tensor:
+    """The window's quarantine flag with a later micro-batch's folded in (device-side, no sync)."""
+    return flag if old is None else torch.maximum(old, flag.to(old.device))
 
 
 def first_bad(trainer: pl.Trainer | None, rec: StepRecord, watch: OutputWatch | None) -> int:

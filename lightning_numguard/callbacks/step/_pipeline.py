@@ -24,6 +24,7 @@ from lightning_numguard import _compat
 from lightning_numguard.callbacks.output._amp import AmpCounters
 from lightning_numguard.callbacks.state._conventions import InputConventions
 from lightning_numguard.callbacks.state._ledger import Ledger
+from lightning_numguard.callbacks.state._outcome import Outcome
 from lightning_numguard.callbacks.state._recovery import Recovery
 from lightning_numguard.callbacks.state._snapshots import Snapshots
 from lightning_numguard.callbacks.step._diagnosis import StepView, diagnose
@@ -140,15 +141,15 @@ class StepPipeline:
         self.snapshots.settle()
 
     def judge(self, trainer: pl.Trainer, pl_module: pl.LightningModule, view: StepView, due: bool) -> Decision:
-        """Name the culprits of a read, judge it, move the counters; sets ``rec.decision`` and ``rec.events``."""
+        """Name the culprits of a read, judge it, move the counters; the recorder settles the decision and events."""
         rec, seen, late = view.rec, view.reading.flags, view.kept is not None
         s = self.settings
         spikes, advisory = self._spikes(trainer, rec, view.reading.extras)
-        if seen.seen(flags.QUARANTINE) and rec.forced_skip is None:
-            rec.forced_skip = "it holds samples quarantined after they failed before"
+        if seen.seen(flags.QUARANTINE):
+            self.recorder.force_skip("it holds samples quarantined after they failed before", rec)
         findings: list[Finding] = []
         events: list[dict[str, Any]] = []
-        if rec.forced_skip is not None:  # a batch known to be bad: skipped without an incident
+        if rec.skip_forced:  # a batch known to be bad: skipped without an incident
             state_bad = seen.seen(flags.NORMS) if late else bool(self.reader.state_bad(trainer, view.reading))
             facts = Facts(forced_skip=True, state_bad=state_bad, late=late)
             log.info("numguard skipped batch %s at step %s: %s", rec.batch_idx, rec.step, rec.forced_skip)
@@ -193,34 +194,34 @@ class StepPipeline:
                 f.details.update({"deferred": True, "read_at_step": trainer.global_step})
             taken = "none" if registry.is_advisory(f.kind) else decision.action  # an advisory finding is not acted on
             events.append(self.ledger.event(trainer, f, rec.step, taken, rec.epoch, rec.batch_idx))
-        if rec.decision is None or decision.action != "none":  # a further optimizer's clean read keeps the first's
-            rec.decision = decision
-        rec.events = rec.events + events
+        self.recorder.settle(rec, decision, events)
         self.ledger.count(decision.counts)
         if late and decision.action != "none":
             log.info("numguard (deferred) step %s, read at step %s: %s", rec.step, trainer.global_step, decision.action)
         return decision
 
-    def finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, late: bool = False) -> None:
-        """Batch end: carry out the step's decision and record its events (counted first: the ``last_finite.ckpt``
-        of a rollback or halt counts its incident)."""
+    def finish(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, late: bool = False
+    ) -> Outcome | None:
+        """Batch end: carry out the step's decision and record its events with what was done (counted first: the
+        ``last_finite.ckpt`` of a rollback or halt counts its incident). Returns the outcome (``None``: clean)."""
         decision = rec.decision
         if decision is None or (decision.action == "none" and not rec.events):  # a clean step: nothing left to do
-            return
+            return None
         if decision.action == "halt":
             self.ledger.record(trainer, rec.events)
         else:  # counted first: the last_finite.ckpt a rollback writes holds the fit's counters, this step's included
             self.ledger.count_events(rec.events)
-        self.recovery.carry_out(trainer, pl_module, rec, late)
-        snapshot = self.snapshots.snapshot
-        if decision.action != "halt":
-            for e in rec.events:  # the span a rollback gave up (the run's picture shades it)
-                if e["action"] == "rollback" and snapshot is not None:
-                    e["details"].setdefault("snapshot_step", snapshot.step)
-            self.ledger.record(trainer, rec.events, counted=True)
-        self.ledger.log_action(trainer, rec, snapshot.step if snapshot is not None else None, self.recovery.ckpt_path)
+        outcome = self.recovery.carry_out(trainer, pl_module, rec, late)
+        if decision.action == "halt":  # written before: the fit's record of them says what was done
+            self.ledger.complete(rec.events, outcome)
+        else:
+            self.ledger.record(trainer, rec.events, counted=True, outcome=outcome)
+        ckpt = self.recovery.ckpt_path
+        self.ledger.log_action(trainer, rec, outcome.snapshot_step, ckpt, outcome.steps_lost)
         if decision.action == "halt" and (self.settings.halt_raises or not _compat.lightning_will_stop(trainer)):
             raise NonFiniteError(self._halt_message(rec))
+        return outcome
 
     def _halt_message(self, rec: StepRecord) -> str:
         """What a halt raises: why, where the last finite state is, and how to resume from it."""

@@ -103,8 +103,12 @@ class StepRead:
         self._named_buffers = [(n, b) for n, b in pl_module.named_buffers() if n in persistent]
         copies = [b.detach().clone() for _, b in self._named_buffers]
         by_name = {n: c for (n, _), c in zip(self._named_buffers, copies)}
-        self.recorder.start_copies = (copies, [b for _, b in self._named_buffers], by_name)
-        self.recorder.metric_keys = [k for k in stateful if k.startswith("metric:")]
+        self.recorder.copy_starts((copies, [b for _, b in self._named_buffers], by_name), stateful)
+
+    def allow_rewrite(self, allowed: bool) -> None:
+        """Train start: whether the state may go through the CPU's fused check, which writes the same bits back
+        (not while a snapshot copies it on another thread)."""
+        self.state_rewritable = allowed
 
     def leave_unchecked(self, bad_at_start: list[str]) -> list[str]:
         """Buffers non-finite at fit start by design (a float causal mask of ``0``/``-inf``) are never checked.
@@ -125,12 +129,7 @@ class StepRead:
 
     def read(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool) -> Reading:
         """Pack every flag of the step, all-reduce once, read once (the step's one host sync)."""
-        rec = self.recorder.record
-        assert rec is not None
-        rec.read_done = True
-        watch = self.recorder.watch
-        rec.seen_at_read = (len(rec.losses), len(watch.records) if watch is not None else 0)
-        rec.step = trainer.global_step
+        self.recorder.mark_read(trainer.global_step, seen=True)
         world = trainer.world_size
         slots, segments, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due, raw=world == 1)
         n = len(flags.SLOTS)
@@ -149,10 +148,7 @@ class StepRead:
     ) -> torch.Tensor:
         """The step's reduced flag vector on the device, without its host read (``sync_mode="deferred"``), followed
         by the spike statistics' raw values when the step carries them (the same all-reduce)."""
-        rec = self.recorder.record
-        assert rec is not None
-        rec.read_done = True
-        rec.step = trainer.global_step
+        self.recorder.mark_read(trainer.global_step)
         slots, _, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due)
         return self.reduce(trainer, slots, extras)
 
@@ -224,7 +220,7 @@ class StepRead:
         }
         extras = None
         if self.spike is not None and self.spike.enabled and not rec.spike_read:
-            rec.spike_read = True  # the step's first read only (a further optimizer reads its gradients alone)
+            self.recorder.mark_spike_read()  # the step's first read only (a further optimizer: its gradients alone)
             loss = loss_total if losses else None
             rank, world = trainer.global_rank, trainer.world_size
             extras = self.spike.extras(loss, self.grad_norm, watch, device, rank, world)

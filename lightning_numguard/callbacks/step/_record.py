@@ -9,6 +9,10 @@
 3. :meth:`~StepRecorder.record_loss` (before backward);
 4. :meth:`~StepRecorder.end` (batch end): the instruments cleared for the next step.
 
+The recorder is the one writer of a :class:`StepRecord`: the other parts read it and hand what they found to its
+named methods (:meth:`~StepRecorder.force_skip`, :meth:`~StepRecorder.flag_quarantine`,
+:meth:`~StepRecorder.mark_read`, :meth:`~StepRecorder.mark_spike_read`, :meth:`~StepRecorder.settle`);
+``tests/test_record_owner.py`` fails on an assignment to a record's field anywhere else.
 Nothing here reads a value on the host; the read is :mod:`~lightning_numguard.callbacks.step._read`'s.
 """
 
@@ -81,8 +85,15 @@ class StepRecord:
 
     @property
     def bad(self) -> bool:
-        """Whether this step's optimizer step is a no-op (skipped, rolled back or halted)."""
+        """Whether this step's optimizer step is a no-op (skipped, rolled back or halted): the one spelling of
+        "this step is skipped" once it is judged."""
         return self.decision is not None and self.decision.skips
+
+    @property
+    def skip_forced(self) -> bool:
+        """Whether the step is skipped whatever its read finds (``forced_skip`` says why): the one spelling of
+        "this step is known to be skipped" before it is judged."""
+        return self.forced_skip is not None
 
 
 class StepRecorder:
@@ -143,6 +154,14 @@ class StepRecorder:
         if self.watch is not None:
             self.watch.detach()
 
+    def copy_starts(
+        self, copies: tuple[list[torch.Tensor], list[torch.Tensor], dict[str, torch.Tensor]], stateful: dict[str, Any]
+    ) -> None:
+        """Once per fit: the storage each step's start copies of the buffers go into (copies, live buffers, copies
+        by name), and the metric states of ``stateful`` kept at each step's start."""
+        self.start_copies = copies
+        self.metric_keys = [k for k in stateful if k.startswith("metric:")]
+
     # ------------------------------------------------------------------ recording
 
     def begin(
@@ -176,7 +195,7 @@ class StepRecorder:
         rec.micro.append(micro)
         if self.extra_checks:
             rec.check_step = CheckStep(trainer, pl_module, batch, batch_idx, trainer.global_step)
-            _extra.record(self.extra_checks, "batch_start", rec.check_step, rec.checks)
+            rec.checks = _extra.record(self.extra_checks, "batch_start", rec.check_step, rec.checks)
         if "inputs" in self.check:
             leaves = floating_leaves(batch)
             if self.ignored_inputs:
@@ -215,7 +234,7 @@ class StepRecorder:
         rec = self.record
         if rec is not None and rec.check_step is not None:
             rec.check_step = replace(rec.check_step, loss=loss)
-            _extra.record(self.extra_checks, "loss", rec.check_step, rec.checks)
+            rec.checks = _extra.record(self.extra_checks, "loss", rec.check_step, rec.checks)
         if "loss" in self.check and self.record is not None:
             self.record.losses.append(local(loss.detach()))  # a DTensor loss (loss parallel): this rank's part
             if self.record.micro:
@@ -226,7 +245,43 @@ class StepRecorder:
         rec = self.record
         if rec is not None and rec.check_step is not None:
             rec.check_step = replace(rec.check_step, optimizer=optimizer)
-            _extra.record(self.extra_checks, "optimizer_step", rec.check_step, rec.checks)
+            rec.checks = _extra.record(self.extra_checks, "optimizer_step", rec.check_step, rec.checks)
+
+    # ------------------------------------------------------------------ what the other parts found
+
+    def force_skip(self, reason: str, rec: StepRecord | None = None) -> None:
+        """Skip ``rec`` (the step in progress by default) whatever its read finds; the first reason stands."""
+        rec = rec if rec is not None else self.record
+        if rec is not None and not rec.skip_forced:
+            rec.forced_skip = reason
+
+    def flag_quarantine(self, flag: torch.Tensor | None) -> None:
+        """Fold a micro-batch's quarantine flag (0-d, on the device; ``None``: not quarantined) into the step's."""
+        rec = self.record
+        if rec is not None and flag is not None:
+            rec.quarantine_flag = _micro.merged_flag(rec.quarantine_flag, flag)
+
+    def mark_read(self, step: int, seen: bool = False) -> None:
+        """The step's flags are read (or packed) at optimizer step ``step``; ``seen``: what was recorded up to now
+        is noted, a further optimizer of the batch reads only what comes after (manual optimization)."""
+        rec = self.record
+        assert rec is not None
+        rec.read_done = True
+        if seen:
+            rec.seen_at_read = (len(rec.losses), len(self.watch.records) if self.watch is not None else 0)
+        rec.step = step
+
+    def mark_spike_read(self) -> None:
+        """The spike statistics' values went into a read of this step (its first read only)."""
+        assert self.record is not None
+        self.record.spike_read = True
+
+    @staticmethod
+    def settle(rec: StepRecord, decision: Decision, events: list[dict[str, Any]]) -> None:
+        """A read of ``rec`` judged: its decision (a further optimizer's clean read keeps the first's) and events."""
+        if rec.decision is None or decision.action != "none":
+            rec.decision = decision
+        rec.events = rec.events + events
 
     def end(self) -> StepRecord | None:
         """Close the step record and clear the instruments for the next step."""

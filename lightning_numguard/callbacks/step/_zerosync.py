@@ -82,7 +82,7 @@ class Deferred(ReadSchedule):
             bad = packed.narrow(0, 0, n).any()
             if p.spike.acting and packed.numel() > n:  # a spike is skipped on the device too
                 bad = bad | p.spike.device_flag(packed[n:])
-            if rec.forced_skip is not None:
+            if rec.skip_forced:
                 bad = torch.ones((), dtype=torch.bool, device=packed.device)
             p.recovery.skip_on_device(trainer, rec.step, optimizer, bad)
         self.records[rec.step] = rec
@@ -120,14 +120,12 @@ class Deferred(ReadSchedule):
         p = self.pipeline
         n = len(flags.SLOTS)
         reading = Reading(flags.decode(values[:n], trainer.world_size), {}, values[n:])
-        forced = rec.forced_skip is not None or reading.flags.seen(flags.QUARANTINE)
+        forced = rec.skip_forced or reading.flags.seen(flags.QUARANTINE)
         decision = p.judge(trainer, pl_module, StepView(rec, reading, kept[:2], norms=kept[2]), due=False)
         p.recovery.at_late_read(trainer, step, decision, forced)
         if decision.restore and optimizer is not None:  # the step in flight started from the state to replace
             p.recovery.skip_in_flight(optimizer, pl_module.device)
-            current = p.recorder.record
-            if current is not None and current.forced_skip is None:
-                current.forced_skip = "it started from the state a late rollback replaced"
+            p.recorder.force_skip("it started from the state a late rollback replaced")
         if decision.action != "none" or rec.events:
             self.carry = rec
         if optimizer is None:  # the end of the fit: carried out now
