@@ -57,7 +57,6 @@ _NO_KERNEL = frozenset(
 #: ``module suffix[:function]`` of the innermost package frame -> the check its ops belong to (first match wins)
 CHECK_OF: tuple[tuple[str, str], ...] = (
     ("core.spike:global_norm", "gradients + state (norm total)"),  # with the spike window on, the grads' check
-    ("_read:StepRead.read", "spikes"),  # the extras' cat onto the flags (none without the statistics)
     ("_spike", "spikes"),
     ("core.spike", "spikes"),
     ("core.watch", "outputs"),

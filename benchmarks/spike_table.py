@@ -200,7 +200,7 @@ def flagged(series: list[tuple[float, float]], start: int = 0) -> list[int]:
     device = torch.device("cpu")
     out = []
     for i, (loss, norm) in enumerate(series):
-        extras = guard.extras(torch.tensor(loss), torch.tensor(norm), None, device)
+        extras = torch.stack(guard.extras(torch.tensor(loss), torch.tensor(norm), None, device))
         guard.reduced = extras
         spikes, _ = guard.findings(extras.tolist(), i, None)
         if i >= start and spikes:

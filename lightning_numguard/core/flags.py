@@ -41,7 +41,9 @@ __all__ = [
     "decode",
     "decode_raw",
     "encode_rank",
+    "extras_at",
     "pack",
+    "pack_slots",
     "stack_raw",
 ]
 
@@ -52,16 +54,25 @@ INPUT, NORMS, OUTPUT, LOSS, SUSPICIOUS, OP, QUARANTINE = range(len(SLOTS))
 LOCAL_SLOTS: tuple[int, ...] = (INPUT, SUSPICIOUS, OUTPUT, OP, LOSS)
 
 
-_TOTALS_MASK: dict[torch.device, torch.Tensor] = {}
-#: dtypes one ``torch.stack`` turns into a float32 vector as they are (type promotion: ``True`` is ``1.0``)
-_STACKED = frozenset({torch.float32, torch.bool})
+_TOTALS_MASK: dict[tuple[torch.device, int], torch.Tensor] = {}
+_RANK_SCALE: dict[tuple[torch.device, int, int, int, int], torch.Tensor] = {}
+#: dtypes one ``torch.stack`` with a float32 first value turns into a float32 vector as they are (type promotion:
+#: ``True`` is ``1.0``, an integer index its float value)
+_STACKED = frozenset({torch.float32, torch.bool, torch.int64})
 
 
-def _totals_mask(device: torch.device) -> torch.Tensor:
-    """``[True] * 4 + [False] * 3`` on ``device``: which slots of :data:`SLOTS` are totals (made once per device)."""
-    mask = _TOTALS_MASK.get(device)
+def extras_at() -> int:
+    """Where the raw values that ride after the flags (the spike statistics' extras) start in a packed or stacked
+    vector: the one place that says how many values come before them."""
+    return len(SLOTS)
+
+
+def _totals_mask(device: torch.device, length: int) -> torch.Tensor:
+    """``[True] * 4 + [False] * (length - 4)`` on ``device``: which values of a packed vector are totals (the first
+    four slots of :data:`SLOTS`; the rest are flags or raw extras), made once per device and length."""
+    mask = _TOTALS_MASK.get((device, length))
     if mask is None:
-        mask = _TOTALS_MASK[device] = torch.tensor([i <= LOSS for i in range(len(SLOTS))], device=device)
+        mask = _TOTALS_MASK[(device, length)] = torch.tensor([i <= LOSS for i in range(length)], device=device)
     return mask
 
 
@@ -80,24 +91,36 @@ def pack(
     The first four are *totals* (a NaN or Inf anywhere propagates into a max or sum, so the slot is
     seen when the total is non-finite); the last three are already 0/1 flags.
     """
-    values = (input_max, norm_total, output_total, loss_total, suspicious, op, quarantine)
-    device = input_max.device
-    if input_max.dtype == torch.float32 and all(v.dtype in _STACKED and v.device == device for v in values):
+    return pack_slots((input_max, norm_total, output_total, loss_total, suspicious, op, quarantine))
+
+
+def pack_slots(values: Sequence[torch.Tensor], extras: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """:func:`pack` of the 0-d slot values in :data:`SLOTS` order (as :func:`stack_raw` takes them), followed by the
+    0-d ``extras`` as they are (from :func:`extras_at` on), in the same ``stack``; no sync."""
+    values = (*values, *extras)
+    device = values[0].device
+    if values[0].dtype == torch.float32 and all(v.dtype in _STACKED and v.device == device for v in values):
         raw = torch.stack(values)  # the usual step, four ops: float32 (a bool flag is promoted to 0.0/1.0)
-        return torch.where(_totals_mask(device), raw.isfinite().logical_not_(), raw)
-    totals = torch.stack([input_max, norm_total, output_total, loss_total]).to(torch.float32)
-    flags = torch.stack([suspicious, op, quarantine]).to(device=totals.device, dtype=torch.float32)
-    return torch.cat([(~torch.isfinite(totals)).to(torch.float32), flags])
+        return torch.where(_totals_mask(device, len(values)), raw.isfinite().logical_not_(), raw)
+    n = len(values) - len(extras)
+    totals = torch.stack(values[: LOSS + 1]).to(torch.float32)
+    flags = torch.stack(values[LOSS + 1 : n]).to(device=totals.device, dtype=torch.float32)
+    parts = [(~torch.isfinite(totals)).to(torch.float32), flags]
+    if extras:
+        parts.append(torch.stack([v.to(totals.device, torch.float32) for v in extras]))
+    return torch.cat(parts)
 
 
-def stack_raw(values: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The 0-d slot values of :func:`pack`'s arguments (in :data:`SLOTS` order) as they are, in one float32 vector.
+def stack_raw(values: Sequence[torch.Tensor], extras: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """The 0-d slot values of :func:`pack`'s arguments (in :data:`SLOTS` order) as they are, in one float32 vector,
+    followed by the 0-d ``extras`` (from :func:`extras_at` on).
 
     One process needs no reduce, so the host can judge the raw values itself (:func:`decode_raw`): one
     ``stack`` instead of :func:`pack`'s eight ops. No sync.
     """
+    values = [*values, *extras]
     if values[0].dtype == torch.float32 and all(v.dtype in _STACKED for v in values):  # a bool is promoted
-        return torch.stack(list(values))
+        return torch.stack(values)
     f32 = torch.float32
     return torch.stack([v if v.dtype == f32 else v.to(f32) for v in values])
 
@@ -120,9 +143,22 @@ def decode_raw(values: Sequence[float], suspicious_at: float | None = None) -> S
     return StepFlags(tuple(0 if seen(i, v) else -1 for i, v in enumerate(values)))
 
 
-def encode_rank(packed: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """``packed`` scaled so that a ``MAX`` reduce keeps the lowest rank that saw each slot."""
-    return packed * float(world - rank) if world > 1 else packed
+def encode_rank(packed: torch.Tensor, rank: int, world: int, width: int | None = None) -> torch.Tensor:
+    """``packed`` scaled so that a ``MAX`` reduce keeps the lowest rank that saw each slot.
+
+    ``width``: only the first ``width`` values are flags (the raw extras after them, :func:`extras_at`, stay as they
+    are: one multiply by a per-value scale made once per device, rank and layout); ``None``: all of them.
+    """
+    if world <= 1:
+        return packed
+    if width is None or width >= packed.numel():
+        return packed * float(world - rank)
+    key = (packed.device, rank, world, width, packed.numel())
+    scale = _RANK_SCALE.get(key)
+    if scale is None:
+        ones = [1.0] * (packed.numel() - width)
+        scale = _RANK_SCALE[key] = torch.tensor([float(world - rank)] * width + ones, device=packed.device)
+    return packed * scale
 
 
 @dataclass(frozen=True)

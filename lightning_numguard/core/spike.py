@@ -101,10 +101,24 @@ DTYPE_MAX: dict[torch.dtype, float] = {
 SERIES: tuple[str, str] = ("loss", "grad_norm")
 
 
-def _roots(values: torch.Tensor) -> torch.Tensor:
-    """``cbrt(x)`` (sign kept) where ``x`` is finite and not the missing mark :data:`NOT_JUDGED`, else ``NaN``."""
-    kept = values.isfinite() & (values > NOT_JUDGED)
-    return torch.where(kept, values.abs().pow(1.0 / 3.0).copysign(values), math.nan)
+_NAN_INF: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _nan_inf(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-d float32 ``NaN`` and ``+inf`` on ``device``, made once (a ``where`` with a Python scalar makes one each
+    call)."""
+    const = _NAN_INF.get(device)
+    if const is None:
+        both = torch.tensor([math.nan, math.inf], device=device)
+        const = _NAN_INF[device] = (both[0], both[1])
+    return const
+
+
+def _roots(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cbrt(x)`` (sign kept) where ``x`` is finite and not the missing mark :data:`NOT_JUDGED`, else ``NaN``; and
+    where it is (``NaN``, ``-inf`` and the mark are not above the mark, ``NaN`` and ``+inf`` not below ``+inf``)."""
+    kept = (values > NOT_JUDGED) & (values < math.inf)
+    return torch.where(kept, values.abs().pow(1.0 / 3.0).copysign(values), _nan_inf(values.device)[0]), kept
 
 
 def _stats(window: torch.Tensor, warmup: int, sigma: float) -> torch.Tensor:
@@ -112,16 +126,17 @@ def _stats(window: torch.Tensor, warmup: int, sigma: float) -> torch.Tensor:
 
     The center is the median of the values' cube roots (``0`` when none is valid), the threshold the raw value a
     new one must exceed to spike: ``(center + sigma * scale) ** 3``, ``+inf`` where a row holds fewer than ``warmup``
-    valid values (nothing is judged).
+    valid values (nothing is judged). About 25 ops.
     """
-    roots = _roots(window)
+    nan, inf = _nan_inf(window.device)
+    roots, kept = _roots(window)
     center = roots.nanmedian(dim=-1).values
     above = roots - center.unsqueeze(-1)
-    above = torch.where(above > 0, above, math.nan)
+    above = torch.where(above > 0, above, nan)
     floor = (center.abs() * SCALE_FLOOR).clamp_min(_SCALE_MIN)
     scale = torch.fmax(above.nanmedian(dim=-1).values / _MAD_NORMAL, floor)
-    judges = roots.isnan().logical_not().sum(dim=-1) >= warmup
-    threshold = torch.where(judges, (center + sigma * scale).pow(3), math.inf)
+    judges = kept.sum(dim=-1) >= warmup
+    threshold = torch.where(judges, (center + sigma * scale).pow(3), inf)
     return torch.cat([center.nan_to_num(0.0), threshold])
 
 
@@ -220,7 +235,7 @@ class SpikeWindow:
 
     def valid(self) -> list[int]:
         """Valid values per row. **Syncs** (reports and tests only)."""
-        return [int(n) for n in _roots(self.values.T).isnan().logical_not().sum(dim=-1).tolist()]
+        return [int(n) for n in _roots(self.values.T)[1].sum(dim=-1).tolist()]
 
     def state_dict(self) -> dict[str, Any]:
         """The window as tensors (for snapshots: cloned, restored in place)."""
@@ -314,21 +329,21 @@ def headroom(
         factor: the headroom: a block is at risk when its peak is at least ``dtype max / factor``.
 
     Returns:
-        0-d float32 ratio (0 when nothing is watched) and 0-d float32 index into the buffers laid end to end
-        (``-1`` when the ratio is below ``1 / factor``). Non-finite rows are the NaN guard's, not counted.
+        0-d float32 ratio (0 when nothing is watched) and 0-d index into the buffers laid end to end (``-1`` when
+        the ratio is below ``1 / factor``). Non-finite rows are the NaN guard's, not counted. About seven ops for one
+        buffer: the rows' inf-norm, the division, the reported and non-finite rows zeroed, ``max``, the headroom test.
     """
     ratios = []
     for (dtype, rows), done in zip(buffers, reported):
-        peak = rows.abs().amax(dim=-1).float()
-        ratio = peak / DTYPE_MAX.get(dtype, math.inf)
-        ratios.append(torch.where(torch.isfinite(peak) & ~done, ratio, torch.zeros_like(ratio)))
+        peak = torch.linalg.vector_norm(rows, math.inf, dim=-1, dtype=torch.float32)  # max |x| per row, one kernel
+        ratio = (peak / DTYPE_MAX.get(dtype, math.inf)).masked_fill_(done, 0.0)
+        ratios.append(ratio.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0))  # a non-finite row is the NaN guard's
     if not ratios:
         zero = torch.zeros(())
         return zero, zero - 1
     every = ratios[0] if len(ratios) == 1 else torch.cat(ratios)
     best, index = every.max(dim=0)
-    at_risk = best >= 1.0 / factor
-    return best, torch.where(at_risk, index.float(), torch.full_like(best, -1.0))
+    return best, index.masked_fill_(best < 1.0 / factor, -1)
 
 
 def global_norm(groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:

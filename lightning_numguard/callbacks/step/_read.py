@@ -132,11 +132,10 @@ class StepRead:
         self.recorder.mark_read(trainer.global_step, seen=True)
         world = trainer.world_size
         slots, segments, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due, raw=world == 1)
-        n = len(flags.SLOTS)
+        n = flags.extras_at()
         if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
-            vector = flags.stack_raw(list(slots.values()))
-            if extras is not None:  # the spike statistics ride in the same read
-                vector = torch.cat([vector, extras.to(vector.device)])
+            vector = flags.stack_raw(list(slots.values()), extras or ())  # the spike statistics in the same stack
+            if extras is not None:
                 self.spike.reduced = vector[n:]
             values = vector.tolist()
             return Reading(flags.decode_raw(values[:n], self.max_abs_input), segments, values[n:])
@@ -152,24 +151,26 @@ class StepRead:
         slots, _, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due)
         return self.reduce(trainer, slots, extras)
 
-    def reduce(self, trainer: pl.Trainer, slots: dict[str, torch.Tensor], extras: torch.Tensor | None) -> torch.Tensor:
-        """The rank-encoded flag vector with the spike statistics' raw values (``extras``) after it, all-reduced
+    def reduce(
+        self, trainer: pl.Trainer, slots: dict[str, torch.Tensor], extras: list[torch.Tensor] | None
+    ) -> torch.Tensor:
+        """The rank-encoded flag vector with the spike statistics' 0-d raw values (``extras``) after it, all-reduced
         (``MAX``) across ranks in one call, on the device; the statistics' reduced values go to ``spike.reduced``."""
-        packed = flags.encode_rank(flags.pack(**slots), trainer.global_rank, trainer.world_size)
-        if extras is not None:  # raw values (not rank-encoded) in the same all-reduce
-            packed = torch.cat([packed, extras.to(packed.device)])
+        n = flags.extras_at()
+        packed = flags.pack_slots(list(slots.values()), extras or ())  # the extras in the one stack, not rank-encoded
+        packed = flags.encode_rank(packed, trainer.global_rank, trainer.world_size, width=n)
         reduced = _distributed.reduce_max(trainer, packed)
         if extras is not None:
-            self.spike.reduced = reduced[len(flags.SLOTS) :]
+            self.spike.reduced = reduced[n:]
         return reduced
 
     def slot_values(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool, raw: bool = False
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Named], torch.Tensor | None]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Named], list[torch.Tensor] | None]:
         """The step's 0-d slot values on the device, in :data:`~lightning_numguard.core.flags.SLOTS` order, named as
         :func:`~lightning_numguard.core.flags.pack`'s arguments, and the named tensors of its ``NORMS`` slot; no sync.
 
-        Shared by :meth:`read` and :meth:`pack`; the third value is the spike statistics' extras (or ``None``).
+        Shared by :meth:`read` and :meth:`pack`; the third value is the spike statistics' 0-d extras (or ``None``).
         ``raw``: the values go to the host as they are (one process), so the ``suspicious`` slot carries the largest
         unmasked input value and the host compares it with ``max_abs_input`` (:func:`~lightning_numguard.core.flags.
         decode_raw`), one kernel fewer; otherwise it is the comparison's bool, on the device.

@@ -9,9 +9,9 @@ already reported near their dtype's limit). Each optimizer step:
    step) and the largest overflow-headroom ratio of a block not reported yet, as ten float32 values that ride
    after the flag slots in the step's one packed vector (the same ``MAX`` all-reduce: the loss becomes the largest
    of the ranks'; the gradient norm, the same on every rank after DDP's all-reduce, stays as it is, and so do the
-   statistics). One process: one ``stack`` into the window's next row and one ``cat``; the statistics are
-   recomputed every :data:`REFRESH_EVERY` steps (issue 25's budget: at most 4 device ops a step, measured by
-   ``benchmarks/spike_ops.py``);
+   statistics), as 0-d values in the step's one ``stack`` of the flags. One process: one ``stack`` into the
+   window's next row, the rest views; the statistics are recomputed every :data:`REFRESH_EVERY` steps (issue 25's
+   budget: at most 4 device ops a step, measured by ``benchmarks/spike_ops.py``);
 2. after the read (``sync_mode="every_step"``): :meth:`~SpikeGuard.findings` scores the host-read values on the
    host (:func:`~lightning_numguard.core.spike.judge`) into ``loss_spike`` / ``grad_norm_spike`` and
    ``overflow_risk`` findings; in ``sync_mode="deferred"`` :meth:`~SpikeGuard.device_flag` (a raw value above its
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 #: The stateful name of the window in snapshots.
 STATEFUL_KEY = "numguard:spike_window"
 #: Steps between refreshes of the window's statistics (each step's value is scored against them), at most a quarter
-#: of the window. Refreshing costs about 27 device ops; a step otherwise 2 (issue 25's budget: at most 4 a step).
+#: of the window. Refreshing costs about 25 device ops; a step otherwise 1 (issue 25's budget: at most 4 a step).
 REFRESH_EVERY = 32
 #: Steps between looks at the watched blocks' headroom (activations creep towards a limit over many steps).
 HEADROOM_EVERY = 8
@@ -89,6 +89,7 @@ class SpikeGuard:
         self.last: tuple[int, list[float]] | None = None  # the latest host-read extras and their step
         # per device: NaN, the not-judged scores, the headroom's and the ranks' defaults (views made once)
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._marks: dict[tuple[torch.device, int, int], torch.Tensor] = {}  # per device, rank and world: world - rank
         self._calls = 0
         self._single = True  # one process: the raw values need no mark for the reduce
 
@@ -129,42 +130,44 @@ class SpikeGuard:
         device: torch.device,
         rank: int = 0,
         world: int = 1,
-    ) -> torch.Tensor:
-        """The :data:`~lightning_numguard.core.spike.EXTRAS` of this rank, before the reduce; no sync.
+    ) -> list[torch.Tensor]:
+        """The :data:`~lightning_numguard.core.spike.EXTRAS` of this rank, before the reduce, as 0-d values that the
+        step's one ``stack`` lays after the flags (``core.flags.stack_raw`` / ``pack``); no sync.
 
-        One process: the loss and the gradient norm are written straight into the window's next row (one ``stack``)
-        and laid after the window's statistics (one ``cat``); the statistics are recomputed every
-        :data:`REFRESH_EVERY` steps, the headroom looked at every :data:`HEADROOM_EVERY` steps. Under several
-        processes the window takes the values reduced across ranks, at :meth:`push`.
+        One process: the loss and the gradient norm are written straight into the window's next row (one ``stack``);
+        the statistics are recomputed every :data:`REFRESH_EVERY` steps, the headroom looked at every
+        :data:`HEADROOM_EVERY` steps; everything else is a view. Under several processes the window takes the values
+        reduced across ranks, at :meth:`push`.
         """
         const = self._constants.get(device)
-        if const is None:  # [NaN, +inf x2, 0, -1, 0, 0]: reused every step
-            values = torch.tensor([math.nan, math.inf, math.inf, 0.0, -1.0, 0.0, 0.0], device=device)
-            const = self._constants[device] = (values[0], values[1:3], values[3:5], values[5:7])
-        nan, no_stats, no_head, no_ranks = const
+        if const is None:  # [NaN, 0 x2, +inf x2, 0, -1, 0, 0]: reused every step
+            values = torch.tensor([math.nan, 0.0, 0.0, math.inf, math.inf, 0.0, -1.0, 0.0, 0.0], device=device)
+            const = self._constants[device] = (values[0], values[1:5], values[5:7], values[7:9])
+        nan, no_stats, no_head, no_ranks = const  # no_stats: centers 0, thresholds +inf (nothing judged)
         self._calls += 1
         due = self.headroom is not None and watch is not None and watch.records and self._calls % HEADROOM_EVERY == 1
-        head = self._headroom(watch, device) if due else no_head
+        head = self._headroom(watch, device) if due else (no_head[0], no_head[1])
         self._single = world == 1
         window = self.window.to(device) if self.window is not None else None
+        loss = nan if loss is None else loss.reshape(())
+        grad_norm = nan if grad_norm is None else grad_norm
         if self._single:
             if window is None:
-                raw = torch.stack([nan if loss is None else loss.reshape(()), nan if grad_norm is None else grad_norm])
-                return torch.cat([raw.float(), nan.expand(2), no_stats, head, no_ranks])
+                return [_f32(loss), _f32(grad_norm), nan, nan, no_stats[2], no_stats[3], *head, *no_ranks.unbind()]
             stats = window.stats()  # the window before this step
-            row = window.write(
-                _f32(nan if loss is None else loss.reshape(())), _f32(nan if grad_norm is None else grad_norm)
-            )
-            return torch.cat([row, stats, head, no_ranks])
-        raw = torch.stack([nan if loss is None else loss.reshape(()), nan if grad_norm is None else grad_norm]).float()
+            row = window.write(_f32(loss), _f32(grad_norm))
+            return [*row.unbind(), *stats.unbind(), *head, *no_ranks.unbind()]
+        raw = torch.stack([loss, grad_norm]).float()
         # a finite mark for "missing" survives the MAX all-reduce; NaN might not
         raw = raw.nan_to_num(nan=NOT_JUDGED, posinf=NOT_JUDGED, neginf=NOT_JUDGED)
-        stats = window.stats() if window is not None else torch.cat([torch.zeros_like(no_stats), no_stats])
-        mark = torch.full((2,), float(world - rank), device=device)
-        ranks = torch.where(torch.stack([raw[0] > stats[2], head[1] >= 0]), mark, 0.0)
-        return torch.cat([raw, stats, head, ranks])
+        stats = window.stats() if window is not None else no_stats
+        mark = self._marks.get((device, rank, world))
+        if mark is None:  # this rank's mark, made once
+            mark = self._marks[(device, rank, world)] = torch.tensor(float(world - rank), device=device)
+        ranks = torch.stack([raw[0] > stats[2], head[1] >= 0]) * mark  # the mark where seen, else 0
+        return [*raw.unbind(), *stats.unbind(), *head, *ranks.unbind()]
 
-    def _headroom(self, watch: Any, device: torch.device) -> torch.Tensor:
+    def _headroom(self, watch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.headroom is not None
         ranges = [(key, rows) for key, rows in watch.ranges() if key[1] in spike.DTYPE_MAX]
         self._layout = [(key, rows.shape[0]) for key, rows in ranges]
@@ -175,7 +178,7 @@ class SpikeGuard:
                 mask = self._masks[key] = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
             masks.append(mask)
         ratio, index = spike.headroom([(key[1], rows) for key, rows in ranges], masks, self.headroom)
-        return torch.stack([ratio, index]).to(device)
+        return ratio.to(device), index.to(device)
 
     def device_flag(self, reduced: torch.Tensor) -> torch.Tensor:
         """0-d bool on the device: this step spiked and a spike skips (``sync_mode="deferred"``); no sync."""

@@ -77,7 +77,7 @@ class Deferred(ReadSchedule):
         assert rec is not None
         due = p.due(trainer.global_step)
         packed = p.reader.pack(trainer, pl_module, optimizer, due)
-        n = len(flags.SLOTS)
+        n = flags.extras_at()
         if p.settings.acting:
             bad = packed.narrow(0, 0, n).any()
             if p.spike.acting and packed.numel() > n:  # a spike is skipped on the device too
@@ -118,7 +118,7 @@ class Deferred(ReadSchedule):
         if rec is None:
             return False
         p = self.pipeline
-        n = len(flags.SLOTS)
+        n = flags.extras_at()
         reading = Reading(flags.decode(values[:n], trainer.world_size), {}, values[n:])
         forced = rec.skip_forced or reading.flags.seen(flags.QUARANTINE)
         decision = p.judge(trainer, pl_module, StepView(rec, reading, kept[:2], norms=kept[2]), due=False)
