@@ -61,10 +61,11 @@ _RANK_SCALE: dict[tuple[torch.device, int, int, int, int], torch.Tensor] = {}
 _STACKED = frozenset({torch.float32, torch.bool, torch.int64})
 
 
-def extras_at() -> int:
+def extras_at(checks: int = 0) -> int:
     """Where the raw values that ride after the flags (the spike statistics' extras) start in a packed or stacked
-    vector: the one place that says how many values come before them."""
-    return len(SLOTS)
+    vector: the one place that says how many values come before them (the :data:`SLOTS`, then one value per check
+    passed as ``extra_checks``: ``checks``)."""
+    return len(SLOTS) + checks
 
 
 def _totals_mask(device: torch.device, length: int) -> torch.Tensor:
@@ -194,7 +195,8 @@ class StepFlags:
 
 
 def decode(values: Sequence[float], world: int) -> StepFlags:
-    """The :class:`StepFlags` of a reduced, host-read vector."""
-    if len(values) != len(SLOTS):
-        raise ValueError(f"expected {len(SLOTS)} flag values ({', '.join(SLOTS)}), got {len(values)}")
+    """The :class:`StepFlags` of a reduced, host-read vector (the :data:`SLOTS`, then the 0/1 flags of the checks
+    passed as ``extra_checks``, rank-encoded the same way)."""
+    if len(values) < len(SLOTS):
+        raise ValueError(f"expected {len(SLOTS)} flag values ({', '.join(SLOTS)}) or more, got {len(values)}")
     return StepFlags(tuple(round(world - v) if v > 0 else -1 for v in values))

@@ -54,8 +54,8 @@ HOOKS: tuple[str, ...] = ("batch_start", "loss", "optimizer_step")
 
 @dataclass(frozen=True)
 class CheckStep:
-    """What a check sees of the step it records or explains (``loss`` from the ``"loss"`` hook on, ``optimizer`` at
-    the ``"optimizer_step"`` hook; ``None`` before)."""
+    """What a check sees of the step it records or explains (``loss``, detached, from the ``"loss"`` hook on;
+    ``optimizer`` at the ``"optimizer_step"`` hook; ``None`` before)."""
 
     trainer: Any
     pl_module: Any

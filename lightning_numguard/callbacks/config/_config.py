@@ -82,7 +82,8 @@ def extra_checks(value: Any) -> tuple[registry.Check, ...]:
     kinds = [getattr(c, "kind", None) for c in value]
     if len(set(kinds)) != len(kinds):
         raise NumGuardConfigError(f"`extra_checks` holds two checks of one kind ({kinds}): give each its own kind")
-    return tuple(registry.register(c) for c in value)
+    # the checks that act first: a deferred read skips the step on the device on the values before the advisory ones
+    return tuple(registry.register(c) for c in sorted(value, key=lambda c: bool(getattr(c, "advisory", False))))
 
 
 def patterns(name: str, value: Any) -> list[str]:

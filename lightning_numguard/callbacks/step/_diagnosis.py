@@ -164,7 +164,7 @@ def diagnose(
             if stage == "forward" and culprit is None:  # no module output went bad: the loss code made it
                 _name_op(loss, result)
     if recorder.extra_checks:  # the checks passed as extra_checks, each by its own findings
-        found.extend(_extra.findings(recorder.extra_checks, seen, rec.check_step, rank, world, late))
+        found.extend(_extra.findings(recorder.extra_checks, seen, rec.check_step, rec.checks, rank, world, late))
     if grad_bad:
         grad = Finding("nonfinite_grad", grad_bad, {}, seen.rank(flags.NORMS))
         if result:

@@ -70,9 +70,17 @@ def as_flags(checks: Sequence[Check], values: Sequence[torch.Tensor]) -> list[to
 
 
 def findings(
-    checks: Sequence[Check], seen: flags.StepFlags, step: CheckStep | None, rank: int, world: int, late: bool
+    checks: Sequence[Check],
+    seen: flags.StepFlags,
+    step: CheckStep | None,
+    recorded: dict[str, torch.Tensor],
+    rank: int,
+    world: int,
+    late: bool,
 ) -> list[Finding]:
-    """The findings of every check seen in this read (``late``, or no step to look at: its placeholder)."""
+    """The findings of every check seen in this read, on this rank (``late``, or no step to look at: its
+    placeholder, with the lowest rank that saw it). A rank asks a check for its findings only where its own
+    ``recorded`` value was seen (a host read, after a hit only); the gather keeps every rank's."""
     out: list[Finding] = []
     for i, check in enumerate(checks):
         slot = len(flags.SLOTS) + i
@@ -81,6 +89,8 @@ def findings(
         if late or step is None:
             out.append(Finding(check.kind, [check.placeholder or check.name], {}, seen.rank(slot)))
             continue
+        if world > 1 and (check.kind not in recorded or not _seen(check, float(recorded[check.kind]))):
+            continue  # another rank saw it
         for finding in check.findings(step):
             finding.rank = rank
             finding.details.setdefault("check", type(check).__name__)

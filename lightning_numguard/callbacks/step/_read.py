@@ -18,6 +18,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_numguard.callbacks.distributed import _distributed
+from lightning_numguard.callbacks.step import _extra
 from lightning_numguard.callbacks.step._record import Named, StepRecorder
 from lightning_numguard.core import checks, flags, spike
 from lightning_numguard.core.dtensor import local
@@ -52,6 +53,9 @@ class StepRead:
         self.check = check
         self.max_abs_input = max_abs_input
         self.recorder = recorder
+        self.extra = recorder.extra_checks  # the checks passed as extra_checks: a value each after the slots
+        self.extras_at = flags.extras_at(len(self.extra))  # where the spike statistics' extras start
+        self.acting_flags = len(flags.SLOTS) + sum(not c.advisory for c in self.extra)  # values that make a step bad
         self.named_params: Named = []
         self.param_names: dict[int, str] = {}
         self._named_buffers: Named = []
@@ -132,13 +136,15 @@ class StepRead:
         self.recorder.mark_read(trainer.global_step, seen=True)
         world = trainer.world_size
         slots, segments, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due, raw=world == 1)
-        n = flags.extras_at()
+        n = self.extras_at
         if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
             vector = flags.stack_raw(list(slots.values()), extras or ())  # the spike statistics in the same stack
             if extras is not None:
                 self.spike.reduced = vector[n:]
             values = vector.tolist()
-            return Reading(flags.decode_raw(values[:n], self.max_abs_input), segments, values[n:])
+            built_in = flags.decode_raw(values[: len(flags.SLOTS)], self.max_abs_input)
+            seen = flags.StepFlags(built_in.ranks + _extra.seen_raw(self.extra, values[len(flags.SLOTS) : n]))
+            return Reading(seen, segments, values[n:])
         values = self.reduce(trainer, slots, extras).tolist()  # the one host read of the step
         return Reading(flags.decode(values[:n], world), segments, values[n:])
 
@@ -156,7 +162,7 @@ class StepRead:
     ) -> torch.Tensor:
         """The rank-encoded flag vector with the spike statistics' 0-d raw values (``extras``) after it, all-reduced
         (``MAX``) across ranks in one call, on the device; the statistics' reduced values go to ``spike.reduced``."""
-        n = flags.extras_at()
+        n = self.extras_at
         packed = flags.pack_slots(list(slots.values()), extras or ())  # the extras in the one stack, not rank-encoded
         packed = flags.encode_rank(packed, trainer.global_rank, trainer.world_size, width=n)
         reduced = _distributed.reduce_max(trainer, packed)
@@ -219,6 +225,10 @@ class StepRead:
             else zero,
             "quarantine": rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
         }
+        if self.extra:  # the checks passed as extra_checks: one value each (several ranks: a 0/1 flag to rank-encode)
+            values = _extra.slot_values(self.extra, rec.checks, device, zero)
+            values = values if raw else _extra.as_flags(self.extra, values)
+            slots.update({f"check:{c.kind}": v for c, v in zip(self.extra, values)})
         extras = None
         if self.spike is not None and self.spike.enabled and not rec.spike_read:
             self.recorder.mark_spike_read()  # the step's first read only (a further optimizer: its gradients alone)

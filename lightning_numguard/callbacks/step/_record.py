@@ -233,7 +233,7 @@ class StepRecorder:
         """Keep the loss of this micro-batch for the step's read."""
         rec = self.record
         if rec is not None and rec.check_step is not None:
-            rec.check_step = replace(rec.check_step, loss=loss)
+            rec.check_step = replace(rec.check_step, loss=loss.detach())
             rec.checks = _extra.record(self.extra_checks, "loss", rec.check_step, rec.checks)
         if "loss" in self.check and self.record is not None:
             self.record.losses.append(local(loss.detach()))  # a DTensor loss (loss parallel): this rank's part

@@ -77,9 +77,9 @@ class Deferred(ReadSchedule):
         assert rec is not None
         due = p.due(trainer.global_step)
         packed = p.reader.pack(trainer, pl_module, optimizer, due)
-        n = flags.extras_at()
+        n = p.reader.extras_at
         if p.settings.acting:
-            bad = packed.narrow(0, 0, n).any()
+            bad = packed.narrow(0, 0, p.reader.acting_flags).any()  # an advisory check's flag comes after these
             if p.spike.acting and packed.numel() > n:  # a spike is skipped on the device too
                 bad = bad | p.spike.device_flag(packed[n:])
             if rec.skip_forced:
@@ -118,7 +118,7 @@ class Deferred(ReadSchedule):
         if rec is None:
             return False
         p = self.pipeline
-        n = flags.extras_at()
+        n = p.reader.extras_at
         reading = Reading(flags.decode(values[:n], trainer.world_size), {}, values[n:])
         forced = rec.skip_forced or reading.flags.seen(flags.QUARANTINE)
         decision = p.judge(trainer, pl_module, StepView(rec, reading, kept[:2], norms=kept[2]), due=False)
