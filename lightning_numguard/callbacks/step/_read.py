@@ -140,7 +140,7 @@ class StepRead:
         if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
             vector = flags.stack_raw(list(slots.values()), extras or ())  # the spike statistics in the same stack
             if extras is not None:
-                self.spike.reduced = vector[n:]
+                self.spike.take_reduced(vector[n:])
             values = vector.tolist()
             built_in = flags.decode_raw(values[: len(flags.SLOTS)], self.max_abs_input)
             seen = flags.StepFlags(built_in.ranks + _extra.seen_raw(self.extra, values[len(flags.SLOTS) : n]))
@@ -161,13 +161,13 @@ class StepRead:
         self, trainer: pl.Trainer, slots: dict[str, torch.Tensor], extras: list[torch.Tensor] | None
     ) -> torch.Tensor:
         """The rank-encoded flag vector with the spike statistics' 0-d raw values (``extras``) after it, all-reduced
-        (``MAX``) across ranks in one call, on the device; the statistics' reduced values go to ``spike.reduced``."""
+        (``MAX``) across ranks in one call, on the device; the statistics' reduced values go to the spike guard."""
         n = self.extras_at
         packed = flags.pack_slots(list(slots.values()), extras or ())  # the extras in the one stack, not rank-encoded
         packed = flags.encode_rank(packed, trainer.global_rank, trainer.world_size, width=n)
         reduced = _distributed.reduce_max(trainer, packed)
         if extras is not None:
-            self.spike.reduced = reduced[n:]
+            self.spike.take_reduced(reduced[n:])
         return reduced
 
     def slot_values(

@@ -184,6 +184,10 @@ class SpikeGuard:
         """0-d bool on the device: this step spiked and a spike skips (``sync_mode="deferred"``); no sync."""
         return spike.device_spike(reduced)
 
+    def take_reduced(self, values: torch.Tensor) -> None:
+        """This step's extras as the read reduced them (on the device; one process: as stacked), for :meth:`push`."""
+        self.reduced = values
+
     def push(self) -> None:
         """Batch end: this step's loss and gradient norm join the window (one process: already written by
         :meth:`extras`; several: the values reduced across ranks, the same on every rank); no sync."""
