@@ -56,7 +56,8 @@ _NO_KERNEL = frozenset(
 
 #: ``module suffix[:function]`` of the innermost package frame -> the check its ops belong to (first match wins)
 CHECK_OF: tuple[tuple[str, str], ...] = (
-    ("core.spike:global_norm", "gradients + state (norm total)"),  # with the spike window on, the grads' check
+    ("core.spike:global_norm", "gradients + state (norm total)"),
+    ("_extra", "checks of one's own (extra_checks)"),  # with the spike window on, the grads' check
     ("_spike", "spikes"),
     ("core.spike", "spikes"),
     ("core.watch", "outputs"),

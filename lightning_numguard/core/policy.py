@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from lightning_numguard.core.events import acting
 
-__all__ = ["ACTIONS_TAKEN", "decide", "is_amp_overflow", "snapshot_due"]
-
-#: What :func:`decide` can answer.
-ACTIONS_TAKEN: tuple[str, ...] = ("warn", "skip", "rollback", "halt")
+__all__ = ["decide", "is_amp_overflow", "snapshot_due"]
 
 
 def decide(

@@ -174,3 +174,15 @@ def test_a_lightning_cli_yaml_file_configures_it(tmp_path: Path, monkeypatch: py
     (guard,) = [c for c in cli.trainer.callbacks if isinstance(c, NumGuardCallback)]
     (check,) = guard.extra_checks
     assert isinstance(check, LossAbove) and check.threshold == 3.0
+
+
+def test_a_check_of_ones_own_costs_its_own_ops_and_nothing_else() -> None:
+    """Counted at the dispatcher (``benchmarks/op_count.py``): the toy check adds its one comparison per step (its bool
+    rides the step's one stack as it is); the guard adds nothing else for it."""
+    from benchmarks.op_count import FIRST, LAST, count_ops
+
+    steps = LAST - FIRST
+    plain = count_ops("mlp", {}, last=LAST)
+    with_check = count_ops("mlp", {"extra_checks": [LossAbove(1e9)]}, last=LAST)
+    assert with_check.total - plain.total == steps, (dict(plain.by_check), dict(with_check.by_check))
+    assert with_check.by_check_op[("checks of one's own (extra_checks)", "gt")] == steps

@@ -43,7 +43,9 @@ def record(
             raise NumGuardConfigError(
                 f"{type(check).__name__}.record must return a one-element tensor (or None), got {value!r}"
             )
-        value = value.detach().reshape(()).to(torch.float32)
+        value = value.detach().reshape(())  # a view: no kernel
+        if value.dtype not in (torch.float32, torch.bool):  # the packed stack takes these as they are
+            value = value.to(torch.float32)
         old = values.get(check.kind)
         if old is None:
             values[check.kind] = value
@@ -55,7 +57,7 @@ def record(
 def slot_values(
     checks: Sequence[Check], values: dict[str, torch.Tensor], device: torch.device, zero: torch.Tensor
 ) -> list[torch.Tensor]:
-    """One 0-d float32 value per check on ``device`` (``zero`` for a check that recorded nothing this step)."""
+    """One 0-d value per check on ``device``, float32 or bool (``zero`` for a check that recorded nothing this step)."""
     return [values[c.kind].to(device) if c.kind in values else zero for c in checks]
 
 
