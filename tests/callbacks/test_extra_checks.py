@@ -26,11 +26,17 @@ BAD_STEP = 3
 
 
 class LossJump(FusedModel):
-    """A clean model whose loss is multiplied by 1000 at step 3: finite, far above ``THRESHOLD``."""
+    """A clean model whose loss is multiplied by 1000 at step 3 (or only at batch ``at_batch``): finite, far above
+    ``THRESHOLD``."""
+
+    def __init__(self, at_batch: int | None = None) -> None:
+        super().__init__()
+        self.at_batch = at_batch
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
-        return loss * 1000.0 if self.global_step == BAD_STEP else loss
+        bad = batch_idx == self.at_batch if self.at_batch is not None else self.global_step == BAD_STEP
+        return loss * 1000.0 if bad else loss
 
 
 class Weights(pl.Callback):
@@ -107,6 +113,17 @@ def test_the_same_check_declared_advisory_is_judged_and_reported_never_acted_on(
 def test_a_clean_run_with_the_check_has_no_event(tmp_path: Path) -> None:
     guard, weights = fit(tmp_path, LossAbove(1e9))
     assert guard.events == [] and weights.trained
+
+
+def test_under_accumulation_the_micro_batches_values_are_combined_and_the_window_judged_once(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    guard = NumGuardCallback(
+        action="skip", dirpath=str(tmp_path / "ng"), extra_checks=[LossAbove(THRESHOLD)], emit_warnings=False
+    )
+    # only the first micro-batch of step 3's window (batches 6 and 7) jumps: the second's clean value must not hide it
+    trainer(tmp_path, [guard], max_steps=5, accumulate_grad_batches=2).fit(LossJump(at_batch=6), loader(FaultData()))
+    assert [(e["step"], e["kind"], e["action"]) for e in guard.events] == [(BAD_STEP, "loss_above", "skip")]
+    assert guard.counters["skipped_steps"] == 1
 
 
 def test_read_late_the_step_is_skipped_on_the_device_and_the_check_named(tmp_path: Path) -> None:
