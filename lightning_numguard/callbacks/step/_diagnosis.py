@@ -218,7 +218,7 @@ def _norms_placeholder(norms: tuple[list[str], torch.Tensor] | None, rank: int) 
     part = "grads"
     if norms is not None:
         names, totals = norms
-        bad = [n for n, v in zip(names, totals.tolist()) if not math.isfinite(v)]
+        bad = [n for n, v in zip(names, totals.reshape(-1).tolist()) if not math.isfinite(v)]
         part = bad[0] if bad and bad[0] in _NORM_PARTS else part
     kind, where, site, details = _NORM_PARTS[part]
     return Finding(kind, [where], dict(details), rank, site=site)

@@ -278,7 +278,7 @@ class StepRead:
             self.norm_parts = None
             return zero
         if len(totals) == 1:
-            self.norm_parts = (parts, totals[0].reshape(1))  # a view: no kernel
+            self.norm_parts = (parts, totals[0])
             return totals[0]
         stacked = torch.stack(totals)
         self.norm_parts = (parts, stacked)  # kept by a late read, to say which part went bad (no kernel of its own)
