@@ -135,6 +135,23 @@ def test_read_late_the_step_is_skipped_on_the_device_and_the_check_named(tmp_pat
     assert not weights.trained, "the device did not skip the step"
 
 
+def test_on_a_hugging_face_gpt2_one_batch_weighted_1000x_is_rolled_back(tmp_path: Path) -> None:
+    """Model code nobody here wrote: a tiny random GPT-2 whose per-token loss weights come from the data; the weights of
+    step 1's batch are 1000x (finite). The check names that step alone and the default action rolls it back."""
+    from tests.diagnosis.real.hf import BAD, BATCH, HFModule, gpt2, samples, tokens
+
+    def weight(i: int) -> torch.Tensor:
+        return torch.full((8,), 1000.0 if i // BATCH == BAD // BATCH else 1.0)
+
+    torch.manual_seed(0)
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), extra_checks=[LossAbove(100.0)], emit_warnings=False)
+    model = HFModule(gpt2(), loss="weighted")
+    trainer(tmp_path, [guard], max_steps=4).fit(model, samples(input_ids=tokens, weight=weight))
+    assert [(e["step"], e["kind"], e["action"]) for e in guard.events] == [(BAD // BATCH, "loss_above", "rollback")]
+    assert guard.events[0]["details"]["value"] > 100.0
+    assert guard.counters["rollbacks"] == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_a_check_is_refused_with_the_argument_and_the_fix() -> None:
     with pytest.raises(NumGuardConfigError, match="`threshold` must be a positive number"):
         LossAbove(-1.0)
