@@ -254,3 +254,16 @@ class SyncWindow(pl.Callback):
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.counter.step_ended()
+
+
+def spike_window(guard: Any) -> Any:
+    """The guard's spike window, rebuilt from its public state (``guard.state_dict()["spike"]``, what a checkpoint
+    holds) as a :class:`~lightning_numguard.core.spike.SpikeWindow`; ``None`` without spike statistics."""
+    from lightning_numguard.core.spike import SpikeWindow
+
+    state = guard.state_dict()["spike"]
+    if not state.get("window"):
+        return None
+    window = SpikeWindow(window=guard.spike_window, warmup=guard.spike_warmup, sigma=guard.spike_sigma)
+    window.load_state_dict(state["window"])
+    return window

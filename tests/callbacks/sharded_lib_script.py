@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_numguard import NonFiniteError, NumGuardCallback
 from lightning_numguard.core.syncs import SyncCounter
-from tests.helpers import quiet_trainer
+from tests.helpers import quiet_trainer, spike_window
 
 STEPS = 5
 FAULTS = {
@@ -279,9 +279,7 @@ def run(out: Path, layout: str, name: str) -> None:
         "full_param_nbytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "buffer_nbytes": sum(b.numel() * b.element_size() for b in model.buffers()),
         # the spike statistics' window (2 x spike_window float32) is snapshotted with the rest
-        "spike_nbytes": guard._pipeline.spike.window.values.nbytes
-        if guard and guard._pipeline.spike.window is not None
-        else 0,
+        "spike_nbytes": window.values.nbytes if guard and (window := spike_window(guard)) is not None else 0,
         "reads_per_step": counter.step_caused,
     }
     trainer.strategy.barrier()

@@ -15,9 +15,10 @@ from tensorboard.backend.event_processing.event_accumulator import (
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.op_count import FIRST, count_ops
 from lightning_numguard import NumGuardCallback, NumGuardConfigError
 from lightning_numguard.core.syncs import SyncCounter
-from tests.helpers import FaultData, FaultModel, SyncWindow, all_finite, loader, trainer
+from tests.helpers import FaultData, FaultModel, SyncWindow, all_finite, loader, spike_window, trainer
 
 SPIKE_KINDS = ("loss_spike", "grad_norm_spike")
 
@@ -126,8 +127,7 @@ def test_repeated_spikes_within_the_window_escalate_to_a_rollback(tmp_path, mode
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # the rollback put back its snapshot's window (taken after the skipped spikes of steps 150 and 160, at most),
     # so the outlier of step 170 is not in it; without that, all three would be
-    assert guard._pipeline.spike.window is not None
-    kept = [v for v in guard._pipeline.spike.state_dict()["window"]["values"][0] if v is not None]
+    kept = [v for v in guard.state_dict()["spike"]["window"]["values"][0] if v is not None]
     assert len(kept) == 128 and sum(v > 100 for v in kept) < 3  # losses above 100
 
 
@@ -185,7 +185,7 @@ class WindowProbe(pl.Callback):
         self.at_start: dict[str, Any] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.at_start = self.guard._pipeline.spike.state_dict()
+        self.at_start = self.guard.state_dict()["spike"]
 
 
 def test_resume_restores_the_spike_window(tmp_path):
@@ -195,7 +195,7 @@ def test_resume_restores_the_spike_window(tmp_path):
     t.fit(Regression(), DataLoader(regression_data(400), batch_size=4))
     ckpt = tmp_path / "at100.ckpt"
     t.save_checkpoint(ckpt)
-    saved = guard._pipeline.spike.state_dict()
+    saved = guard.state_dict()["spike"]
     assert sum(v is not None for v in saved["window"]["values"][0]) == 100
 
     resumed = NumGuardCallback(dirpath=str(tmp_path / "ng2"), spike_action="skip", emit_warnings=False)
@@ -214,9 +214,10 @@ def test_a_nan_gradient_mid_window_leaves_statistics_and_optimizer_state_finite(
     model = FaultModel(site="grad", step=3)
     trainer(tmp_path, [guard], max_steps=8).fit(model, loader(FaultData()))
     assert [e["kind"] for e in guard.events] == ["nonfinite_grad"]
-    assert guard._pipeline.spike.window is not None
-    assert guard._pipeline.spike.window.valid() == [8, 7]  # the loss of step 3 was finite; its gradient norm is missing
-    scores = guard._pipeline.spike.window.scores(torch.tensor([0.5, 0.5]))
+    window = spike_window(guard)
+    assert window is not None
+    assert window.valid() == [8, 7]  # the loss of step 3 was finite; its gradient norm is missing
+    scores = window.scores(torch.tensor([0.5, 0.5]))
     assert torch.isfinite(scores).all()
     assert all_finite(model.trainer.optimizers[0].state_dict())
 
@@ -342,7 +343,8 @@ def test_a_clean_run_of_each_benchmark_model_raises_no_spike(tmp_path, name, bat
         dirpath=str(tmp_path / "ng"), spike_action="warn", emit_warnings=False, check=["loss", "grads"]
     )
     trainer(tmp_path, [guard], max_steps=192, max_epochs=3).fit(spec.module, dataloader(spec))
-    assert guard._pipeline.spike.window is not None and guard._pipeline.spike.window.valid() == [128, 128]
+    window = spike_window(guard)
+    assert window is not None and window.valid() == [128, 128]
     assert [e for e in guard.events if e["kind"] != "optimizer_coverage"] == []
 
 
@@ -350,13 +352,12 @@ def test_with_spike_statistics_off_the_read_carries_nothing_else(tmp_path):
     guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), spike_window=0, overflow_headroom=None)
     logger = TensorBoardLogger(tmp_path, name="tb")
     trainer(tmp_path, [guard], max_steps=4, logger=logger, log_every_n_steps=1).fit(FaultModel(), loader(FaultData()))
-    assert guard._pipeline.spike.window is None and not guard._pipeline.spike.enabled
-    assert (
-        guard._pipeline.spike.last is None and guard._pipeline.reader.grad_norm is None
-    )  # no extras read, no norm computed
     assert guard.state_dict()["spike"] == {"spike_steps": []}  # no window to save
     ea = EventAccumulator(logger.log_dir)
     ea.Reload()
     spike_tags = {"numguard/grad_norm", "numguard/loss_zscore", "numguard/grad_norm_zscore"}
     assert "numguard/incidents" in ea.Tags()["scalars"]  # the counters' series is written, the statistics are not
     assert not spike_tags.intersection(ea.Tags()["scalars"])
+    # no extras packed, no norm computed: counted at the dispatcher, the spike statistics launch nothing
+    off = count_ops("mlp", {"spike_window": 0, "overflow_headroom": None}, last=FIRST + 4)
+    assert sum(off.by_check.values()) > 0 and off.by_check["spikes"] == 0, dict(off.by_check)
