@@ -221,7 +221,7 @@ def counts_as_incident(event: Mapping[str, Any]) -> bool:
     details = event.get("details")
     convention = isinstance(details, Mapping) and bool(details.get("convention"))  # a field declared a convention
     kind = event.get("kind")
-    advisory = kind in ADVISORY_KINDS or (isinstance(kind, str) and registry.is_advisory(kind))  # a registered check
+    advisory = isinstance(kind, str) and registry.is_advisory(kind)  # a built-in or registered check's kind
     return not advisory and bool(event.get("root_cause", True)) and not convention
 
 
