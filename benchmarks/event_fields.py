@@ -10,7 +10,7 @@ import argparse
 from dataclasses import fields
 
 from benchmarks.markdown import replace_block
-from lightning_numguard.core.events import REQUIRED_FIELDS, Event, field_docs
+from lightning_numguard.reporting.events import REQUIRED_FIELDS, Event, field_docs
 
 __all__ = ["main", "table"]
 

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from pytorch_lightning.callbacks import Callback
 
-from lightning_numguard.core.checks import TotalPlan, norm_total
-from lightning_numguard.core.tree import floating_leaves
-from lightning_numguard.core.watch import select_modules
+from lightning_numguard.detect.checks import TotalPlan, norm_total
+from lightning_numguard.detect.watch import select_modules
+from lightning_numguard.tree import floating_leaves
 
 __all__ = ["FloorGuard"]
 

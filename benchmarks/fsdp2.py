@@ -335,4 +335,4 @@ def render(result: dict[str, Any]) -> str:
 if __name__ == "__main__":
     main()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # see tests/callbacks/ddp_script.py
+        torch.distributed.destroy_process_group()  # see tests/doors/trainer/ddp_script.py

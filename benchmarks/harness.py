@@ -7,7 +7,7 @@ the first ``warmup`` steps of every fit are discarded. The training thread's CPU
 window is kept too, as secondary information (on CUDA it is the host side only); the verdict
 against the targets uses the step clock alone (see ``benchmarks.tables``).
 
-Host reads are counted with ``lightning_numguard.core.syncs.SyncCounter`` in a separate, short fit
+Host reads are counted with ``instruments.syncs.SyncCounter`` in a separate, short fit
 per variant, so the counting wrappers never slow down a timed fit.
 """
 
@@ -34,7 +34,7 @@ from pytorch_lightning.callbacks import Callback
 
 from benchmarks import bench_models
 from benchmarks.variants import incidents, make_variant
-from lightning_numguard.core.syncs import SyncCounter
+from instruments.syncs import SyncCounter
 
 __all__ = ["StepClock", "bench_trainer", "count_syncs", "environment", "log", "quiet", "run_fit", "time_model"]
 

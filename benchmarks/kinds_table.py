@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.markdown import replace_block
-from lightning_numguard.core.registry import kinds_table
+from lightning_numguard.detect.registry import kinds_table
 
 __all__ = ["main"]
 

@@ -36,10 +36,10 @@ import torch
 
 from benchmarks import bench_models
 from benchmarks.tables import GRAD_CHECK_TARGET, SNAPSHOT_TARGET_INTERVAL, SNAPSHOT_TARGET_PCT, micro_tables
-from lightning_numguard.core import checks
-from lightning_numguard.core.opguard import OpGuard
-from lightning_numguard.core.snapshot import capture, restore
-from lightning_numguard.core.watch import OutputWatch
+from lightning_numguard.detect import checks
+from lightning_numguard.detect.opguard import OpGuard
+from lightning_numguard.detect.watch import OutputWatch
+from lightning_numguard.state.snapshot import capture, restore
 
 __all__ = ["interleaved", "run_micro"]
 

@@ -9,7 +9,7 @@ steps ``FIRST``..``LAST - 1`` (batch start to batch end) of one fit per model: o
 is one kernel launch on an accelerator (a ``_foreach_*`` op counts once: on CUDA it is one multi-tensor launch per
 chunk of tensors). Each op the guard causes is attributed to the check whose code issued it, from the innermost
 ``lightning_numguard`` frame on the stack (:data:`CHECK_OF`). Unlike a step time, the count does not move with the
-machine's load; ``tests/callbacks/test_op_budget.py`` keeps it within :data:`BUDGET` on both models.
+machine's load; ``tests/doors/trainer/test_op_budget.py`` keeps it within :data:`BUDGET` on both models.
 
 ``--write FILE`` replaces the table between ``<!-- op_count -->`` and ``<!-- /op_count -->`` in ``FILE``.
 """
@@ -45,9 +45,7 @@ SPIKE_BUDGET = 4
 #: the op guard's frames that run the model's own op (its ops are the model's, not the guard's)
 _PASS_THROUGH = frozenset({"OpGuard.call", "OpGuard._run", "_wrap.<locals>.guarded"})
 #: the package's shared building blocks: their ops belong to the check that called them
-_LIBRARY = frozenset(
-    {"lightning_numguard._compat", "lightning_numguard.core.checks", "lightning_numguard.core.dtensor"}
-)
+_LIBRARY = frozenset({"lightning_numguard._compat", "lightning_numguard.detect.checks", "lightning_numguard.dtensor"})
 RAW = bool(os.environ.get("OP_COUNT_RAW"))  # attribute to ``module:function:line`` instead of checks
 
 _NO_KERNEL = frozenset(

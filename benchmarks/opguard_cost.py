@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import bench_models
-from lightning_numguard.core.opguard import OpGuard
+from lightning_numguard.detect.opguard import OpGuard
 
 __all__ = ["main"]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import bench_models
-from lightning_numguard.core.snapshot import capture
+from lightning_numguard.state.snapshot import capture
 
 __all__ = ["main"]
 

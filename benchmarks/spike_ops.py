@@ -17,7 +17,7 @@ import pytorch_lightning as pl
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_numguard import NumGuardCallback
-from lightning_numguard.callbacks.step import _spike
+from lightning_numguard.detect import spike_guard as _spike
 from tests.helpers import FaultData, FaultModel, loader, quiet_trainer
 
 FIRST, LAST = 10, 30

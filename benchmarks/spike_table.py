@@ -4,7 +4,7 @@ Each client is a real model (Hugging Face GPT-2, Llama and BERT from tiny random
 with no download; Lightning's demo ``Transformer``, and its ``BoringModel`` layer) trained with AdamW at a small
 batch, under a linear warm-up and a cosine decay, in a plain torch loop that records each step's loss and global
 gradient norm (before any clipping). The recorded series are then scored by the guard's own
-:class:`~lightning_numguard.core.spike.SpikeWindow` (the class the callback keeps on the device, with the
+:class:`~lightning_numguard.detect.spike.SpikeWindow` (the class the callback keeps on the device, with the
 callback's refresh interval, default sigma and default warm-up), one step at a time, exactly as a fit does:
 ``scores`` of the step's raw ``[loss, grad_norm]`` against the window, then ``push``. Every spike of a clean run is
 a false one.
@@ -22,7 +22,7 @@ Usage::
     python -m benchmarks.spike_table --write          # ... and write the table into docs/reference.md
     python -m benchmarks.spike_table --steps 400      # a quick look
 
-The suite runs one client for a few hundred steps (``tests/callbacks/test_spike_table.py``).
+The suite runs one client for a few hundred steps (``tests/doors/trainer/test_spike_table.py``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from lightning_numguard import NumGuardCallback
-from lightning_numguard.callbacks.config._config import DEFAULT_SPIKE_WARMUP
-from lightning_numguard.callbacks.step._spike import SpikeGuard
+from lightning_numguard.config.validate import DEFAULT_SPIKE_WARMUP
+from lightning_numguard.detect.spike_guard import SpikeGuard
 
 VOCAB, SEQ = 128, 16
 _DEFAULTS = inspect.signature(NumGuardCallback.__init__).parameters

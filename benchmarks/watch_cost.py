@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from benchmarks import bench_models
-from lightning_numguard.core.watch import OutputWatch
+from lightning_numguard.detect.watch import OutputWatch
 
 __all__ = ["main"]
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_numguard.__about__ import __version__
-from lightning_numguard.core.registry import Check, CheckStep
+from lightning_numguard.detect.registry import Check, CheckStep
 from lightning_numguard.errors import NonFiniteError, NumGuardConfigError, NumGuardError, NumGuardWarning
 
 if TYPE_CHECKING:
-    from lightning_numguard.callbacks.numguard import NumGuardCallback
+    from lightning_numguard.doors.trainer.callback import NumGuardCallback
 
 __all__ = [
     "Check",
@@ -29,7 +29,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "NumGuardCallback":
-        from lightning_numguard.callbacks.numguard import NumGuardCallback
+        from lightning_numguard.doors.trainer.callback import NumGuardCallback
 
         return NumGuardCallback
     raise AttributeError(f"module 'lightning_numguard' has no attribute {name!r}")

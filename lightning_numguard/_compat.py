@@ -285,7 +285,7 @@ def set_found_inf(optimizer: Any, flag: torch.Tensor) -> None:
     Sets ``found_inf`` (float32, 0-d) and ``grad_scale = None`` (so nothing is unscaled), as
     ``GradScaler.step`` does for an optimizer that passes :func:`step_honours_found_inf`. The fused
     kernel then leaves weights, moments and ``step`` unchanged, with no host read. If a torch
-    release renamed the attributes, ``step()`` would update as usual; ``tests/core/test_pending.py``
+    release renamed the attributes, ``step()`` would update as usual; ``tests/engine/test_pending.py``
     asserts the weights stay bitwise unchanged, so such a release fails the test suite rather than
     skipping silently.
     """

@@ -31,7 +31,7 @@ from types import MappingProxyType
 from typing import TextIO, get_args
 
 from lightning_numguard.__about__ import __version__
-from lightning_numguard.core.events import Action
+from lightning_numguard.reporting.events import Action
 from lightning_numguard.reporting.explain import EXIT_CODE_HELP, ExitCode
 
 __all__ = ["DEMO_DIR", "FAULTS", "build_parser", "fault_step", "main"]
@@ -210,7 +210,7 @@ def _run_explain(args: argparse.Namespace) -> int:
 
 def _run_demo(args: argparse.Namespace) -> int:
     # Lazy: the demo imports torch and Lightning, which `explain` and `--help` never need.
-    from lightning_numguard.demo import run_demo
+    from lightning_numguard.doors.trainer.demo import run_demo
 
     _emit(
         str(run_demo(fault=args.fault, action=args.action, steps=args.steps, out_dir=Path(args.dir))),

@@ -258,8 +258,8 @@ class SyncWindow(pl.Callback):
 
 def spike_window(guard: Any) -> Any:
     """The guard's spike window, rebuilt from its public state (``guard.state_dict()["spike"]``, what a checkpoint
-    holds) as a :class:`~lightning_numguard.core.spike.SpikeWindow`; ``None`` without spike statistics."""
-    from lightning_numguard.core.spike import SpikeWindow
+    holds) as a :class:`~lightning_numguard.detect.spike.SpikeWindow`; ``None`` without spike statistics."""
+    from lightning_numguard.detect.spike import SpikeWindow
 
     state = guard.state_dict()["spike"]
     if not state.get("window"):

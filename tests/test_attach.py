@@ -7,7 +7,7 @@ factories and the tests use it as it is. When the installed metadata is older (a
 before the entry points were added, or one shared with another checkout), the subprocess gets a minimal
 ``numguard_attach_test-0.dist-info`` (``METADATA`` + ``entry_points.txt`` naming the same two factories) in
 a temporary folder on its ``PYTHONPATH``, which ``importlib.metadata`` discovers like any installed
-distribution. Either way, the code under test is this checkout's ``lightning_numguard._attach``, and the
+distribution. Either way, the code under test is this checkout's ``lightning_numguard.doors.trainer.attach``, and the
 registration in the built wheel is asserted by ``tests/test_metadata.py``.
 """
 
@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from lightning_numguard import _attach
+from lightning_numguard.doors.trainer import attach as _attach
 from lightning_numguard.errors import NumGuardConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {
-    "pytorch_lightning.callbacks_factory": "lightning_numguard._attach:pytorch_lightning_callbacks",
-    "lightning.pytorch.callbacks_factory": "lightning_numguard._attach:lightning_callbacks",
+    "pytorch_lightning.callbacks_factory": "lightning_numguard.doors.trainer.attach:pytorch_lightning_callbacks",
+    "lightning.pytorch.callbacks_factory": "lightning_numguard.doors.trainer.attach:lightning_callbacks",
 }
 
 # Run in a fresh interpreter: several Trainers, the environment changed between them (the factory reads it
@@ -121,7 +121,7 @@ def test_attach_under_pytorch_lightning(tmp_path: Path) -> None:
         "bad_config": {"NUMGUARD_CONFIG": str(bad)},
     }
     out = _run(tmp_path, "pytorch_lightning", scenarios)
-    module = "lightning_numguard.callbacks.numguard"
+    module = "lightning_numguard.doors.trainer.callback"
     assert out["off"] == {"guards": []}
     assert out["on"] == {"guards": [[module, "rollback"]]}
     assert out["off_wins"] == {"guards": []}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks.floor import FloorGuard
-from lightning_numguard.core.watch import select_modules
+from lightning_numguard.detect.watch import select_modules
 from tests.helpers import FaultData, FaultModel, all_finite, loader, trainer
 
 

@@ -233,7 +233,7 @@ def test_demo_calls_run_demo_lazily(
         return "demo summary"
 
     # A stand-in module: the real demo trains a model, which this test does not need.
-    monkeypatch.setitem(sys.modules, "lightning_numguard.demo", types.SimpleNamespace(run_demo=run_demo))
+    monkeypatch.setitem(sys.modules, "lightning_numguard.doors.trainer.demo", types.SimpleNamespace(run_demo=run_demo))
     assert main(["demo", "--fault", "grad", "--action", "skip", "--steps", "3", "--dir", str(tmp_path)]) == 0
     assert calls == [{"fault": "grad", "action": "skip", "steps": 3, "out_dir": tmp_path}]
     assert capsys.readouterr().out == "demo summary\n"
@@ -265,7 +265,7 @@ def test_python_m_missing_path_has_no_traceback(tmp_path: Path) -> None:
 
 
 def test_importing_the_cli_does_not_import_the_demo(tmp_path: Path) -> None:
-    code = "import sys, lightning_numguard.cli; sys.exit('lightning_numguard.demo' in sys.modules)"
+    code = "import sys, lightning_numguard.cli; sys.exit('lightning_numguard.doors.trainer.demo' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stderr
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from lightning_numguard.cli import fault_step, main
-from lightning_numguard.core.events import read_events
-from lightning_numguard.demo import run_demo
+from lightning_numguard.doors.trainer.demo import run_demo
+from lightning_numguard.reporting.events import read_events
 
 
 @pytest.mark.parametrize(

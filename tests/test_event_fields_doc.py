@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.event_fields import table
-from lightning_numguard.core.events import REQUIRED_FIELDS, Event, field_docs
+from lightning_numguard.reporting.events import REQUIRED_FIELDS, Event, field_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 REGENERATE = "python -m benchmarks.event_fields --write docs/reference.md"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import event_fields, readme_table
-from lightning_numguard.core.registry import kinds_table
+from lightning_numguard.detect.registry import kinds_table
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"<!-- ([A-Z][A-Z0-9 ]+) -->\n(.*?)\n<!-- /\1 -->", re.S)

@@ -63,8 +63,14 @@ def test_version_entry_points_and_extras(installed: Distribution) -> None:
     groups = {(ep.group, ep.name): ep.value for ep in installed.entry_points}
     assert groups == {
         ("console_scripts", "numguard"): "lightning_numguard.cli:main",
-        ("pytorch_lightning.callbacks_factory", "numguard"): "lightning_numguard._attach:pytorch_lightning_callbacks",
-        ("lightning.pytorch.callbacks_factory", "numguard"): "lightning_numguard._attach:lightning_callbacks",
+        (
+            "pytorch_lightning.callbacks_factory",
+            "numguard",
+        ): "lightning_numguard.doors.trainer.attach:pytorch_lightning_callbacks",
+        (
+            "lightning.pytorch.callbacks_factory",
+            "numguard",
+        ): "lightning_numguard.doors.trainer.attach:lightning_callbacks",
     }
     extras = installed.metadata.get_all("Provides-Extra") or []
     assert {"cli", "dev", "lightning"} <= set(extras)

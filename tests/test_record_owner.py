@@ -2,9 +2,9 @@
 
 Every ``.py`` file of the package is parsed; these fail, named by ``file:line`` and the expression:
 
-* outside ``lightning_numguard/callbacks/step/_record.py``, an assignment (``=``, ``+=``, a tuple target, a
+* outside ``lightning_numguard/engine/record.py``, an assignment (``=``, ``+=``, a tuple target, a
   subscript of the field, ``setattr``) or an in-place call (``append``, ``extend``, ``update``...) on a field of
-  :class:`~lightning_numguard.callbacks.step._record.StepRecord` through a record: a name ``rec``, ``record``,
+  :class:`~lightning_numguard.engine.record.StepRecord` through a record: a name ``rec``, ``record``,
   ``current`` or ``carry`` (or an attribute so named: ``self.recorder.record``), or a name annotated
   ``StepRecord``. The other parts hand what they found to the recorder's methods (``force_skip``, ``mark_read``,
   ``settle``...);
@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lightning_numguard"
-RECORD_MODULE = "lightning_numguard/callbacks/step/_record.py"
+RECORD_MODULE = "lightning_numguard/engine/record.py"
 RECORD_NAMES = frozenset({"rec", "record", "current", "carry"})
 IN_PLACE = frozenset({"append", "extend", "insert", "pop", "clear", "update", "setdefault", "remove", "sort"})
 EVENT_KEYS = frozenset({"details", "message"})

@@ -2,7 +2,7 @@
 
 Pure functions, shared by ``numguard explain`` and anything else that wants the same text:
 
-- :func:`~lightning_numguard.core.events.read_events` (the one reader) reads ``events.jsonl``
+- :func:`~lightning_numguard.reporting.events.read_events` (the one reader) reads ``events.jsonl``
   leniently (corrupt lines become *problems*);
 - :func:`~lightning_numguard.reporting.incidents.format_report` (re-exported here, with the summary and
   the first culprit) turns events into a readable incident report;
@@ -27,7 +27,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from lightning_numguard.core.events import read_events
+from lightning_numguard.reporting.events import read_events
 from lightning_numguard.reporting.incidents import (
     EVENTS_FILENAME,
     first_culprit,

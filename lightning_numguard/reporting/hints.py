@@ -8,7 +8,7 @@ one event gets the same advice wherever it is shown.
 - :data:`OP_DOMAIN_HINTS` / :func:`op_domain_hint`: one per op the op guard validates;
 - :func:`op_hint`: one per autograd node (``SqrtBackward0``) that a replay or anomaly mode names;
 - :data:`COVERAGE_PROBLEMS` / :func:`coverage_problem`: the problem and the hint per coverage
-  code of :mod:`lightning_numguard.core.coverage`;
+  code of :mod:`lightning_numguard.detect.coverage`;
 - :data:`FILL_VALUES` / :func:`fill_value_name` / :func:`fill_value_hint`: sentinel values that
   mean "missing" in common data stacks;
 - :func:`event_hint`: the hint for one event, given its kind and details.
@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from lightning_numguard.core import registry
-from lightning_numguard.core.findings import AFTER_FORWARD
+from lightning_numguard.detect import registry
+from lightning_numguard.diagnose.findings import AFTER_FORWARD
 
 __all__ = [
     "COVERAGE_PROBLEMS",
@@ -48,7 +48,7 @@ __all__ = [
 # --------------------------------------------------------------------------- incident kinds
 
 KIND_HINTS: Mapping[str, str] = MappingProxyType(registry.kind_hints())
-"""One sentence of advice per incident kind (every kind of :data:`~lightning_numguard.core.events.KINDS`)."""
+"""One sentence of advice per incident kind (every kind of :data:`~lightning_numguard.reporting.events.KINDS`)."""
 
 _UNKNOWN_KIND = "an incident kind this version of lightning_numguard does not describe."
 
@@ -275,7 +275,7 @@ COVERAGE_PROBLEMS: Mapping[str, tuple[str, str]] = MappingProxyType(
         ),
     }
 )
-"""``(problem, hint)`` per code of :data:`lightning_numguard.core.coverage.COVERAGE_CODES`.
+"""``(problem, hint)`` per code of :data:`lightning_numguard.detect.coverage.COVERAGE_CODES`.
 
 Keyed by the codes' strings, so that reading hints never imports torch (``numguard explain``).
 """

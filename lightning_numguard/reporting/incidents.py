@@ -1,7 +1,7 @@
 """The incidents of one run's ``events.jsonl``: its first culprit, the action of each step, a summary and a
 readable report.
 
-Pure functions over the events :func:`~lightning_numguard.core.events.read_events` returns (dicts, in file
+Pure functions over the events :func:`~lightning_numguard.reporting.events.read_events` returns (dicts, in file
 order), shared by ``numguard explain`` (text and ``--json``) and anything else that wants the same text;
 :mod:`lightning_numguard.reporting.explain` decides which input a path is and the exit code. Nothing here prints.
 """
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from lightning_numguard.core.events import ACTING_ACTIONS, ACTIONS, REQUIRED_FIELDS, counts_as_incident
+from lightning_numguard.reporting.events import ACTING_ACTIONS, ACTIONS, REQUIRED_FIELDS, counts_as_incident
 from lightning_numguard.reporting.hints import event_hint, kind_hint, op_hint
 from lightning_numguard.reporting.logs import wrap
 
@@ -81,7 +81,7 @@ def summarize_events(
     Args:
         events: the valid events, in file order.
         source: the ``events.jsonl`` they came from.
-        problems: the notes on skipped lines, from :func:`~lightning_numguard.core.events.read_events`.
+        problems: the notes on skipped lines, from :func:`~lightning_numguard.reporting.events.read_events`.
 
     Returns:
         A JSON-serialisable dict: ``events_file``, ``incidents`` (root causes, counted like the
@@ -160,7 +160,7 @@ def format_report(
 
     Args:
         events: the valid events, in file order (as
-            :func:`~lightning_numguard.core.events.read_events` returns them).
+            :func:`~lightning_numguard.reporting.events.read_events` returns them).
         source: the ``events.jsonl`` they came from, named in the header.
         problems: the notes on skipped lines, listed under the header.
         others: other ``events.jsonl`` files that were found but not used (older ones in the

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_numguard.core import registry
+from lightning_numguard.detect import registry
 from lightning_numguard.reporting.hints import KIND_HINTS, event_hint, fill_value_name
 
 __all__ = ["SENTENCES", "incident_message"]
@@ -331,7 +331,7 @@ def _unknown(s: _Say) -> str:
     return f"{s.kind} in {s.names} {s.at}"
 
 
-#: The sentence of each kind of :data:`~lightning_numguard.core.events.KINDS` (a kind not here: ``"<kind> in …"``).
+#: The sentence of each kind of :data:`~lightning_numguard.reporting.events.KINDS` (a kind not here: ``"<kind> in …"``).
 SENTENCES: dict[str, Callable[[_Say], str]] = {
     "nonfinite_input": _input,
     "suspicious_input": _suspicious,

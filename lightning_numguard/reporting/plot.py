@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_numguard.core.events import acting, counts_as_incident, read_events
 from lightning_numguard.errors import NumGuardError
+from lightning_numguard.reporting.events import acting, counts_as_incident, read_events
 from lightning_numguard.reporting.trace import TRACE_FILENAME, Trace, read_trace
 
 __all__ = ["FIGURE_TAG", "MissingMatplotlib", "figure", "plot_run", "require_matplotlib", "send_figure"]

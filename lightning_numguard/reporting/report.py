@@ -4,7 +4,7 @@ Only global rank 0 writes files and loggers; every rank keeps the same ``events`
 
 Scalars reach the loggers two ways: on the steps Lightning writes its own metrics (``(step + 1) %
 log_every_n_steps == 0``, through ``pl_module.log``: the same ``log_metrics`` call as the loss, see
-:mod:`~lightning_numguard.callbacks.output._series`), so that a clean run shows the guard at work and its points line
+:mod:`~lightning_numguard.reporting.series`), so that a clean run shows the guard at work and its points line
 up with the loss curve; and at every step that had an event, directly (:meth:`Reporter.emit` writes the
 counters that changed, with the text; :meth:`Reporter.point` the step's gradient norm and z-scores). A step's
 scalar is written once, whichever way comes first. Every scalar is a host number already read: a device tensor
@@ -24,9 +24,9 @@ import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from lightning_numguard import _compat
-from lightning_numguard.core.events import JsonlWriter
-from lightning_numguard.core.usercode import user_frame
+from lightning_numguard.diagnose.usercode import user_frame
 from lightning_numguard.errors import NumGuardWarning
+from lightning_numguard.reporting.events import JsonlWriter
 
 __all__ = ["SERIES_COUNTERS", "Reporter", "counter_scalars", "is_tensorboard", "warn_at_user_code"]
 

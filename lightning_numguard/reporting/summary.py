@@ -3,7 +3,7 @@
 :func:`summarize` is pure (events and counters in, a :class:`FitSummary` out); :func:`summary_text`
 is what goes to the ``lightning_numguard`` logger, and :func:`rich_table` what is printed under
 Lightning's ``RichProgressBar``. The callback glue that picks the place is
-``lightning_numguard.callbacks.output._progress``.
+``lightning_numguard.reporting.progress``.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import pytest
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import STORE_EVERYTHING_SIZE_GUIDANCE, EventAccumulator
 
+from instruments.syncs import SyncCounter
 from lightning_numguard import NumGuardCallback
-from lightning_numguard.core.syncs import SyncCounter
 from lightning_numguard.errors import NumGuardWarning
 from tests.helpers import FaultData, FaultModel, SyncWindow, loader, trainer
 

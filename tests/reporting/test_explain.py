@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from lightning_numguard.core.events import KINDS, read_events
 from lightning_numguard.reporting.catalogue import CATALOGUE
+from lightning_numguard.reporting.events import KINDS, read_events
 from lightning_numguard.reporting.explain import (
     ExitCode,
     explain,

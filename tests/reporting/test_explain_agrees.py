@@ -23,7 +23,7 @@ from lightning_numguard import NumGuardCallback
 from lightning_numguard.errors import NonFiniteError
 from lightning_numguard.reporting.explain import explain
 from lightning_numguard.reporting.summary import summarize, summary_text
-from tests.callbacks.test_zerosync import FusedModel
+from tests.doors.trainer.test_zerosync import FusedModel
 from tests.helpers import FaultData, FaultModel, loader, trainer
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from lightning_numguard.core.coverage import COVERAGE_CODES, NO_GRAD_IN_FIRST_STEP
-from lightning_numguard.core.events import KINDS, Event
-from lightning_numguard.core.opguard import GUARDED_OPS
+from lightning_numguard.detect.coverage import COVERAGE_CODES, NO_GRAD_IN_FIRST_STEP
+from lightning_numguard.detect.opguard import GUARDED_OPS
+from lightning_numguard.reporting.events import KINDS, Event
 from lightning_numguard.reporting.explain import explain
 from lightning_numguard.reporting.hints import (
     COVERAGE_PROBLEMS,

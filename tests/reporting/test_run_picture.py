@@ -21,9 +21,9 @@ from tensorboard.backend.event_processing.event_accumulator import STORE_EVERYTH
 
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.cli import main
-from lightning_numguard.core.events import read_events
 from lightning_numguard.errors import NonFiniteError, NumGuardWarning
 from lightning_numguard.reporting import plot
+from lightning_numguard.reporting.events import read_events
 from lightning_numguard.reporting.trace import MAX_POINTS, TRACE_FILENAME, Trace, read_trace
 from tests.helpers import FaultData, FaultModel, loader, trainer
 

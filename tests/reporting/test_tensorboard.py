@@ -17,8 +17,8 @@ from tensorboard.backend.event_processing.event_accumulator import (
 from tensorboard.util import tensor_util
 
 from lightning_numguard import NumGuardCallback
-from lightning_numguard.core.events import ACTIONS, KINDS, REQUIRED_FIELDS, read_events
 from lightning_numguard.errors import NumGuardWarning
+from lightning_numguard.reporting.events import ACTIONS, KINDS, REQUIRED_FIELDS, read_events
 from tests.helpers import EVERY_CHECK, FaultData, FaultModel, loader, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:The number of training batches .* logging interval")

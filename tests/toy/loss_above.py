@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lightning_numguard import Check, CheckStep, NumGuardConfigError
-from lightning_numguard.core.findings import Finding
+from lightning_numguard.diagnose.findings import Finding
 
 
 class LossAbove(Check):

@@ -1,0 +1,1 @@
+"""Test and benchmark instruments shared by ``tests/`` and ``benchmarks/`` (not shipped in the package)."""

@@ -1,0 +1,1 @@
+"""The guard's arguments: their validation, types and documentation."""

@@ -1,0 +1,374 @@
+"""The checks, declared once: each check's event kind, causal place, advisory or not, hint, sentence and behaviour.
+
+``KINDS`` and ``ADVISORY_KINDS`` (:mod:`~lightning_numguard.reporting.events`), the hint of every kind
+(:data:`~lightning_numguard.reporting.hints.KIND_HINTS`) and the README's table of event kinds
+(``python -m benchmarks.kinds_table --write README.md``) are derived from :data:`CHECKS`; nothing else lists them.
+
+The order of :data:`CHECKS` is the causal order of a step: the order findings of one step are recorded in, so the
+first is the root cause (a check whose kind is reported later in the step comes later here).
+
+A check that is not one of the built-in fused reductions is one subclass of :class:`Check` in one file: it says
+where it records (:attr:`Check.records_at`), what 0-d device value it folds into the step's packed read
+(:meth:`Check.record`), how its findings are built after a hit (:meth:`Check.findings`), its arguments (its
+constructor, validated there) and its sentence (:meth:`Check.message`). ``NumGuardCallback(extra_checks=[...])``
+registers it (:func:`register`); the step's one read, the judge, the events, the hints and the docs' tables then
+treat it like a built-in check (``ARCHITECTURE.md``, "Adding a check").
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from lightning_numguard.errors import NumGuardConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_numguard.diagnose.findings import Finding
+
+__all__ = [
+    "CHECKS",
+    "CHECK_BY_KIND",
+    "HOOKS",
+    "Check",
+    "CheckStep",
+    "advisory_kinds",
+    "arguments_table",
+    "check_of",
+    "is_advisory",
+    "kind_hints",
+    "kinds",
+    "kinds_table",
+    "known",
+    "position",
+    "register",
+]
+
+#: Where a check records, in the step's order: batch start, the loss before backward, before the optimizer step.
+Hook = Literal["batch_start", "loss", "optimizer_step"]
+HOOKS: tuple[str, ...] = ("batch_start", "loss", "optimizer_step")
+
+
+@dataclass(frozen=True)
+class CheckStep:
+    """What a check sees of the step it records or explains (``loss``, detached, from the ``"loss"`` hook on;
+    ``optimizer`` at the ``"optimizer_step"`` hook; ``None`` before)."""
+
+    trainer: Any
+    pl_module: Any
+    batch: Any
+    batch_idx: int
+    step: int
+    loss: torch.Tensor | None = None
+    optimizer: Any = None
+
+
+class Check:
+    """One check of a training step, and the event kind its findings carry.
+
+    The built-in checks (:data:`CHECKS`) are declarations: their recording and reduction are the step's fused
+    parts (one ``_foreach_norm`` covers parameters, buffers, optimizer state and gradients at once, one input value
+    serves both input checks), so :attr:`records_at` is ``None``. A new check subclasses this class, sets the
+    class attributes below and :attr:`records_at`, and implements :meth:`record` and :meth:`findings`; its
+    arguments are its constructor's, validated there (raise ``NumGuardConfigError`` naming the argument).
+
+    Example:
+        >>> import torch
+        >>> from lightning_numguard.diagnose.findings import Finding
+        >>> class LossAbove(Check):
+        ...     name, kind, records_at, after = "loss above a threshold", "loss_above", "loss", "nonfinite_loss"
+        ...     what, short_hint = "the loss above `threshold`", "look at this batch"
+        ...     hint = "the loss left its expected range: look at this batch"
+        ...     def __init__(self, threshold: float = 10.0) -> None:
+        ...         self.threshold = threshold
+        ...     def record(self, step):
+        ...         return step.loss.detach().float() > self.threshold
+        ...     def findings(self, step):
+        ...         return [Finding(self.kind, ["loss"], {"value": float(step.loss), "threshold": self.threshold})]
+        >>> LossAbove(2.0).arguments()
+        {'threshold': 2.0}
+    """
+
+    #: what is checked, in words
+    name: str = ""
+    #: the event kind of its findings
+    kind: str = ""
+    #: what went bad when it fires (one cell of the README's table)
+    what: str = ""
+    #: the hint, in short (one cell of the README's table)
+    short_hint: str = ""
+    #: the one sentence of advice every event of this kind carries (``reporting/hints``)
+    hint: str = ""
+    #: advisory: it warns ahead of trouble, is never counted as an incident nor acted on
+    advisory: bool = False
+    #: where it records (:data:`HOOKS`); ``None``: a built-in check, recorded by the step's fused parts
+    records_at: ClassVar[Hook | None] = None
+    #: its value is "seen" when ``"positive"`` (a 0/1 flag, a count) or ``"nonfinite"`` (a total NaN/Inf propagates)
+    seen_when: ClassVar[Literal["positive", "nonfinite"]] = "positive"
+    #: its findings come after this kind's in a step's causal order (``None``: after every built-in kind)
+    after: ClassVar[str | None] = None
+    #: what a finding names when the step is read one step late (``sync_mode="deferred"``) and its records are gone
+    placeholder: str = ""
+
+    def __init__(
+        self,
+        name: str | None = None,
+        kind: str | None = None,
+        what: str | None = None,
+        short_hint: str | None = None,
+        hint: str | None = None,
+        advisory: bool | None = None,
+        placeholder: str | None = None,
+    ) -> None:
+        declared: dict[str, str | bool | None] = {"name": name, "kind": kind, "what": what, "hint": hint}
+        declared |= {"short_hint": short_hint, "advisory": advisory, "placeholder": placeholder}
+        for key, value in declared.items():
+            if value is not None:
+                setattr(self, key, value)
+
+    def __repr__(self) -> str:
+        if type(self) is Check:
+            return f"Check({self.kind!r})"
+        args = ", ".join(f"{k}={v!r}" for k, v in self.arguments().items())
+        return f"{type(self).__name__}({args})"
+
+    # ------------------------------------------------------------------ behaviour of a check that is not built in
+
+    def record(self, step: CheckStep) -> torch.Tensor | None:
+        """The check's 0-d device value for this step, folded into the step's one read; no host read here.
+
+        Called at :attr:`records_at` (once per micro-batch under gradient accumulation: the values are combined,
+        ``max`` for ``"positive"``, a sum for ``"nonfinite"``). ``None``: nothing to record this time.
+        """
+        raise NotImplementedError(f"{type(self).__name__}.record: a check that is not built in records a value")
+
+    def findings(self, step: CheckStep) -> list[Finding]:
+        """After its value was seen: what went bad, exactly (host reads allowed, after a hit only).
+
+        Default: one finding naming :attr:`placeholder` (or :attr:`name`).
+        """
+        from lightning_numguard.diagnose.findings import Finding
+
+        return [Finding(self.kind, [self.placeholder or self.name], {})]
+
+    def message(self, where: str, details: Mapping[str, Any], at: str) -> str:
+        """The event's sentence, without its hint (``where``: the names, quoted; ``at``: "at step N on rank R")."""
+        return f"{self.name}: {where} {at}"
+
+    def arguments(self) -> dict[str, Any]:
+        """The check's arguments (its constructor's parameters) and their values, for its ``repr`` and the docs."""
+        if type(self) is Check:
+            return {}
+        params = inspect.signature(type(self).__init__).parameters
+        return {
+            n: getattr(self, n, p.default)
+            for n, p in params.items()
+            if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        }
+
+    @property
+    def builtin(self) -> bool:
+        """Whether the step's fused parts record it (``records_at`` is ``None``)."""
+        return self.records_at is None
+
+
+CHECKS: tuple[Check, ...] = (
+    Check(
+        "optimizer coverage",
+        "optimizer_coverage",
+        "trainable parameters in no optimizer, frozen ones in one, parameters in two groups or without gradients",
+        "build the optimizer from the trainable parameters",
+        "build the optimizer from `[p for p in model.parameters() if p.requires_grad]` and give every trainable "
+        "parameter exactly one param group",
+        advisory=True,
+    ),
+    Check(
+        "batch inputs",
+        "nonfinite_input",
+        "a floating tensor of the batch holds NaN/Inf",
+        "the data is bad before the model sees it",
+        "the data is bad before the model sees it: check the dataset/transforms for NaN (missing values, log(0), "
+        "0/0) and clean or drop those samples",
+    ),
+    Check(
+        "suspicious inputs",
+        "suspicious_input",
+        "finite batch values `>= max_abs_input` (`1e20`, `9.96921e36` fill values; a dtype's own extreme, "
+        "`torch.finfo(dtype).min` in an additive attention mask, is a mask, not one)",
+        "mask or clip them in the data pipeline",
+        "finite values this large overflow in the first layers; mask or clip them in the data pipeline",
+    ),
+    Check(
+        "parameters, buffers and optimizer state",
+        "nonfinite_param",
+        "weights, buffers (BatchNorm statistics) or optimizer state",
+        "an earlier bad update; the guard restores the last finite state",
+        "the weights themselves are no longer finite (an earlier bad update, or the optimizer state): restore a "
+        "finite state and lower the learning rate",
+    ),
+    Check(
+        "module outputs",
+        "nonfinite_output",
+        "the first module whose output went non-finite (the module that ran the culprit op, when the replay names one)",
+        "a division by a zero std, sqrt/log of 0; a fully masked softmax row",
+        "look in this module for division by a zero std, sqrt/log of 0 or negatives, exp overflow; add an eps or clamp",
+        placeholder="a watched module",
+    ),
+    Check(
+        "overflow headroom",
+        "overflow_risk",
+        "a watched block's output within `overflow_headroom` (8x) of its dtype's largest value, or a collapsing "
+        "fp16 loss scale (advisory, once per block, never counted or acted on)",
+        "run that block in float32, scale it down, or train in bf16",
+        "run this block in float32 (wrap it in torch.autocast(device_type, enabled=False) and cast its input with "
+        ".float()), scale its inputs or weights down (a normalisation, a smaller init), or train in bf16-mixed, "
+        "whose range is float32's",
+        advisory=True,
+    ),
+    Check(
+        "op domains",
+        "op_domain",
+        "an op's input outside its domain (BCE probability outside [0, 1], an index out of range)",
+        "would have been a device-side assert; refused and named",
+        "an op received inputs outside its domain and would have tripped a device-side assert (BCE input outside "
+        "[0, 1], class index >= n_classes, embedding index out of range); fix the values feeding that op (often an "
+        "upstream NaN, or a label/vocabulary off by one)",
+        placeholder="a guarded op",
+    ),
+    Check(
+        "loss",
+        "nonfinite_loss",
+        "the loss, while inputs and outputs were finite",
+        "use the numerically stable form of the loss",
+        "compute the loss in its numerically stable form (BCEWithLogitsLoss, log_softmax + nll_loss, logsumexp) or "
+        "add an eps where it divides or takes a log",
+    ),
+    Check(
+        "loss spikes",
+        "loss_spike",
+        "the loss, finite but far above its recent range (`spike_action`)",
+        "a bad batch or a too-large update: look at this batch, lower the learning rate",
+        "a bad batch or an update that went too far: look at this batch, and if spikes repeat lower the learning "
+        "rate, lengthen its warm-up or clip gradients (Trainer(gradient_clip_val=1.0))",
+    ),
+    Check(
+        "gradients",
+        "nonfinite_grad",
+        "the backward pass, while the forward was finite",
+        "a sqrt/pow/norm at 0 in the backward",
+        "look for a sqrt/pow/norm at 0 or a division by a small number, whose gradient is infinite; add an eps, or "
+        "lower the learning rate",
+        placeholder="a gradient",
+    ),
+    Check(
+        "gradient-norm spikes",
+        "grad_norm_spike",
+        "the global gradient norm, finite but far above its recent range (`spike_action`)",
+        "clip gradients, lower the learning rate",
+        "clip gradients (Trainer(gradient_clip_val=1.0)), lower the learning rate, or look at this batch for outliers",
+    ),
+)
+
+
+#: The built-in checks by kind.
+CHECK_BY_KIND: Mapping[str, Check] = {c.kind: c for c in CHECKS}
+#: The checks passed to ``NumGuardCallback(extra_checks=...)`` in this process, by kind (:func:`register`).
+_REGISTERED: dict[str, Check] = {}
+
+
+def register(check: Check) -> Check:
+    """Make ``check``'s kind known to the events, hints, sentences and causal order of this process.
+
+    Raises ``NumGuardConfigError`` for a check that does not declare what a check must, or whose kind is a built-in
+    kind or another class's. Registering a check of the same class again replaces it (its arguments may differ).
+    """
+    if not isinstance(check, Check) or check.builtin:
+        raise NumGuardConfigError(
+            f"`extra_checks` takes instances of lightning_numguard.Check subclasses with `records_at` set to one of "
+            f"{list(HOOKS)}, got {check!r}"
+        )
+    name = type(check).__name__
+    if check.records_at not in HOOKS:
+        raise NumGuardConfigError(f"{name}.records_at must be one of {list(HOOKS)}, got {check.records_at!r}")
+    if check.seen_when not in ("positive", "nonfinite"):
+        raise NumGuardConfigError(f"{name}.seen_when must be 'positive' or 'nonfinite', got {check.seen_when!r}")
+    for attr in ("name", "kind", "what", "short_hint", "hint"):
+        if not isinstance(getattr(check, attr), str) or not getattr(check, attr):
+            raise NumGuardConfigError(f"{name}.{attr} must be a non-empty string: every check declares it")
+    builtin = kinds()
+    if check.kind in builtin:
+        raise NumGuardConfigError(f"{name}.kind {check.kind!r} is a built-in kind: give the check its own kind")
+    if check.after is not None and check.after not in builtin + tuple(_REGISTERED):
+        raise NumGuardConfigError(f"{name}.after must be a known kind or None, got {check.after!r}")
+    old = _REGISTERED.get(check.kind)
+    if old is not None and type(old) is not type(check):
+        raise NumGuardConfigError(
+            f"{name}.kind {check.kind!r} is already the kind of {type(old).__name__}: give each check its own kind"
+        )
+    _REGISTERED[check.kind] = check
+    return check
+
+
+def known(extra: Iterable[Check] = ()) -> tuple[Check, ...]:
+    """The built-in checks with ``extra`` and every registered check, in causal order (each after its ``after``)."""
+    out = list(CHECKS)
+    for check in [*_REGISTERED.values(), *extra]:
+        if any(c.kind == check.kind for c in out):
+            continue
+        at = next((i + 1 for i, c in enumerate(out) if c.kind == check.after), len(out))
+        while check.after is not None and at < len(out) and not out[at].builtin and out[at].after == check.after:
+            at += 1  # after the checks registered earlier at the same place
+        out.insert(at, check)
+    return tuple(out)
+
+
+def check_of(kind: str) -> Check | None:
+    """The check (built in or registered) whose findings carry ``kind``, or ``None``."""
+    return CHECK_BY_KIND.get(kind) or _REGISTERED.get(kind)
+
+
+def position(kind: str) -> int:
+    """Where ``kind`` comes in a step's causal order (a kind no check declares: after all of them)."""
+    order = kinds(known())
+    return order.index(kind) if kind in order else len(order)
+
+
+def is_advisory(kind: str) -> bool:
+    """Whether ``kind`` warns ahead of trouble (never counted as an incident nor acted on)."""
+    check = check_of(kind)
+    return check is not None and check.advisory
+
+
+def kinds(checks: Iterable[Check] = CHECKS) -> tuple[str, ...]:
+    """The event kinds of ``checks``, in causal order."""
+    return tuple(c.kind for c in checks)
+
+
+def advisory_kinds(checks: Iterable[Check] = CHECKS) -> tuple[str, ...]:
+    """The kinds that warn ahead of trouble and are not counted as incidents."""
+    return tuple(c.kind for c in checks if c.advisory)
+
+
+def kind_hints(checks: Iterable[Check] = CHECKS) -> dict[str, str]:
+    """The hint of each kind."""
+    return {c.kind: c.hint for c in checks}
+
+
+def kinds_table(checks: Iterable[Check] = CHECKS) -> str:
+    """The README's table of event kinds, one row per kind in causal order."""
+    lines = ["| kind | what went bad | the hint, in short |", "|---|---|---|"]
+    lines += [f"| `{c.kind}` | {c.what} | {c.short_hint} |" for c in checks]
+    return "\n".join(lines)
+
+
+def arguments_table(checks: Iterable[Check]) -> str:
+    """A table of the checks that are not built in: kind, where each records, and its arguments with their values."""
+    lines = ["| check | kind | records at | arguments |", "|---|---|---|---|"]
+    for c in checks:
+        if not c.builtin:
+            args = ", ".join(f"`{k}={v!r}`" for k, v in c.arguments().items()) or "none"
+            lines.append(f"| `{type(c).__name__}`: {c.name} | `{c.kind}` | `{c.records_at}` | {args} |")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The Lightning ``Trainer`` door: ``NumGuardCallback`` (both Lightning packages) and its zero-code attach."""

@@ -1,0 +1,335 @@
+"""One step pipeline for both read schedules: read → diagnose → judge → carry out → record.
+
+``sync_mode="every_step"`` reads a step's packed flags at its optimizer step (:meth:`StepPipeline.read`);
+``sync_mode="deferred"`` reads them one step later (:mod:`~lightning_numguard.engine.deferred`). Both hand
+the read to :meth:`StepPipeline.judge`, which names the culprits with the one builder
+(:func:`~lightning_numguard.diagnose.builder.diagnose`), asks :func:`~lightning_numguard.decide.judge.judge`
+what to do, and moves the counters (:class:`~lightning_numguard.reporting.ledger.Ledger`, their one owner).
+:meth:`StepPipeline.finish` carries the decision out at batch end
+(:class:`~lightning_numguard.state.recovery.Recovery`, the one part that changes training state) and
+records its events.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.utilities import rank_zero_info
+
+from lightning_numguard import _compat
+from lightning_numguard.decide import policy
+from lightning_numguard.decide.judge import Budget, Decision, Facts, judge
+from lightning_numguard.detect import flags, registry
+from lightning_numguard.detect.conventions import InputConventions
+from lightning_numguard.detect.registry import Check
+from lightning_numguard.detect.spike_guard import SpikeGuard
+from lightning_numguard.diagnose.builder import StepView, diagnose
+from lightning_numguard.diagnose.findings import Finding
+from lightning_numguard.engine.read import StepRead
+from lightning_numguard.engine.record import StepRecord, StepRecorder
+from lightning_numguard.errors import NonFiniteError
+from lightning_numguard.reporting.amp import AmpCounters
+from lightning_numguard.reporting.events import acting
+from lightning_numguard.reporting.ledger import Ledger
+from lightning_numguard.reporting.report import Reporter
+from lightning_numguard.state.outcome import Outcome
+from lightning_numguard.state.quarantine import position_key
+from lightning_numguard.state.recovery import Recovery
+from lightning_numguard.state.snapshots import Snapshots
+
+__all__ = ["Settings", "StepPipeline"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The callback's validated arguments that its parts act on (see ``NumGuardCallback``)."""
+
+    action: str
+    dirpath: str | None
+    check: list[str]
+    check_optimizer_coverage: str
+    max_abs_input: float | None
+    watch_modules: list[str]
+    ignore_modules: list[str]
+    watch_depth: int | None
+    snapshot_every_n_steps: int
+    snapshot_device: str
+    max_rollbacks: int
+    halt_raises: bool
+    skip_batches_after_rollback: int
+    lr_backoff: float
+    retry_transient: bool
+    quarantine: bool
+    replay: bool
+    emit_warnings: bool
+    sync_mode: str
+    snapshot_sharding: str
+    snapshot_async: bool | None
+    spike_action: str | None
+    spike_sigma: float
+    spike_window: int
+    spike_warmup: int
+    spike_rollback_after: int
+    overflow_headroom: float | None
+    extra_checks: tuple[Check, ...] = ()
+
+    @property
+    def acting(self) -> bool:
+        """Whether the guard acts on a bad step (skip, rollback, halt), not only reports it (``action="warn"``)."""
+        return acting(self.action)
+
+
+@dataclass
+class StepPipeline:
+    """The parts of one fit, wired once; every step of both schedules goes through :meth:`judge`."""
+
+    settings: Settings
+    recorder: StepRecorder
+    reader: StepRead
+    snapshots: Snapshots
+    recovery: Recovery
+    ledger: Ledger
+    spike: SpikeGuard
+    conventions: InputConventions
+    amp: AmpCounters
+    reporter: Reporter
+
+    @classmethod
+    def build(cls, s: Settings, dirpath: Path | None) -> StepPipeline:
+        """The parts of a fit, wired (``dirpath``: where files go; ``None``: no file is written)."""
+        conventions = InputConventions()  # batch fields flagged step after step: no longer checked
+        reporter = Reporter(dirpath, warn=s.emit_warnings)
+        # the deferred candidates shard the same way; they are copied synchronously
+        snapshots = Snapshots(
+            s.snapshot_device, s.snapshot_sharding, s.snapshot_async if s.sync_mode != "deferred" else False
+        )
+        recovery = Recovery(
+            dirpath, snapshots, s.skip_batches_after_rollback, s.lr_backoff, s.retry_transient, s.quarantine
+        )
+        spike = SpikeGuard(
+            s.spike_action, s.spike_sigma, s.spike_window, s.spike_warmup, s.spike_rollback_after, s.overflow_headroom
+        )
+        recorder, reader = _instruments(s, spike, conventions)
+        return cls(
+            s, recorder, reader, snapshots, recovery, Ledger(reporter), spike, conventions, AmpCounters(), reporter
+        )
+
+    def without_instruments(self) -> StepPipeline:
+        """A copy with a new recorder and read (hooks, the op-guard mode and the step record belong to a running
+        fit: pickling keeps the rest; ``setup`` builds them again)."""
+        recorder, reader = _instruments(self.settings, self.spike, self.conventions)
+        return replace(self, recorder=recorder, reader=reader)
+
+    def due(self, step: int) -> bool:
+        """Whether the state at the start of ``step`` is due to become the snapshot once verified."""
+        s = self.settings
+        return policy.snapshot_due(s.action, step, self.snapshots.last_step, s.snapshot_every_n_steps)
+
+    def read(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """Read at the step: the one host read, the judgement, and what must happen before the optimizer step."""
+        rec = self.recorder.record
+        assert rec is not None
+        due = self.due(trainer.global_step)
+        reading = self.reader.read(trainer, pl_module, optimizer, due)
+        decision = self.judge(trainer, pl_module, StepView(rec, reading), due)
+        self.recovery.at_read(trainer, pl_module, rec, decision, optimizer)
+        self.snapshots.settle()
+
+    def judge(self, trainer: pl.Trainer, pl_module: pl.LightningModule, view: StepView, due: bool) -> Decision:
+        """Name the culprits of a read, judge it, move the counters; the recorder settles the decision and events."""
+        rec, seen, late = view.rec, view.reading.flags, view.kept is not None
+        s = self.settings
+        spikes, advisory = self._spikes(trainer, rec, view.reading.extras)
+        if seen.seen(flags.QUARANTINE):
+            self.recorder.force_skip("it holds samples quarantined after they failed before", rec)
+        findings: list[Finding] = []
+        events: list[dict[str, Any]] = []
+        if rec.skip_forced:  # a batch known to be bad: skipped without an incident
+            state_bad = seen.seen(flags.NORMS) if late else bool(self.reader.state_bad(trainer, view.reading))
+            facts = Facts(forced_skip=True, state_bad=state_bad, late=late)
+            log.info("numguard skipped batch %s at step %s: %s", rec.batch_idx, rec.step, rec.forced_skip)
+        elif seen.any:
+            if not late:
+                self.recorder.point_to_bad_micro_batch(trainer)  # under accumulation: the micro-batch that went bad
+            found = diagnose(trainer, pl_module, self.recorder, self.reader, view, s.replay and s.acting, s.acting)
+            if found.amp_overflow:
+                advisory += self._loss_scale(trainer)
+            findings, declared = self.conventions.sort(found.findings)  # a field flagged step after step: not a fault
+            events = self._conventions_declared(trainer, declared, rec)
+            incident = [f for f in findings if not registry.is_advisory(f.kind)]
+            failures = self.recovery.quarantine.count_failure(position_key(rec.batch, rec.batch_idx)) if incident else 0
+            facts = Facts(
+                incident=bool(incident),
+                state_bad=bool(found.state_bad),
+                amp_overflow=found.amp_overflow,
+                failures=failures,
+                snapshot_due=due,
+                late=late,
+                device_skipped=late and s.acting,  # every flagged step is skipped on the device when read late
+                broken=_broken(findings),
+            )
+        else:
+            self.conventions.clean_step()
+            wanted = self.spike.decide(rec.step) if spikes else None
+            for f in spikes:
+                if wanted != s.spike_action:
+                    f.details["escalated"] = f"{s.spike_rollback_after} spikes within {s.spike_window} steps"
+            findings = spikes
+            facts = Facts(spike=wanted, snapshot_due=due, late=late)
+        findings = advisory + findings  # advisory findings (overflow risks) are judged too: reported, never acted on
+        budget = Budget(
+            self.snapshots.snapshot is not None,
+            self.ledger.rollbacks_this_fit,
+            s.max_rollbacks,
+            self.recovery.restores.repeats.cause,
+        )
+        decision = judge(s.action, facts, budget, quarantine=s.quarantine, retry=s.retry_transient)
+        for f in findings:
+            if late and not registry.is_advisory(f.kind):
+                f.details.update({"deferred": True, "read_at_step": trainer.global_step})
+            taken = "none" if registry.is_advisory(f.kind) else decision.action  # an advisory finding is not acted on
+            events.append(self.ledger.event(trainer, f, rec.step, taken, rec.epoch, rec.batch_idx))
+        self.recorder.settle(rec, decision, events)
+        self.ledger.count(decision.counts)
+        if late and decision.action != "none":
+            log.info("numguard (deferred) step %s, read at step %s: %s", rec.step, trainer.global_step, decision.action)
+        return decision
+
+    def finish(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, late: bool = False
+    ) -> Outcome | None:
+        """Batch end: carry out the step's decision and record its events with what was done (counted first: the
+        ``last_finite.ckpt`` of a rollback or halt counts its incident). Returns the outcome (``None``: clean)."""
+        decision = rec.decision
+        if decision is None or (decision.action == "none" and not rec.events):  # a clean step: nothing left to do
+            return None
+        if decision.action == "halt":
+            self.ledger.record(trainer, rec.events)
+        else:  # counted first: the last_finite.ckpt a rollback writes holds the fit's counters, this step's included
+            self.ledger.count_events(rec.events)
+        outcome = self.recovery.carry_out(trainer, pl_module, rec, late)
+        if decision.action == "halt":  # written before: the fit's record of them says what was done
+            self.ledger.complete(rec.events, outcome)
+        else:
+            self.ledger.record(trainer, rec.events, counted=True, outcome=outcome)
+        ckpt = self.recovery.ckpt_path
+        self.ledger.log_action(trainer, rec, outcome.snapshot_step, ckpt, outcome.steps_lost)
+        if decision.action == "halt" and (self.settings.halt_raises or not _compat.lightning_will_stop(trainer)):
+            raise NonFiniteError(self._halt_message(rec))
+        return outcome
+
+    def _halt_message(self, rec: StepRecord) -> str:
+        """What a halt raises: why, where the last finite state is, and how to resume from it."""
+        ckpt = self.recovery.ckpt_path
+        why = next((e["message"] for e in rec.events if e["action"] == "halt"), "non-finite values").rstrip(".")
+        decision = rec.decision
+        text = f"NumGuard halted training at step {rec.step}: {why}"
+        if decision is not None and decision.escalation:
+            text += f" (escalated from {decision.configured!r}: {decision.escalation})"
+        if ckpt is None:
+            return text + ". The last finite state was restored in memory (no file is written in this run)."
+        return (
+            text + f". The last finite state is in {ckpt}: fix the cause, then resume with "
+            f"trainer.fit(model, ckpt_path={str(ckpt)!r})."
+        )
+
+    # ------------------------------------------------------------------ once per fit or per checkpoint
+
+    def announce_spikes(self, trainer: pl.Trainer) -> None:
+        """Fit start, with ``spike_action`` set: one line (Lightning's INFO, where its own fit-start lines go) saying
+        when spike detection arms, and a warning when the fit ends before it can."""
+        line, warning = self.spike.arming(trainer.max_steps, trainer.global_step)
+        if line is not None:
+            rank_zero_info(line)
+        if warning is not None:
+            self.reporter.say_once(trainer, "spike warm-up", warning)
+
+    def halt_at_fit_start(self, trainer: pl.Trainer, bad: list[str]) -> None:
+        """The weights are non-finite before the first step: recorded, and (unless ``"warn"``) refused."""
+        finding = Finding("nonfinite_param", bad, {"when": "fit start"})
+        self.ledger.record(trainer, [self.ledger.event(trainer, finding, 0, "none")])
+        if self.settings.acting:
+            raise NonFiniteError(
+                f"NumGuard: the weights or optimizer state are already non-finite at fit start ({bad[:3]}); "
+                "there is no finite state to protect. Resume from an earlier checkpoint."
+            )
+
+    def at_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The last step's update has not been checked yet: check it once, repair it (from the snapshot)."""
+        end = self.recovery.at_train_end(trainer, pl_module, self.reader, not self.settings.acting)
+        if end is not None:
+            bad, action, details = end
+            self.ledger.count({"rollbacks": int(action == "rollback")})  # the repair restored from the snapshot
+            finding = Finding("nonfinite_param", bad, details, self.recovery.bad_rank)
+            self.ledger.record(trainer, [self.ledger.event(trainer, finding, trainer.global_step, action)])
+
+    def swap_checkpoint(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+        """No checkpoint written during the run holds non-finite weights.
+
+        Runs for every checkpoint any callback saves (``ModelCheckpoint``, ``OnExceptionCheckpoint``,
+        ``trainer.save_checkpoint``), on every rank. A weight or optimizer state that went non-finite in the
+        optimizer step itself is only seen at the next step's read; if a checkpoint is written in between, its
+        model and optimizer states are replaced by the last verified-finite snapshot.
+        """
+        if not self.recovery.swap_checkpoint(trainer, checkpoint, self.reader.unchecked_buffers):
+            return
+        assert self.snapshots.snapshot is not None
+        details = {
+            "when": "while saving a checkpoint",
+            "snapshot_step": self.snapshots.snapshot.step,
+            "after": "the update of the step just done (the next read names what went bad)",
+        }
+        # a consequence of the weights the update made non-finite, which the next read (or the fit's end) names and
+        # counts: one poisoned weight is one incident, not two
+        finding = Finding(
+            "nonfinite_param", ["checkpoint"], details, self.recovery.bad_rank, root_cause=False,
+            consequence_of="nonfinite_param",
+        )  # fmt: skip
+        self.ledger.record(trainer, [self.ledger.event(trainer, finding, trainer.global_step, "none")])
+
+    # ------------------------------------------------------------------ parts
+
+    def _spikes(self, trainer: pl.Trainer, rec: StepRecord, extras: list[float]) -> tuple[list[Finding], list[Finding]]:
+        """The step's spikes and overflow risks (advisory) from the read's extras, both judged by the caller."""
+        if not extras:
+            return [], []
+        return self.spike.findings(extras, rec.step, self.recorder.watch, trainer.world_size)
+
+    def _loss_scale(self, trainer: pl.Trainer) -> list[Finding]:
+        """The GradScaler's own overflow: a collapsing loss scale is reported like a block near its dtype's limit."""
+        collapsed = self.amp.after_overflow(trainer)
+        risk = self.spike.loss_scale_finding(collapsed) if collapsed is not None else None
+        return [risk] if risk is not None else []
+
+    def _conventions_declared(
+        self, trainer: pl.Trainer, declared: list[Finding], rec: StepRecord
+    ) -> list[dict[str, Any]]:
+        """The events (action ``"none"``) of batch fields declared conventions at this step, each said once."""
+        events = [self.ledger.event(trainer, f, rec.step, "none", rec.epoch, rec.batch_idx) for f in declared]
+        for event in events:
+            self.reporter.say_once(trainer, f"convention {event['where']}", event["message"])
+        return events
+
+
+def _broken(findings: list[Finding]) -> str | None:
+    """Why a step halts for a batch field flagged on step after step with values that are no mask, or ``None``."""
+    persistent = [f for f in findings if f.details.get("persistent")]
+    if not persistent:
+        return None
+    steps = persistent[0].details["persistent"]["steps"]
+    return f"{', '.join(persistent[0].where)} was flagged on {steps} consecutive steps: the data pipeline is broken"
+
+
+def _instruments(s: Settings, spike: SpikeGuard, conventions: InputConventions) -> tuple[StepRecorder, StepRead]:
+    """A fit's step recorder and read: the recorder leaves out the fields declared conventions; the read carries the
+    spike statistics after its flags."""
+    recorder = StepRecorder(
+        s.check, s.watch_modules, s.ignore_modules, s.watch_depth, conventions.ignored, s.extra_checks
+    )
+    return recorder, StepRead(s.check, s.max_abs_input, recorder, spike)

@@ -1,0 +1,394 @@
+"""The step's one read: names resolved once per fit, per-segment plans, the packed flags and their reduce.
+
+:class:`StepRead` turns what the step recorded (:class:`~lightning_numguard.engine.record.StepRecord`) and
+the state it checks (gradients, parameters, buffers, optimizer state) into the 0-d slot values of
+:mod:`~lightning_numguard.detect.flags`, packs them with the spike statistics' values, all-reduces them across
+ranks in one call and reads them back once (:meth:`~StepRead.read`); ``sync_mode="deferred"`` stops before the
+host read (:meth:`~StepRead.pack`). After a hit, :meth:`~StepRead.confirmed` and
+:meth:`~StepRead.state_bad_where` look at the state exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_numguard.detect import checks, flags, spike
+from lightning_numguard.detect import extra as _extra
+from lightning_numguard.dtensor import local
+from lightning_numguard.engine import group as _distributed
+from lightning_numguard.engine.record import Named, StepRecorder
+
+__all__ = ["Reading", "StepRead"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Reading:
+    """The decoded flags of one read and the named tensors that went into its ``NORMS`` slot."""
+
+    flags: flags.StepFlags
+    segments: dict[str, Named] = field(default_factory=dict)
+    #: the host-read spike extras after the flag slots (``core.spike.EXTRAS``), when the step carried them
+    extras: list[float] = field(default_factory=list)
+
+
+class StepRead:
+    """Packs a step's flags, reduces them across ranks and reads them once; looks at the state exactly after a hit.
+
+    Args:
+        check: the sites checked every step (``NumGuardCallback(check=...)``).
+        max_abs_input: the suspicious-input threshold, or ``None``.
+        recorder: the step record and its instruments.
+    """
+
+    def __init__(
+        self, check: list[str], max_abs_input: float | None, recorder: StepRecorder, spike: Any = None
+    ) -> None:
+        self.check = check
+        self.max_abs_input = max_abs_input
+        self.recorder = recorder
+        self.extra = recorder.extra_checks  # the checks passed as extra_checks: a value each after the slots
+        self.extras_at = flags.extras_at(len(self.extra))  # where the spike statistics' extras start
+        self.acting_flags = len(flags.SLOTS) + sum(not c.advisory for c in self.extra)  # values that make a step bad
+        self.named_params: Named = []
+        self.param_names: dict[int, str] = {}
+        self._named_buffers: Named = []
+        self._start_checked: Named = []  # checked buffers paired with their start-of-step copies
+        self.unchecked_buffers: set[str] = set()
+        self.checked_buffers: Named = []
+        # Per optimizer: its param groups' layout (key), the names and parameters checked, and their plan.
+        self._opt_params: dict[
+            int, tuple[Any, list[tuple[list[Any], int]], list[str], list[torch.Tensor], checks.TotalPlan]
+        ] = {}
+        #: the segments of the last ``NORMS`` total and their totals on the device (see :meth:`norm_total`)
+        self.norm_parts: tuple[list[str], torch.Tensor] | None = None
+        self._grads_plan: checks.TotalPlan | None = None  # the plan of the gradients grads() last returned
+        self._grads: list[torch.Tensor] = []  # those gradients, when the plan applies
+        # per state segment: its named list, its tensors and their plan, kept while the list is the same object
+        self._segment_plans: dict[str, tuple[Named, list[torch.Tensor], checks.TotalPlan]] = {}
+        self._opt_state: tuple[list[torch.Tensor], Named] | None = None  # the optimizer state tensors, named
+        # Whether parameters, buffers and optimizer state may go through the CPU's fused check, which writes the
+        # same bits back: not while a snapshot copies them on another thread (set at train start)
+        self.state_rewritable = False
+        # Spike statistics and overflow headroom (callbacks/step/_spike.SpikeGuard), or None: their values ride after
+        # the flag slots in the one read; the global gradient norm is the grads' check
+        self.spike: Any = spike
+        #: the step's global gradient L2 norm (0-d, on the device) when the spike statistics carry it, else ``None``
+        self.grad_norm: torch.Tensor | None = None
+        self._zeros: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def plan_applies(self) -> bool:
+        """Whether the gradients :meth:`grads` last returned are every gradient of the optimizer's checked parameters,
+        so :meth:`norm_total` checks them with the plan resolved once per optimizer (no per-tensor grouping)."""
+        return self._grads_plan is not None
+
+    @property
+    def start_buffer_map(self) -> dict[str, torch.Tensor]:
+        """The start-of-step copies of the persistent buffers, by name (storage reused every step)."""
+        return self.recorder.start_copies[2]
+
+    # ------------------------------------------------------------------ per fit
+
+    def resolve(self, pl_module: pl.LightningModule, stateful: dict[str, Any]) -> None:
+        """Resolve names once per fit: the hot path must not walk the module tree every step."""
+        self.named_params = list(pl_module.named_parameters())
+        self.param_names = {id(p): n for n, p in self.named_params}
+        self._opt_params = {}
+        self._segment_plans = {}
+        self._opt_state = None
+        persistent = set(pl_module.state_dict())
+        self._named_buffers = [(n, b) for n, b in pl_module.named_buffers() if n in persistent]
+        copies = [b.detach().clone() for _, b in self._named_buffers]
+        by_name = {n: c for (n, _), c in zip(self._named_buffers, copies)}
+        self.recorder.copy_starts((copies, [b for _, b in self._named_buffers], by_name), stateful)
+
+    def allow_rewrite(self, allowed: bool) -> None:
+        """Train start: whether the state may go through the CPU's fused check, which writes the same bits back
+        (not while a snapshot copies it on another thread)."""
+        self.state_rewritable = allowed
+
+    def leave_unchecked(self, bad_at_start: list[str]) -> list[str]:
+        """Buffers non-finite at fit start by design (a float causal mask of ``0``/``-inf``) are never checked.
+
+        Returns the names in ``bad_at_start`` that are *not* such buffers: state gone bad.
+        """
+        buffer_names = {n for n, _ in self._named_buffers}
+        self.unchecked_buffers = {n for n in bad_at_start if n in buffer_names}
+        if self.unchecked_buffers:
+            log.info("numguard leaves buffers non-finite at fit start unchecked: %s", sorted(self.unchecked_buffers))
+        self.checked_buffers = [
+            (n, b) for n, b in self._named_buffers if n not in self.unchecked_buffers and b.is_floating_point()
+        ]
+        self._start_checked = [(n, self.start_buffer_map[n]) for n, _ in self.checked_buffers]
+        return [n for n in bad_at_start if n not in self.unchecked_buffers]
+
+    # ------------------------------------------------------------------ the read
+
+    def read(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool) -> Reading:
+        """Pack every flag of the step, all-reduce once, read once (the step's one host sync)."""
+        self.recorder.mark_read(trainer.global_step, seen=True)
+        world = trainer.world_size
+        slots, segments, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due, raw=world == 1)
+        n = self.extras_at
+        if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
+            vector = flags.stack_raw(list(slots.values()), extras or ())  # the spike statistics in the same stack
+            if extras is not None:
+                self.spike.take_reduced(vector[n:])
+            values = vector.tolist()
+            built_in = flags.decode_raw(values[: len(flags.SLOTS)], self.max_abs_input)
+            seen = flags.StepFlags(built_in.ranks + _extra.seen_raw(self.extra, values[len(flags.SLOTS) : n]))
+            return Reading(seen, segments, values[n:])
+        values = self.reduce(trainer, slots, extras).tolist()  # the one host read of the step
+        return Reading(flags.decode(values[:n], world), segments, values[n:])
+
+    def pack(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool
+    ) -> torch.Tensor:
+        """The step's reduced flag vector on the device, without its host read (``sync_mode="deferred"``), followed
+        by the spike statistics' raw values when the step carries them (the same all-reduce)."""
+        self.recorder.mark_read(trainer.global_step)
+        slots, _, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due)
+        return self.reduce(trainer, slots, extras)
+
+    def reduce(
+        self, trainer: pl.Trainer, slots: dict[str, torch.Tensor], extras: list[torch.Tensor] | None
+    ) -> torch.Tensor:
+        """The rank-encoded flag vector with the spike statistics' 0-d raw values (``extras``) after it, all-reduced
+        (``MAX``) across ranks in one call, on the device; the statistics' reduced values go to the spike guard."""
+        n = self.extras_at
+        packed = flags.pack_slots(list(slots.values()), extras or ())  # the extras in the one stack, not rank-encoded
+        packed = flags.encode_rank(packed, trainer.global_rank, trainer.world_size, width=n)
+        reduced = _distributed.reduce_max(trainer, packed)
+        if extras is not None:
+            self.spike.take_reduced(reduced[n:])
+        return reduced
+
+    def slot_values(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool, raw: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Named], list[torch.Tensor] | None]:
+        """The step's 0-d slot values on the device, in :data:`~lightning_numguard.detect.flags.SLOTS` order, named as
+        :func:`~lightning_numguard.detect.flags.pack`'s arguments, and the named tensors of its ``NORMS`` slot; no sync.
+
+        Shared by :meth:`read` and :meth:`pack`; the third value is the spike statistics' 0-d extras (or ``None``).
+        ``raw``: the values go to the host as they are (one process), so the ``suspicious`` slot carries the largest
+        unmasked input value and the host compares it with ``max_abs_input`` (:func:`~lightning_numguard.detect.flags.
+        decode_raw`), one kernel fewer; otherwise it is the comparison's bool, on the device.
+        """
+        rec = self.recorder.record
+        assert rec is not None
+        device = pl_module.device
+        # Everything state- and gradient-checked goes into one slot (see norm_total).
+        segments: dict[str, Named] = {}
+        every_buffer = "buffers" in self.check or "params" in self.check
+        wanted = {
+            "params": "params" in self.check or snapshot_due,
+            "start_buffers": every_buffer or snapshot_due,  # buffers as they were before the forward pass
+            "opt_state": "optimizer_state" in self.check or snapshot_due,
+        }
+        for name, on in wanted.items():
+            if on and (named := self.segment(name, trainer)):
+                segments[name] = named
+        if "grads" in self.check and optimizer is not None:
+            segments["grads"] = self.grads(optimizer)
+        if every_buffer:  # buffers after the forward pass (BatchNorm running stats)
+            segments["live_buffers"] = self.checked_buffers
+        zero = self._zeros.get(device)
+        if zero is None:  # a 0-d zero per device, made once (never written to)
+            zero = self._zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
+        unmasked = zero  # non-finite exactly when an input is: the input slot's total too (no second reduction)
+        if rec.inputs:
+            unmasked = rec.input_unmasked[0] if len(rec.inputs) == 1 else torch.stack(rec.input_unmasked).amax()
+        watch = self.recorder.watch
+        watch = watch if watch is not None and watch.enabled else None
+        opguard = self.recorder.opguard
+        losses = [x.to(device, torch.float32) for x in rec.losses]
+        loss_total = zero
+        if losses:
+            loss_total = losses[0] if len(losses) == 1 and losses[0].dim() == 0 else torch.stack(losses).sum()
+        self.grad_norm = None
+        slots = {
+            "input_max": unmasked,
+            "norm_total": self.norm_total(segments, device, zero),
+            "output_total": watch.total(device) if watch is not None else zero,
+            "loss_total": loss_total,
+            # raw: compared on the host; else a bool, which the pack's one stack makes 0.0/1.0 (no conversion op)
+            "suspicious": zero if self.max_abs_input is None else unmasked if raw else unmasked >= self.max_abs_input,
+            "op": _any_flag([r.flag for r in opguard.records], device)
+            if opguard is not None and opguard.records
+            else zero,
+            "quarantine": rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
+        }
+        if self.extra:  # the checks passed as extra_checks: one value each (several ranks: a 0/1 flag to rank-encode)
+            values = _extra.slot_values(self.extra, rec.checks, device, zero)
+            values = values if raw else _extra.as_flags(self.extra, values)
+            slots.update({f"check:{c.kind}": v for c, v in zip(self.extra, values)})
+        extras = None
+        if self.spike is not None and self.spike.enabled and not rec.spike_read:
+            self.recorder.mark_spike_read()  # the step's first read only (a further optimizer: its gradients alone)
+            loss = loss_total if losses else None
+            rank, world = trainer.global_rank, trainer.world_size
+            extras = self.spike.extras(loss, self.grad_norm, watch, device, rank, world)
+        return slots, segments, extras
+
+    def norm_total(self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor) -> torch.Tensor:
+        """The ``NORMS`` slot's total of ``segments`` (name -> named tensors: ``"grads"``, ``"params"``,
+        ``"start_buffers"``, ``"live_buffers"``, ``"opt_state"``), 0-d float32 on ``device``, non-finite when one of
+        them is; ``zero`` when there is nothing to check. No sync. The gradients go through the check that may
+        rewrite them (on the CPU: the fused check, which writes the same bits back), the state likewise when
+        :attr:`state_rewritable`, else read-only.
+
+        Each segment's :class:`~lightning_numguard.detect.checks.TotalPlan` is kept while the segment is the same
+        list object (the parameters and buffers are resolved once per fit, the optimizer state while its
+        tensors stay the same): a step does no per-tensor grouping.
+        """
+        totals = []
+        parts: list[str] = []  # the segment of each total (a late read names the part that went bad)
+        for name, named in segments.items():
+            if not named:
+                continue
+            parts.append(name)
+            if name == "grads":
+                if self.spike is not None and self.spike.window is not None:  # the global L2 norm is the check
+                    plan = self._grads_plan if self._grads_plan is not None else checks.TotalPlan([t for _, t in named])
+                    grads = self._grads if self._grads_plan is not None else [t for _, t in named]
+                    if plan.local:  # DTensors (FSDP2, tensor parallel): this rank's shards; the reduce takes the max
+                        grads = [local(t) for t in grads]
+                    groups = plan.grouped(grads)
+                    self.grad_norm = spike.global_norm(groups, device)
+                    totals.append(self.grad_norm)
+                elif self._grads_plan is not None:  # grads() found every gradient: its plan and tensor list
+                    totals.append(self._grads_plan.total(self._grads, device, rewritable=True))
+                else:
+                    grads = [t for _, t in named]
+                    totals.append(checks.TotalPlan(grads).total(grads, device, rewritable=True))
+                continue
+            cached = self._segment_plans.get(name)
+            if cached is None or cached[0] is not named:
+                tensors = [t for _, t in named]
+                cached = self._segment_plans[name] = (named, tensors, checks.TotalPlan(tensors))
+            totals.append(cached[2].total(cached[1], device, rewritable=self.state_rewritable))
+        if not totals:
+            self.norm_parts = None
+            return zero
+        if len(totals) == 1:
+            self.norm_parts = (parts, totals[0])
+            return totals[0]
+        stacked = torch.stack(totals)
+        self.norm_parts = (parts, stacked)  # kept by a late read, to say which part went bad (no kernel of its own)
+        return stacked.sum()
+
+    # ------------------------------------------------------------------ exact, after a hit
+
+    def confirmed(self, trainer: pl.Trainer, reading: Reading, segment: str) -> list[str]:
+        """The names in ``segment`` that are exactly non-finite (syncs; after a hit only)."""
+        if segment in reading.segments:
+            named = reading.segments[segment]
+            if not reading.flags.seen(flags.NORMS):  # part of the step's flag, which proved it finite
+                return []
+        else:  # not checked every step: after a hit, look at it exactly (the root cause may be there)
+            named = self.segment(segment, trainer)
+        if not named:
+            return []
+        return [n for (n, _), bad in zip(named, checks.confirm_nonfinite([t for _, t in named])) if bad]
+
+    def state_bad(self, trainer: pl.Trainer, reading: Reading) -> list[str]:
+        """Parameters, buffers at the step start and optimizer state that are non-finite on any rank."""
+        return self.state_bad_where(trainer, reading)[0]
+
+    def state_bad_where(self, trainer: pl.Trainer, reading: Reading) -> tuple[list[str], int]:
+        """:meth:`state_bad`, and the lowest rank where that state was non-finite (``-1`` when none)."""
+        names = [n for s in ("params", "start_buffers", "opt_state") for n in self.confirmed(trainer, reading, s)]
+        return _distributed.first_rank(trainer, names)
+
+    # ------------------------------------------------------------------ named tensors
+
+    def grads(self, optimizer: Any) -> Named:
+        """The named gradients of ``optimizer``'s parameters.
+
+        The floating, non-empty parameters and their names are resolved once per optimizer (and again when its
+        param groups change), with the :class:`~lightning_numguard.detect.checks.TotalPlan` of their layout; a step
+        only reads each ``.grad`` (a new tensor each step, with its parameter's dtype and shape) and skips missing
+        and sparse ones. When none is skipped, :meth:`read` checks them with that plan.
+        """
+        groups = optimizer.param_groups
+        cached = self._opt_params.get(id(optimizer))
+        if (
+            cached is None
+            or cached[0] is not optimizer
+            or len(cached[1]) != len(groups)
+            or any(g["params"] is not ps or len(ps) != n for g, (ps, n) in zip(groups, cached[1]))
+        ):
+            layout = [(g["params"], len(g["params"])) for g in groups]
+            checked = [p for g in groups for p in g["params"] if p.is_floating_point() and p.numel() > 0]
+            labels = [self.param_names.get(id(p), "?") for p in checked]
+            cached = (optimizer, layout, labels, checked, checks.TotalPlan(checked))
+            self._opt_params[id(optimizer)] = cached
+        labels, checked, plan = cached[2], cached[3], cached[4]
+        grads = [p.grad for p in checked]
+        strided = torch.strided
+        for g in grads:
+            if g is None or g.layout is not strided:  # a parameter without a gradient, or a sparse one
+                self._grads_plan = None
+                return [(n, g) for n, g in zip(labels, grads) if g is not None and g.layout is strided]
+        self._grads_plan, self._grads = plan, cast("list[torch.Tensor]", grads)  # the usual step: the plan applies
+        return list(zip(labels, self._grads))
+
+    def segment(self, segment: str, trainer: pl.Trainer) -> Named:
+        """The named tensors of one state segment, for the step's flag or for an exact look after a hit."""
+        if segment == "params":
+            return self.named_params
+        if segment == "opt_state":
+            return self.optimizer_state(trainer)
+        rec = self.recorder.record
+        if segment == "start_buffers" and rec is not None and rec.start_buffers is not None:
+            return self._start_checked  # the start-of-step copies live in storage reused every step
+        if segment == "live_buffers":
+            return self.checked_buffers
+        return []
+
+    def state(self, trainer: pl.Trainer, with_optimizer: bool) -> Named:
+        """Parameters and checked buffers (and optimizer state), with names, for a whole-state check."""
+        named = list(self.named_params) + [(n, b) for n, b in self._named_buffers if n not in self.unchecked_buffers]
+        return named + (self.optimizer_state(trainer) if with_optimizer else [])
+
+    def optimizer_state(self, trainer: pl.Trainer) -> Named:
+        """Every optimizer's floating state tensors, named ``optimizer[i].state[<param>].<key>``.
+
+        The named list is kept while every state tensor is the same object (optimizers update their state in
+        place; a first step, ``load_state_dict`` or a restore replaces it, and the list is rebuilt): a step
+        that checks the optimizer state only walks the tensors, with no names built.
+        """
+        live = [
+            value
+            for opt in trainer.optimizers
+            for state in opt.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        cached = self._opt_state
+        if cached is not None and len(cached[0]) == len(live) and all(a is b for a, b in zip(cached[0], live)):
+            return cached[1]
+        out: Named = []
+        for i, opt in enumerate(trainer.optimizers):
+            for param, state in opt.state.items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and checks.is_checkable(value):
+                        out.append((f"optimizer[{i}].state[{self.param_names.get(id(param), '?')}].{key}", value))
+        self._opt_state = (live, out)
+        return out
+
+
+def _any_flag(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-d bool on ``device``: whether any of the op guard's 0-d bool ``flags`` is set (one record: itself, no op; two:
+    one ``|``; more: ``stack`` and ``any``); the pack's stack promotes it to 0.0/1.0."""
+    flags = [f.to(device) for f in flags]  # no op where a flag is on the device already
+    if len(flags) <= 2:
+        return flags[0] if len(flags) == 1 else flags[0] | flags[1]
+    return torch.stack(flags).any()

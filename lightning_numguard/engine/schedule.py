@@ -1,0 +1,49 @@
+"""When a step's packed flags are read: the read schedule, one interface for both ``sync_mode`` values.
+
+The step's order is written once, in :class:`~lightning_numguard.engine.flow.StepFlow`; the schedule is the one
+part that differs between the modes:
+
+* :class:`EveryStep` (``sync_mode="every_step"``): the step's one host read at its optimizer step
+  (:meth:`StepPipeline.read <lightning_numguard.engine.pipeline.StepPipeline.read>`);
+* :class:`~lightning_numguard.engine.deferred.Deferred` (``sync_mode="deferred"``): the flags pushed without
+  blocking, read and judged one step late.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+
+from lightning_numguard.engine.pipeline import StepPipeline
+
+__all__ = ["SYNC_MODES", "EveryStep", "ReadSchedule"]
+
+SYNC_MODES = ("every_step", "deferred")
+
+
+class ReadSchedule:
+    """When the step's flags are read (the base does nothing outside the optimizer step)."""
+
+    def __init__(self, pipeline: StepPipeline) -> None:
+        self.pipeline = pipeline
+
+    def at_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Once per fit, after the checkpoint's state is restored: refuse what the schedule cannot serve."""
+
+    def at_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """The step's gradients are known: read (or pack) its flags."""
+        raise NotImplementedError
+
+    def after_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Batch end, before the step's decision is carried out."""
+
+    def at_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The fit's end: read what is still pending."""
+
+
+class EveryStep(ReadSchedule):
+    """``sync_mode="every_step"``: one host read per step, at its optimizer step."""
+
+    def at_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.pipeline.read(trainer, pl_module, optimizer)

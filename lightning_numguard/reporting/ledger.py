@@ -1,0 +1,151 @@
+"""The guard's record of what happened: the one owner of its events and counters, handed to reporting.
+
+The ledger builds each event (:meth:`Ledger.event`) and records it; what carrying a decision out did (an
+:class:`~lightning_numguard.state.outcome.Outcome`) is added to the events when they are recorded, never
+written into events already built."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import pytorch_lightning as pl
+
+from lightning_numguard.diagnose.findings import Finding
+from lightning_numguard.reporting.events import Event, acting, counts_as_incident
+from lightning_numguard.reporting.messages import action_message, incident_message
+from lightning_numguard.reporting.report import Reporter
+from lightning_numguard.state.outcome import Outcome
+
+__all__ = ["COUNTERS", "Ledger"]
+
+log = logging.getLogger("lightning_numguard")
+
+#: The running counters, logged as ``numguard/<name>`` scalars.
+COUNTERS: tuple[str, ...] = ("incidents", "skipped_steps", "rollbacks", "amp_overflow_steps", "spikes")
+
+
+class Ledger:
+    """Events and counters of one fit; every recorded event goes to the :class:`Reporter` too."""
+
+    def __init__(self, reporter: Reporter | None = None) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.incidents_by_kind: dict[str, int] = {}
+        self.rollbacks_this_fit = 0  # what max_rollbacks limits (``counters["rollbacks"]`` carries over a resume)
+        self.reporter = reporter
+
+    def load(self, counters: Mapping[str, int], incidents_by_kind: Mapping[str, int]) -> None:
+        """The counters and incident counts of a checkpoint (already validated): a resumed run goes on counting."""
+        self.counters.update(counters)
+        self.incidents_by_kind = dict(incidents_by_kind)
+
+    def count(self, counts: Mapping[str, int]) -> None:
+        """Move the counters by a decision's ``counts`` (``incidents`` is counted from recorded events)."""
+        for name, n in counts.items():
+            self.counters[name] += n
+        self.rollbacks_this_fit += counts.get("rollbacks", 0)
+
+    def count_events(self, events: list[dict[str, Any]]) -> None:
+        """Count ``events`` in ``incidents`` and the counts by kind, before they are recorded (a rollback's
+        ``last_finite.ckpt``, written before its events are complete, holds the fit's counters)."""
+        self.counters["incidents"] += sum(1 for e in events if counts_as_incident(e))
+        for e in events:
+            self.incidents_by_kind[e["kind"]] = self.incidents_by_kind.get(e["kind"], 0) + 1
+
+    def event(
+        self,
+        trainer: pl.Trainer,
+        finding: Finding,
+        step: int,
+        action: str,
+        epoch: int | None = None,
+        batch_idx: int = -1,
+    ) -> dict[str, Any]:
+        """The event dict of ``finding``, with its message (the rank is the one that saw it, else this one)."""
+        rank = trainer.global_rank if finding.rank < 0 else finding.rank
+        return Event(
+            kind=finding.kind,
+            step=step,
+            epoch=trainer.current_epoch if epoch is None else epoch,
+            batch_idx=batch_idx,
+            rank=rank,
+            where=list(finding.where),
+            action=action,
+            message=incident_message(
+                finding.kind,
+                finding.where,
+                finding.details,
+                step,
+                rank,
+                op=finding.op,
+                module=finding.module,
+                site=finding.site,
+                source=finding.source,
+            ),
+            details=finding.details,
+            op=finding.op,
+            module=finding.module,
+            site=finding.site,
+            source=finding.source,
+            root_cause=finding.root_cause,
+            consequence_of=finding.consequence_of,
+        ).to_dict()
+
+    def record(
+        self, trainer: pl.Trainer, events: list[dict[str, Any]], counted: bool = False, outcome: Outcome | None = None
+    ) -> None:
+        """Count ``events`` (unless :meth:`count_events` already did), keep them, and report them (files and loggers
+        on rank 0); with ``outcome``, what carrying their decision out did is said in each.
+
+        ``incidents`` counts root causes only: a consequence (``root_cause: false``) is recorded,
+        labelled and reported, but it is the same incident.
+        """
+        if not events:
+            return
+        if outcome is not None:
+            events = [outcome.said_in(e) for e in events]
+        if not counted:
+            self.count_events(events)
+        self.events.extend(events)
+        if self.reporter is not None:
+            self.reporter.emit(trainer, events, self.counters)
+
+    def complete(self, events: list[dict[str, Any]], outcome: Outcome) -> None:
+        """A halt's ``events``, recorded (and written) before it was carried out: the fit's record of them
+        (``callback.events``) says what was done too (the file keeps them as they were written)."""
+        done = {id(e): outcome.said_in(e) for e in events}
+        self.events[:] = [done.get(id(e), e) for e in self.events]
+
+    def log_action(
+        self, trainer: pl.Trainer, rec: Any, snapshot_step: int | None, ckpt: Any, steps_lost: int | None = None
+    ) -> None:
+        """One WARNING (``skip``, ``rollback``) or ERROR (``halt``) log line on rank 0 per action taken.
+
+        Args:
+            trainer: the trainer.
+            rec: the step's record (its ``decision``, ``events`` and ``step``).
+            snapshot_step: the step of the snapshot a rollback or halt went back to.
+            ckpt: ``last_finite.ckpt``'s path, when one is written in this run.
+            steps_lost: the updates the restore of a rollback or halt discarded (its outcome's).
+        """
+        decision = rec.decision
+        if not acting(rec.action) or not rec.events or not trainer.is_global_zero:
+            return
+        acted = [e for e in rec.events if e["action"] == rec.action] or rec.events  # not a field declared a convention
+        root = next((e for e in acted if e.get("root_cause", True)), acted[0])
+        written = rec.action in ("rollback", "halt") and ckpt is not None and ckpt.exists()
+        events_file = self.reporter.events_path if self.reporter is not None else None
+        text = action_message(
+            rec.action,
+            decision.configured,
+            rec.step,
+            root,
+            decision.escalation,
+            snapshot_step if rec.action != "skip" else None,
+            str(ckpt) if written else None,
+            str(events_file) if events_file else None,
+            steps_lost,
+        )
+        log.log(logging.ERROR if rec.action == "halt" else logging.WARNING, text)

@@ -1,0 +1,191 @@
+"""The spike rule, its device window and the overflow headroom, without Lightning (``core/spike.py``)."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+
+from lightning_numguard.detect.spike import (
+    NOT_JUDGED,
+    SpikeWindow,
+    device_spike,
+    escalate,
+    global_norm,
+    headroom,
+    judge,
+    spike_z,
+)
+
+SIGMA = 6.0
+
+
+def _steady(n: int = 100, level: float = 1.0, wiggle: float = 0.02) -> list[float]:
+    return [level * (1 + wiggle * math.sin(i)) for i in range(n)]
+
+
+def _chi2_4(n: int, seed: int = 0) -> list[float]:
+    """Per-batch MSE losses of batches of 4 standard-normal residuals: heavy-tailed."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, 4, generator=g) ** 2).mean(1).tolist()
+
+
+NOISY = _chi2_4(128)
+NOISY_MEDIAN = sorted(NOISY)[64]
+
+# (name, history, value, warmup, spike?) — a spike is an outlier past sigma robust deviations after the warm-up;
+# ``None``: not judged (warm-up, or a value that is not finite and positive).
+TABLE = [
+    ("outlier after warm-up", _steady(), 100.0, 64, True),
+    ("normal value", _steady(), 1.02, 64, False),
+    ("downward move is never a spike", _steady(), 1e-3, 64, False),
+    ("fewer samples than the warm-up", _steady(10), 100.0, 64, None),
+    ("warm-up counts only finite samples", _steady(60) + [math.nan] * 10, 100.0, 64, None),
+    ("NaN and Inf in the history are ignored", [*_steady(50), math.nan, math.inf, -1.0, *_steady(50)], 100.0, 64, True),
+    ("a NaN value is the NaN guard's, not a spike", _steady(), math.nan, 64, None),
+    ("an infinite value is not a finite spike", _steady(), math.inf, 64, None),
+    ("a negative value below the window is not a spike", _steady(), -5.0, 64, False),
+    ("negative losses are judged too", [-3.0 + 0.01 * math.sin(i) for i in range(100)], 30.0, 64, True),
+    ("a constant window needs at least 2.2x", [2.0] * 100, 4.0, 64, False),
+    ("a constant window, tripled", [2.0] * 100, 6.0, 64, True),
+    ("heavy-tailed batch-of-4 losses: their own maximum", NOISY, max(NOISY), 64, False),
+    ("heavy-tailed batch-of-4 losses: a 100x batch", NOISY, 100 * NOISY_MEDIAN, 64, True),
+    ("gradient norm jumping 10x over a tight window", _steady(128, 0.5, 0.05), 5.0, 64, True),
+]
+
+
+@pytest.mark.parametrize(("history", "value", "warmup", "expected"), [r[1:] for r in TABLE], ids=[r[0] for r in TABLE])
+def test_the_spike_decision_table(history, value, warmup, expected):
+    z = spike_z(value, history, warmup)
+    if expected is None:
+        assert z is None
+    else:
+        assert z is not None and math.isfinite(z)
+        assert (z > SIGMA) is expected, z
+
+
+def test_the_device_window_agrees_with_the_host_rule_and_judges_both_series():
+    window = SpikeWindow(window=128, warmup=64)
+    losses, norms = _chi2_4(200, seed=1), _steady(200, 3.0, 0.1)
+    for loss, norm in zip(losses, norms):
+        window.push(torch.tensor([loss, norm]))
+    kept_losses, kept_norms = losses[-128:], norms[-128:]  # the window spans the last 128 steps
+    z = window.scores(torch.tensor([50.0, 3.1]))
+    assert z[0].item() == pytest.approx(spike_z(50.0, kept_losses, 64), rel=1e-4)
+    assert z[1].item() == pytest.approx(spike_z(3.1, kept_norms, 64), rel=1e-4)
+    # the step's extras as a fit reads them: raw values, then the window's centers and raw thresholds
+    extras = [50.0, 3.1, *window.stats().tolist(), 0.0, -1.0, 0.0, 0.0]
+    found = judge(extras, SIGMA)
+    assert z[0] > SIGMA and [name for name, _, _ in found] == ["loss"]
+    assert found[0][2] == pytest.approx(z[0].item(), rel=1e-4)
+    assert bool(device_spike(torch.tensor(extras))) is True  # the deferred mode's device decision agrees
+    assert bool(device_spike(torch.tensor([1.0, 3.1, *extras[2:]]))) is False
+
+
+def test_a_nan_step_in_the_middle_of_the_window_never_poisons_the_statistics():
+    window = SpikeWindow(window=32, warmup=8)
+    for i in range(40):
+        bad = i in (20, 21)
+        loss = math.nan if i == 20 else 1.0 + 0.01 * (i % 3)
+        norm = math.inf if bad else 2.0 + 0.02 * (i % 5)
+        window.push(torch.tensor([loss, norm]))
+    assert window.valid() == [31, 30]  # the NaN and Inf steps are missing, not values
+    z = window.scores(torch.tensor([1.01, 2.02]))
+    assert torch.isfinite(z).all()
+    assert (z < SIGMA).all()
+    assert (window.scores(torch.tensor([50.0, 50.0])) > SIGMA).all()  # and it still judges
+
+
+def _adam_moment_update(exp_avg_sq: torch.Tensor, grad: torch.Tensor, factor: float, beta2: float = 0.999) -> None:
+    """OLMo-core ``SkipStepAdamW``'s second-moment update: the skip is a multiplicative 0/1 ``factor``."""
+    exp_avg_sq.mul_(1 - factor * (1 - beta2)).add_(factor * (1 - beta2) * grad * grad)
+
+
+def test_a_multiplicative_skip_mask_lets_a_nan_gradient_poison_adam_and_a_real_skip_does_not():
+    """0 * NaN = NaN: masking the update by a step factor of 0 does not protect ``exp_avg_sq``."""
+    grad = torch.tensor([1.0, math.nan, 2.0])
+    masked = torch.ones(3)
+    _adam_moment_update(masked, grad, factor=0.0)
+    assert not torch.isfinite(masked).all()  # OLMo-style: the skipped step still wrote NaN
+
+    # the guard's skip: no gradient at all, so torch's AdamW does not touch the parameter or its state
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    p.grad = grad.clone()
+    opt.zero_grad(set_to_none=True)  # what NumGuardCallback does on a skipped step
+    opt.step()
+    assert torch.isfinite(p).all()
+    for key, value in opt.state[p].items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_window_state_round_trips_and_pickles():
+    window = SpikeWindow(window=16, warmup=4)
+    for x in _steady(20):
+        window.push(torch.tensor([x, 2 * x]))
+    plain = window.to_plain()
+    other = SpikeWindow(window=16, warmup=4)
+    other.load_state_dict(plain)
+    assert other.to_plain()["pos"] == plain["pos"]
+    assert torch.equal(torch.nan_to_num(other.values, nan=-7.0), torch.nan_to_num(window.values, nan=-7.0))
+    again = pickle.loads(pickle.dumps(window))
+    assert torch.equal(again.scores(torch.tensor([9.0, 9.0])), window.scores(torch.tensor([9.0, 9.0])))
+    shorter = SpikeWindow(window=8, warmup=4)  # a checkpoint of a longer window keeps its newest values
+    shorter.load_state_dict(plain)
+    assert shorter.valid() == [8, 8]
+    with pytest.raises(ValueError, match=r"shape \[2, window\]"):
+        shorter.load_state_dict({"values": [1.0, 2.0], "pos": 0})
+
+
+def test_not_judged_survives_a_max_reduce_as_a_finite_number_and_marks_a_missing_value():
+    assert math.isfinite(NOT_JUDGED)
+    z = SpikeWindow(8, 4).scores(torch.tensor([1.0, 1.0]))
+    assert (z <= NOT_JUDGED).all()  # float32
+    window = SpikeWindow(8, 4)
+    window.push(torch.tensor([NOT_JUDGED, 1.0]))  # what a rank without a finite loss sends through the reduce
+    assert window.valid() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("configured", "earlier", "step", "after", "expected"),
+    [
+        ("skip", [], 100, 3, "skip"),
+        ("skip", [95], 100, 3, "skip"),
+        ("skip", [90, 95], 100, 3, "rollback"),
+        ("skip", [10, 95], 200, 3, "skip"),  # the first is outside the window
+        ("skip", [90, 95], 100, 0, "skip"),  # never escalates
+        ("warn", [90, 95], 100, 3, "warn"),
+        ("rollback", [], 100, 3, "rollback"),
+    ],
+)
+def test_repeated_spikes_within_a_window_escalate_to_a_rollback(configured, earlier, step, after, expected):
+    assert escalate(configured, earlier, step, window=128, rollback_after=after) == expected
+
+
+def test_headroom_names_the_block_closest_to_its_dtype_limit_once():
+    half = torch.tensor([[-3.0, 10.0], [-9000.0, 100.0], [0.0, 0.0]], dtype=torch.float16)
+    single = torch.tensor([[-1.0, 1e37]], dtype=torch.float32)
+    masks = [torch.zeros(3, dtype=torch.bool), torch.zeros(1, dtype=torch.bool)]
+    ratio, index = headroom([(torch.float16, half), (torch.float32, single)], masks, factor=8.0)
+    assert index.item() == 1 and ratio.item() == pytest.approx(9000 / 65504, rel=1e-3)
+    masks[0][1] = True  # reported: the next at risk is none (1e37 is within 34x of 3.4e38, outside 8x)
+    ratio, index = headroom([(torch.float16, half), (torch.float32, single)], masks, factor=8.0)
+    assert index.item() == -1
+    ratio, index = headroom([(torch.float16, half), (torch.float32, single)], masks, factor=100.0)
+    assert index.item() == 3  # laid end to end: the float32 buffer's first row
+    inf_row = torch.tensor([[-math.inf, 1.0]], dtype=torch.float16)
+    _, index = headroom([(torch.float16, inf_row)], [torch.zeros(1, dtype=torch.bool)], factor=8.0)
+    assert index.item() == -1  # non-finite outputs are the NaN guard's
+
+
+def test_global_norm_is_the_l2_norm_over_groups_and_propagates_nan():
+    a, b = torch.randn(5, 3), torch.randn(7, dtype=torch.float64)
+    expected = torch.cat([a.flatten(), b.float()]).norm()
+    assert global_norm([[a], [b]], torch.device("cpu")).item() == pytest.approx(expected.item(), rel=1e-5)
+    b[0] = math.nan
+    assert math.isnan(global_norm([[a], [b]], torch.device("cpu")).item())
