@@ -28,7 +28,8 @@ from lightning_numguard.errors import NumGuardError
 __all__ = [
     "TorchDispatchMode", "callbacks_of_trainer_being_built", "caller_frame", "calling_owner", "clear_found_inf",
     "dtensor_local", "first_frame", "foreach_copy_", "foreach_nonfinite_", "foreach_norm_f32",
-    "lightning_will_stop", "logger_metric_dicts", "logs_due", "metric_counters", "metric_state", "nn_bindings",
+    "lightning_will_stop", "logger_metric_dicts", "logging_step", "logs_due", "metric_counters", "metric_state",
+    "nn_bindings",
     "require_accumulation_api", "result_metric_state", "scaler_tensors", "set_found_inf", "set_metric_counters",
     "set_result_metric_state", "should_accumulate", "step_honours_found_inf", "sync_scheduler_last_lr",
     "to_target_device", "train_results",
@@ -82,6 +83,15 @@ def lightning_will_stop(trainer: Any) -> bool:
 def logs_due(trainer: Any) -> bool:
     """Whether Lightning writes its step metrics at this batch's end (``LearningRateMonitor``'s private test)."""
     return bool(trainer._logger_connector.should_update_logs)
+
+
+def logging_step(trainer: Any) -> int:
+    """The step number Lightning writes its own metrics at now (``fit_loop.epoch_loop._batches_that_stepped``,
+    which ``LearningRateMonitor`` and Lightning's logger connector use; it counts batches, not optimizer steps).
+    Missing: ``global_step`` (the same number with one optimizer)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return int(step) if isinstance(step, int) else int(trainer.global_step)
 
 
 def callbacks_of_trainer_being_built() -> list[Any] | None:

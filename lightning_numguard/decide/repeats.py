@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytorch_lightning as pl
-
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.state.outcome import Restore
 
 __all__ = ["Repeats", "Restores", "learning_rate", "put_schedule", "schedule"]
@@ -28,7 +27,7 @@ class Restores:
         self.skipped: set[int] = set()  # steps whose update was not made (since the last restore)
         self.repeats = Repeats()  # the rollbacks per (snapshot, trouble): a repeat keeps the LR schedule's place
 
-    def before(self, trainer: pl.Trainer, rec: Any, snapshot: Any, new: bool) -> Restore | None:
+    def before(self, loop: Loop, rec: Any, snapshot: Any, new: bool) -> Restore | None:
         """A restore of ``rec``'s step to ``snapshot`` (``None`` when there is none): the updates it discards, the
         steps since the snapshot or the last restore whose update was made. A ``new`` rollback landing on a snapshot
         already restored for the same trouble is a repeat (its details in the returned :class:`Restore`)."""
@@ -36,13 +35,13 @@ class Restores:
             return None
         start = max(snapshot.step, self.restored_after + 1)
         lost = sum(1 for t in range(start, rec.step) if t not in self.skipped)
-        self.restored_after = max(trainer.global_step - 1, rec.step)
+        self.restored_after = max(loop.step - 1, rec.step)
         self.skipped = {t for t in self.skipped if t > self.restored_after}
         root = next((e for e in rec.events if e.get("root_cause", True)), rec.events[0] if rec.events else None)
         repeat = None
         if new and root is not None:
-            self.repeats.initial_lr = learning_rate(trainer, "initial_lr")
-            repeat = self.repeats.add(snapshot.step, root["kind"], rec.step, learning_rate(trainer))
+            self.repeats.initial_lr = learning_rate(loop, "initial_lr")
+            repeat = self.repeats.add(snapshot.step, root["kind"], rec.step, learning_rate(loop))
         return Restore(snapshot.step, lost, repeat)
 
 
@@ -88,22 +87,22 @@ class Repeats:
         return {"snapshot_step": snapshot_step, "times": len(earlier), "steps": [s for s, _ in earlier], "said": said}
 
 
-def learning_rate(trainer: pl.Trainer, key: str = "lr") -> float:
+def learning_rate(loop: Loop, key: str = "lr") -> float:
     """The largest learning rate (or ``key``: ``"initial_lr"``, a scheduler's base) of any parameter group."""
-    return max((float(g.get(key, 0.0)) for o in trainer.optimizers for g in o.param_groups), default=0.0)
+    return max((float(g.get(key, 0.0)) for o in loop.optimizers for g in o.param_groups), default=0.0)
 
 
-def schedule(trainer: pl.Trainer) -> tuple[list[dict[str, Any]], list[list[float]]]:
+def schedule(loop: Loop) -> tuple[list[dict[str, Any]], list[list[float]]]:
     """The LR schedulers' states and the live learning rates (host-side and tiny)."""
-    schedulers = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
-    return schedulers, [[g["lr"] for g in o.param_groups] for o in trainer.optimizers]
+    schedulers = [s.state_dict() for s in loop.schedulers]
+    return schedulers, [[g["lr"] for g in o.param_groups] for o in loop.optimizers]
 
 
-def put_schedule(trainer: pl.Trainer, kept: tuple[list[dict[str, Any]], list[list[float]]] | None) -> None:
+def put_schedule(loop: Loop, kept: tuple[list[dict[str, Any]], list[list[float]]] | None) -> None:
     if kept is None:
         return
-    for config, state in zip(trainer.lr_scheduler_configs, kept[0]):
-        config.scheduler.load_state_dict(state)
-    for opt, lrs in zip(trainer.optimizers, kept[1]):
+    for scheduler, state in zip(loop.schedulers, kept[0]):
+        scheduler.load_state_dict(state)
+    for opt, lrs in zip(loop.optimizers, kept[1]):
         for group, lr in zip(opt.param_groups, lrs):
             group["lr"] = lr

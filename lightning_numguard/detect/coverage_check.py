@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytorch_lightning as pl
-
 from lightning_numguard.detect.coverage import NO_GRAD_IN_FIRST_STEP, check_coverage, never_got_grad
 from lightning_numguard.diagnose.findings import Finding
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.errors import NumGuardError
 from lightning_numguard.reporting.hints import coverage_problem
 from lightning_numguard.reporting.ledger import Ledger
@@ -22,27 +21,27 @@ class CoverageCheck:
         self.mode = mode
         self.grads_checked = False
 
-    def at_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ledger: Ledger) -> None:
+    def at_fit_start(self, loop: Loop, ledger: Ledger) -> None:
         """Trainable parameters in no optimizer, frozen ones in one, parameters in two groups."""
         if self.mode == "off":
             return
-        problems = check_coverage(pl_module, trainer.optimizers).problems()
-        self._report(trainer, ledger, [_finding(code, names) for code, names in problems])
+        problems = check_coverage(loop.module, loop.optimizers).problems()
+        self._report(loop, ledger, [_finding(code, names) for code, names in problems])
 
-    def at_first_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, ledger: Ledger) -> None:
+    def at_first_step(self, loop: Loop, optimizer: Any, ledger: Ledger) -> None:
         """Once per fit, at the first optimizer step: trainable parameters that got no gradient."""
         if self.grads_checked or self.mode == "off":
             return
         self.grads_checked = True
-        missing = never_got_grad(pl_module, [p for g in optimizer.param_groups for p in g["params"]])
+        missing = never_got_grad(loop.module, [p for g in optimizer.param_groups for p in g["params"]])
         if missing:
-            self._report(trainer, ledger, [_finding(NO_GRAD_IN_FIRST_STEP, missing)])
+            self._report(loop, ledger, [_finding(NO_GRAD_IN_FIRST_STEP, missing)])
 
-    def _report(self, trainer: pl.Trainer, ledger: Ledger, findings: list[Finding]) -> None:
+    def _report(self, loop: Loop, ledger: Ledger, findings: list[Finding]) -> None:
         if not findings:
             return
-        events = [ledger.event(trainer, f, trainer.global_step, "none") for f in findings]
-        ledger.record(trainer, events)
+        events = [ledger.event(loop, f, loop.step, "none") for f in findings]
+        ledger.record(loop, events)
         if self.mode == "error":
             raise NumGuardError("NumGuard: " + " | ".join(e["message"] for e in events))
 

@@ -55,15 +55,33 @@ HOOKS: tuple[str, ...] = ("batch_start", "loss", "optimizer_step")
 @dataclass(frozen=True)
 class CheckStep:
     """What a check sees of the step it records or explains (``loss``, detached, from the ``"loss"`` hook on;
-    ``optimizer`` at the ``"optimizer_step"`` hook; ``None`` before)."""
+    ``optimizer`` at the ``"optimizer_step"`` hook; ``None`` before).
 
-    trainer: Any
-    pl_module: Any
+    ``loop`` is the guarded loop in torch terms (:class:`~lightning_numguard.engine.loop.Loop`): ``module`` is
+    its root module (the ``LightningModule`` under a ``Trainer``), ``trainer`` the ``Trainer`` when there is one.
+    """
+
+    loop: Any
     batch: Any
     batch_idx: int
     step: int
     loss: torch.Tensor | None = None
     optimizer: Any = None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The root module of the step (the ``LightningModule``, the model handed to Fabric or ``attach``)."""
+        return self.loop.module
+
+    @property
+    def trainer(self) -> Any:
+        """The Lightning ``Trainer`` running the step, or ``None`` (a Fabric or plain loop)."""
+        return getattr(self.loop, "trainer", None)
+
+    @property
+    def pl_module(self) -> torch.nn.Module:
+        """The root module (the ``LightningModule`` under a ``Trainer``): the same as :attr:`module`."""
+        return self.module
 
 
 class Check:

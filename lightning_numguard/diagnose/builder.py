@@ -15,7 +15,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 
 from lightning_numguard.decide.policy import is_amp_overflow
@@ -25,6 +24,7 @@ from lightning_numguard.detect.opguard import OpGuard
 from lightning_numguard.diagnose.findings import AFTER_FORWARD, Finding, mark_consequences, merge
 from lightning_numguard.diagnose.rerun import replay_batch
 from lightning_numguard.engine import group as _distributed
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.read import Reading, StepRead
 from lightning_numguard.engine.record import StepRecord, StepRecorder
 
@@ -59,8 +59,7 @@ class Diagnosis:
 
 
 def diagnose(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
+    loop: Loop,
     recorder: StepRecorder,
     reader: StepRead,
     view: StepView,
@@ -75,7 +74,7 @@ def diagnose(
     acts on nothing).
     """
     rec, seen = view.rec, view.reading.flags
-    rank, world = trainer.global_rank, trainer.world_size
+    rank, world = loop.rank, loop.world_size
     late = view.kept is not None
     watch_kept, op_records = view.kept if view.kept is not None else (None, _live_ops(recorder))
     grad_bad: list[str] = []
@@ -85,14 +84,14 @@ def diagnose(
         state_bad: list[str] = []
         state_rank = -1
         if exact_state:
-            named = reader.state(trainer, with_optimizer=True)
+            named = reader.state(loop, with_optimizer=True)
             bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
-            state_bad, state_rank = _distributed.first_rank(trainer, bad)
+            state_bad, state_rank = _distributed.first_rank(loop, bad)
     else:
-        state_bad, state_rank = reader.state_bad_where(trainer, view.reading)
-        grad_bad = _distributed.any_rank(trainer, reader.confirmed(trainer, view.reading, "grads"))
-        buffer_bad = _distributed.any_rank(trainer, reader.confirmed(trainer, view.reading, "live_buffers"))
-        has_scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+        state_bad, state_rank = reader.state_bad_where(loop, view.reading)
+        grad_bad = _distributed.any_rank(loop, reader.confirmed(loop, view.reading, "grads"))
+        buffer_bad = _distributed.any_rank(loop, reader.confirmed(loop, view.reading, "live_buffers"))
+        has_scaler = loop.scaler is not None
         amp_overflow = is_amp_overflow(
             grads_bad=bool(grad_bad), has_scaler=has_scaler, local_incident=seen.any_local(), state_bad=bool(state_bad)
         )
@@ -118,13 +117,13 @@ def diagnose(
         and rec.batch is not None
         and (seen.seen(flags.OUTPUT) or seen.seen(flags.OP) or seen.seen(flags.LOSS) or grad_bad)
     ):
-        result = _replay(trainer, pl_module, recorder, rec)
+        result = _replay(loop, recorder, rec)
     stage = result.get("stage")
     sites = result.pop("op_sites", {}) or {}
     if output is None and result.get("forward_module") and stage != "forward":
         output = Finding("nonfinite_output", [result["forward_module"]], {}, rank)
         found.append(output)
-    culprit = _culprit_finding(result, output, type(pl_module).__name__, rank) if stage == "forward" else None
+    culprit = _culprit_finding(result, output, type(loop.module).__name__, rank) if stage == "forward" else None
     if culprit is not None:  # the op that made the value, where it ran; the module that showed it received it
         if output is not None and output in found:
             found.insert(found.index(output), culprit)
@@ -180,7 +179,7 @@ def diagnose(
         for finding in found:
             finding.details["checked"] = checked
 
-    findings = merge(_distributed.gather(trainer, found))  # so that rank 0 can write every rank's findings
+    findings = merge(_distributed.gather(loop, found))  # so that rank 0 can write every rank's findings
     if late:
         findings = _placeholders(seen, findings, view.norms)
     mark_consequences(findings)
@@ -330,16 +329,14 @@ def _by_site(reader: StepRead, names: list[str]) -> list[tuple[str, list[str]]]:
     return [(site, groups[site]) for site in ("param", "buffer", "optimizer_state") if site in groups]
 
 
-def _replay(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, recorder: StepRecorder, rec: StepRecord
-) -> dict[str, Any]:
+def _replay(loop: Loop, recorder: StepRecorder, rec: StepRecord) -> dict[str, Any]:
     rng = rec.start_rng
     watch = recorder.watch
     watching = watch.enabled if watch is not None else False
     if watch is not None:
         watch.enabled = False
     try:
-        return replay_batch(trainer, pl_module, rec.batch, rec.batch_idx, rng)
+        return replay_batch(loop, rec.batch, rec.batch_idx, rng)
     finally:
         if watch is not None:
             watch.enabled = watching

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 
 from lightning_numguard.detect import flags
 from lightning_numguard.diagnose.builder import StepView
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.pending import PendingFlags, supports_device_skip
 from lightning_numguard.engine.pipeline import StepPipeline
 from lightning_numguard.engine.read import Reading
@@ -50,33 +50,33 @@ class Deferred(ReadSchedule):
         self.kept: dict[int, tuple[Any, list[Any], Any]] = {}
         self.carry: StepRecord | None = None  # a late decision, carried out at the end of the batch in flight
 
-    def at_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def at_train_start(self, loop: Loop) -> None:
         """Refuse what a device-side skip cannot serve; the fit-start state becomes the first verified snapshot."""
-        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        if loop.scaler is not None:
             raise NumGuardConfigError(
                 "`sync_mode='deferred'` cannot be used with fp16 AMP: the GradScaler owns `found_inf`; "
                 "use precision='bf16-mixed' or sync_mode='every_step'"
             )
-        if not pl_module.automatic_optimization or len(trainer.optimizers) != 1:
+        if not loop.automatic or len(loop.optimizers) != 1:
             raise NumGuardConfigError(
                 "`sync_mode='deferred'` needs automatic optimization with one optimizer; use sync_mode='every_step'"
             )
-        optimizer = trainer.optimizers[0]
+        optimizer = loop.optimizers[0]
         if self.pipeline.settings.acting and not supports_device_skip(optimizer):
             raise NumGuardConfigError(
                 f"`sync_mode='deferred'` skips a bad step on the device through `found_inf`, which "
                 f"{type(optimizer).__name__} ignores unless it is fused: create it with `fused=True` "
                 f"(e.g. torch.optim.AdamW(params, fused=True)), or use sync_mode='every_step'"
             )
-        self.pipeline.recovery.start_late(trainer, pl_module, self.pipeline.reader.start_buffer_map)
+        self.pipeline.recovery.start_late(loop, self.pipeline.reader.start_buffer_map)
 
-    def at_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def at_optimizer_step(self, loop: Loop, optimizer: Any) -> None:
         """Pack and reduce the flags, arm the device skip, push the flags, judge the previous step's."""
         p = self.pipeline
         rec = p.recorder.record
         assert rec is not None
-        due = p.due(trainer.global_step)
-        packed = p.reader.pack(trainer, pl_module, optimizer, due)
+        due = p.due(loop.step)
+        packed = p.reader.pack(loop, optimizer, due)
         n = p.reader.extras_at
         if p.settings.acting:
             bad = packed.narrow(0, 0, p.reader.acting_flags).any()  # an advisory check's flag comes after these
@@ -84,31 +84,29 @@ class Deferred(ReadSchedule):
                 bad = bad | p.spike.device_flag(packed[n:])
             if rec.skip_forced:
                 bad = torch.ones((), dtype=torch.bool, device=packed.device)
-            p.recovery.skip_on_device(trainer, rec.step, optimizer, bad)
+            p.recovery.skip_on_device(loop, rec.step, optimizer, bad)
         self.records[rec.step] = rec
         self.kept[rec.step] = (*p.recorder.keep(), p.reader.norm_parts)
         late = self.pending.push(packed, rec.step)
-        restored = late is not None and self._late(trainer, pl_module, *late, optimizer=optimizer)
+        restored = late is not None and self._late(loop, *late, optimizer=optimizer)
         if due and not restored:  # the state at this step's start, verified when this step's flags read clean
-            p.snapshots.add_candidate(trainer, pl_module, rec)
+            p.snapshots.add_candidate(loop, rec)
 
-    def after_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def after_step(self, loop: Loop) -> None:
         """Batch end: remove ``found_inf``; carry out a late decision taken during this batch."""
         self.pipeline.recovery.disarm()
         carry, self.carry = self.carry, None
         if carry is not None:
-            self.pipeline.finish(trainer, pl_module, carry, late=True)
+            self.pipeline.finish(loop, carry, late=True)
 
-    def at_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def at_train_end(self, loop: Loop) -> None:
         """Read what is still pending (the last step's flags): one read per fit."""
         late = self.pending.pop()
         if late is not None:
-            self._late(trainer, pl_module, *late, optimizer=None)
-        self.after_step(trainer, pl_module)
+            self._late(loop, *late, optimizer=None)
+        self.after_step(loop)
 
-    def _late(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, values: list[float], optimizer: Any
-    ) -> bool:
+    def _late(self, loop: Loop, step: int, values: list[float], optimizer: Any) -> bool:
         """Step ``step``'s flags, read one step late, through the pipeline. Returns whether a restore is due."""
         rec = self.records.pop(step, None)
         kept = self.kept.pop(step, (None, [], None))
@@ -119,15 +117,15 @@ class Deferred(ReadSchedule):
             return False
         p = self.pipeline
         n = p.reader.extras_at
-        reading = Reading(flags.decode(values[:n], trainer.world_size), {}, values[n:])
+        reading = Reading(flags.decode(values[:n], loop.world_size), {}, values[n:])
         forced = rec.skip_forced or reading.flags.seen(flags.QUARANTINE)
-        decision = p.judge(trainer, pl_module, StepView(rec, reading, kept[:2], norms=kept[2]), due=False)
-        p.recovery.at_late_read(trainer, step, decision, forced)
+        decision = p.judge(loop, StepView(rec, reading, kept[:2], norms=kept[2]), due=False)
+        p.recovery.at_late_read(loop, step, decision, forced)
         if decision.restore and optimizer is not None:  # the step in flight started from the state to replace
-            p.recovery.skip_in_flight(optimizer, pl_module.device)
+            p.recovery.skip_in_flight(optimizer, loop.device)
             p.recorder.force_skip("it started from the state a late rollback replaced")
         if decision.action != "none" or rec.events:
             self.carry = rec
         if optimizer is None:  # the end of the fit: carried out now
-            self.after_step(trainer, pl_module)
+            self.after_step(loop)
         return decision.restore

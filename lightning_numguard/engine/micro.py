@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
 
 from lightning_numguard.detect.checks import as_f32
 from lightning_numguard.engine import group as _distributed
+from lightning_numguard.engine.loop import Loop
 
 if TYPE_CHECKING:
     from lightning_numguard.detect.watch import OutputWatch
@@ -49,7 +49,7 @@ def merged_flag(old: torch.Tensor | None, flag: torch.Tensor) -> torch.Tensor:
     return flag if old is None else torch.maximum(old, flag.to(old.device))
 
 
-def first_bad(trainer: pl.Trainer | None, rec: StepRecord, watch: OutputWatch | None) -> int:
+def first_bad(loop: Loop | None, rec: StepRecord, watch: OutputWatch | None) -> int:
     """Index in ``rec.micro`` of the first micro-batch whose input, loss or watched output is non-finite.
 
     ``0`` when none of them says (a bad gradient or state). Across ranks, the first bad index of any rank, so
@@ -67,6 +67,6 @@ def first_bad(trainer: pl.Trainer | None, rec: StepRecord, watch: OutputWatch | 
     finite = torch.isfinite(torch.stack(totals)).tolist()
     n = len(rec.micro)
     first = next((i for i, ok in enumerate(finite) if not ok), n)
-    if trainer is not None and trainer.world_size > 1:
-        first = -int(_distributed.reduce_max(trainer, torch.tensor([-first], device=trainer.strategy.root_device))[0])
+    if loop is not None and loop.world_size > 1:
+        first = -int(_distributed.reduce_max(loop, torch.tensor([-first], device=loop.root_device))[0])
     return first if first < n else 0

@@ -17,10 +17,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
-from pytorch_lightning.utilities import rank_zero_info
-
-from lightning_numguard import _compat
 from lightning_numguard.decide import policy
 from lightning_numguard.decide.judge import Budget, Decision, Facts, judge
 from lightning_numguard.detect import flags, registry
@@ -29,6 +25,7 @@ from lightning_numguard.detect.registry import Check
 from lightning_numguard.detect.spike_guard import SpikeGuard
 from lightning_numguard.diagnose.builder import StepView, diagnose
 from lightning_numguard.diagnose.findings import Finding
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.read import StepRead
 from lightning_numguard.engine.record import StepRecord, StepRecorder
 from lightning_numguard.errors import NonFiniteError
@@ -131,37 +128,37 @@ class StepPipeline:
         s = self.settings
         return policy.snapshot_due(s.action, step, self.snapshots.last_step, s.snapshot_every_n_steps)
 
-    def read(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def read(self, loop: Loop, optimizer: Any) -> None:
         """Read at the step: the one host read, the judgement, and what must happen before the optimizer step."""
         rec = self.recorder.record
         assert rec is not None
-        due = self.due(trainer.global_step)
-        reading = self.reader.read(trainer, pl_module, optimizer, due)
-        decision = self.judge(trainer, pl_module, StepView(rec, reading), due)
-        self.recovery.at_read(trainer, pl_module, rec, decision, optimizer)
+        due = self.due(loop.step)
+        reading = self.reader.read(loop, optimizer, due)
+        decision = self.judge(loop, StepView(rec, reading), due)
+        self.recovery.at_read(loop, rec, decision, optimizer)
         self.snapshots.settle()
 
-    def judge(self, trainer: pl.Trainer, pl_module: pl.LightningModule, view: StepView, due: bool) -> Decision:
+    def judge(self, loop: Loop, view: StepView, due: bool) -> Decision:
         """Name the culprits of a read, judge it, move the counters; the recorder settles the decision and events."""
         rec, seen, late = view.rec, view.reading.flags, view.kept is not None
         s = self.settings
-        spikes, advisory = self._spikes(trainer, rec, view.reading.extras)
+        spikes, advisory = self._spikes(loop, rec, view.reading.extras)
         if seen.seen(flags.QUARANTINE):
             self.recorder.force_skip("it holds samples quarantined after they failed before", rec)
         findings: list[Finding] = []
         events: list[dict[str, Any]] = []
         if rec.skip_forced:  # a batch known to be bad: skipped without an incident
-            state_bad = seen.seen(flags.NORMS) if late else bool(self.reader.state_bad(trainer, view.reading))
+            state_bad = seen.seen(flags.NORMS) if late else bool(self.reader.state_bad(loop, view.reading))
             facts = Facts(forced_skip=True, state_bad=state_bad, late=late)
             log.info("numguard skipped batch %s at step %s: %s", rec.batch_idx, rec.step, rec.forced_skip)
         elif seen.any:
             if not late:
-                self.recorder.point_to_bad_micro_batch(trainer)  # under accumulation: the micro-batch that went bad
-            found = diagnose(trainer, pl_module, self.recorder, self.reader, view, s.replay and s.acting, s.acting)
+                self.recorder.point_to_bad_micro_batch(loop)  # under accumulation: the micro-batch that went bad
+            found = diagnose(loop, self.recorder, self.reader, view, s.replay and s.acting, s.acting)
             if found.amp_overflow:
-                advisory += self._loss_scale(trainer)
+                advisory += self._loss_scale(loop)
             findings, declared = self.conventions.sort(found.findings)  # a field flagged step after step: not a fault
-            events = self._conventions_declared(trainer, declared, rec)
+            events = self._conventions_declared(loop, declared, rec)
             incident = [f for f in findings if not registry.is_advisory(f.kind)]
             failures = self.recovery.quarantine.count_failure(position_key(rec.batch, rec.batch_idx)) if incident else 0
             facts = Facts(
@@ -192,39 +189,37 @@ class StepPipeline:
         decision = judge(s.action, facts, budget, quarantine=s.quarantine, retry=s.retry_transient)
         for f in findings:
             if late and not registry.is_advisory(f.kind):
-                f.details.update({"deferred": True, "read_at_step": trainer.global_step})
+                f.details.update({"deferred": True, "read_at_step": loop.step})
             taken = "none" if registry.is_advisory(f.kind) else decision.action  # an advisory finding is not acted on
-            events.append(self.ledger.event(trainer, f, rec.step, taken, rec.epoch, rec.batch_idx))
+            events.append(self.ledger.event(loop, f, rec.step, taken, rec.epoch, rec.batch_idx))
         self.recorder.settle(rec, decision, events)
         self.ledger.count(decision.counts)
         if late and decision.action != "none":
-            log.info("numguard (deferred) step %s, read at step %s: %s", rec.step, trainer.global_step, decision.action)
+            log.info("numguard (deferred) step %s, read at step %s: %s", rec.step, loop.step, decision.action)
         return decision
 
-    def finish(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, late: bool = False
-    ) -> Outcome | None:
+    def finish(self, loop: Loop, rec: StepRecord, late: bool = False) -> Outcome | None:
         """Batch end: carry out the step's decision and record its events with what was done (counted first: the
         ``last_finite.ckpt`` of a rollback or halt counts its incident). Returns the outcome (``None``: clean)."""
         decision = rec.decision
         if decision is None or (decision.action == "none" and not rec.events):  # a clean step: nothing left to do
             return None
         if decision.action == "halt":
-            self.ledger.record(trainer, rec.events)
+            self.ledger.record(loop, rec.events)
         else:  # counted first: the last_finite.ckpt a rollback writes holds the fit's counters, this step's included
             self.ledger.count_events(rec.events)
-        outcome = self.recovery.carry_out(trainer, pl_module, rec, late)
+        outcome = self.recovery.carry_out(loop, rec, late)
         if decision.action == "halt":  # written before: the fit's record of them says what was done
             self.ledger.complete(rec.events, outcome)
         else:
-            self.ledger.record(trainer, rec.events, counted=True, outcome=outcome)
+            self.ledger.record(loop, rec.events, counted=True, outcome=outcome)
         ckpt = self.recovery.ckpt_path
-        self.ledger.log_action(trainer, rec, outcome.snapshot_step, ckpt, outcome.steps_lost)
-        if decision.action == "halt" and (self.settings.halt_raises or not _compat.lightning_will_stop(trainer)):
-            raise NonFiniteError(self._halt_message(rec))
+        self.ledger.log_action(loop, rec, outcome.snapshot_step, ckpt, outcome.steps_lost)
+        if decision.action == "halt" and (self.settings.halt_raises or not loop.will_stop()):
+            raise NonFiniteError(self._halt_message(loop, rec))
         return outcome
 
-    def _halt_message(self, rec: StepRecord) -> str:
+    def _halt_message(self, loop: Loop, rec: StepRecord) -> str:
         """What a halt raises: why, where the last finite state is, and how to resume from it."""
         ckpt = self.recovery.ckpt_path
         why = next((e["message"] for e in rec.events if e["action"] == "halt"), "non-finite values").rstrip(".")
@@ -234,50 +229,47 @@ class StepPipeline:
             text += f" (escalated from {decision.configured!r}: {decision.escalation})"
         if ckpt is None:
             return text + ". The last finite state was restored in memory (no file is written in this run)."
-        return (
-            text + f". The last finite state is in {ckpt}: fix the cause, then resume with "
-            f"trainer.fit(model, ckpt_path={str(ckpt)!r})."
-        )
+        return text + f". The last finite state is in {ckpt}: fix the cause, then resume with {loop.resume_hint(ckpt)}."
 
     # ------------------------------------------------------------------ once per fit or per checkpoint
 
-    def announce_spikes(self, trainer: pl.Trainer) -> None:
-        """Fit start, with ``spike_action`` set: one line (Lightning's INFO, where its own fit-start lines go) saying
+    def announce_spikes(self, loop: Loop) -> None:
+        """Fit start, with ``spike_action`` set: one line (the loop's INFO, where its own fit-start lines go) saying
         when spike detection arms, and a warning when the fit ends before it can."""
-        line, warning = self.spike.arming(trainer.max_steps, trainer.global_step)
+        line, warning = self.spike.arming(loop.max_steps, loop.step)
         if line is not None:
-            rank_zero_info(line)
+            loop.info(line)
         if warning is not None:
-            self.reporter.say_once(trainer, "spike warm-up", warning)
+            self.reporter.say_once(loop, "spike warm-up", warning)
 
-    def halt_at_fit_start(self, trainer: pl.Trainer, bad: list[str]) -> None:
+    def halt_at_fit_start(self, loop: Loop, bad: list[str]) -> None:
         """The weights are non-finite before the first step: recorded, and (unless ``"warn"``) refused."""
         finding = Finding("nonfinite_param", bad, {"when": "fit start"})
-        self.ledger.record(trainer, [self.ledger.event(trainer, finding, 0, "none")])
+        self.ledger.record(loop, [self.ledger.event(loop, finding, 0, "none")])
         if self.settings.acting:
             raise NonFiniteError(
                 f"NumGuard: the weights or optimizer state are already non-finite at fit start ({bad[:3]}); "
                 "there is no finite state to protect. Resume from an earlier checkpoint."
             )
 
-    def at_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def at_train_end(self, loop: Loop) -> None:
         """The last step's update has not been checked yet: check it once, repair it (from the snapshot)."""
-        end = self.recovery.at_train_end(trainer, pl_module, self.reader, not self.settings.acting)
+        end = self.recovery.at_train_end(loop, self.reader, not self.settings.acting)
         if end is not None:
             bad, action, details = end
             self.ledger.count({"rollbacks": int(action == "rollback")})  # the repair restored from the snapshot
             finding = Finding("nonfinite_param", bad, details, self.recovery.bad_rank)
-            self.ledger.record(trainer, [self.ledger.event(trainer, finding, trainer.global_step, action)])
+            self.ledger.record(loop, [self.ledger.event(loop, finding, loop.step, action)])
 
-    def swap_checkpoint(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    def swap_checkpoint(self, loop: Loop, checkpoint: dict[str, Any]) -> None:
         """No checkpoint written during the run holds non-finite weights.
 
         Runs for every checkpoint any callback saves (``ModelCheckpoint``, ``OnExceptionCheckpoint``,
-        ``trainer.save_checkpoint``), on every rank. A weight or optimizer state that went non-finite in the
+        a loop's own save), on every rank. A weight or optimizer state that went non-finite in the
         optimizer step itself is only seen at the next step's read; if a checkpoint is written in between, its
         model and optimizer states are replaced by the last verified-finite snapshot.
         """
-        if not self.recovery.swap_checkpoint(trainer, checkpoint, self.reader.unchecked_buffers):
+        if not self.recovery.swap_checkpoint(loop, checkpoint, self.reader.unchecked_buffers):
             return
         assert self.snapshots.snapshot is not None
         details = {
@@ -291,29 +283,27 @@ class StepPipeline:
             "nonfinite_param", ["checkpoint"], details, self.recovery.bad_rank, root_cause=False,
             consequence_of="nonfinite_param",
         )  # fmt: skip
-        self.ledger.record(trainer, [self.ledger.event(trainer, finding, trainer.global_step, "none")])
+        self.ledger.record(loop, [self.ledger.event(loop, finding, loop.step, "none")])
 
     # ------------------------------------------------------------------ parts
 
-    def _spikes(self, trainer: pl.Trainer, rec: StepRecord, extras: list[float]) -> tuple[list[Finding], list[Finding]]:
+    def _spikes(self, loop: Loop, rec: StepRecord, extras: list[float]) -> tuple[list[Finding], list[Finding]]:
         """The step's spikes and overflow risks (advisory) from the read's extras, both judged by the caller."""
         if not extras:
             return [], []
-        return self.spike.findings(extras, rec.step, self.recorder.watch, trainer.world_size)
+        return self.spike.findings(extras, rec.step, self.recorder.watch, loop.world_size)
 
-    def _loss_scale(self, trainer: pl.Trainer) -> list[Finding]:
+    def _loss_scale(self, loop: Loop) -> list[Finding]:
         """The GradScaler's own overflow: a collapsing loss scale is reported like a block near its dtype's limit."""
-        collapsed = self.amp.after_overflow(trainer)
+        collapsed = self.amp.after_overflow(loop)
         risk = self.spike.loss_scale_finding(collapsed) if collapsed is not None else None
         return [risk] if risk is not None else []
 
-    def _conventions_declared(
-        self, trainer: pl.Trainer, declared: list[Finding], rec: StepRecord
-    ) -> list[dict[str, Any]]:
+    def _conventions_declared(self, loop: Loop, declared: list[Finding], rec: StepRecord) -> list[dict[str, Any]]:
         """The events (action ``"none"``) of batch fields declared conventions at this step, each said once."""
-        events = [self.ledger.event(trainer, f, rec.step, "none", rec.epoch, rec.batch_idx) for f in declared]
+        events = [self.ledger.event(loop, f, rec.step, "none", rec.epoch, rec.batch_idx) for f in declared]
         for event in events:
-            self.reporter.say_once(trainer, f"convention {event['where']}", event["message"])
+            self.reporter.say_once(loop, f"convention {event['where']}", event["message"])
         return events
 
 

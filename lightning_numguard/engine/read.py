@@ -14,13 +14,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import pytorch_lightning as pl
 import torch
 
 from lightning_numguard.detect import checks, flags, spike
 from lightning_numguard.detect import extra as _extra
 from lightning_numguard.dtensor import local
 from lightning_numguard.engine import group as _distributed
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.record import Named, StepRecorder
 
 __all__ = ["Reading", "StepRead"]
@@ -96,15 +96,15 @@ class StepRead:
 
     # ------------------------------------------------------------------ per fit
 
-    def resolve(self, pl_module: pl.LightningModule, stateful: dict[str, Any]) -> None:
+    def resolve(self, module: torch.nn.Module, stateful: dict[str, Any]) -> None:
         """Resolve names once per fit: the hot path must not walk the module tree every step."""
-        self.named_params = list(pl_module.named_parameters())
+        self.named_params = list(module.named_parameters())
         self.param_names = {id(p): n for n, p in self.named_params}
         self._opt_params = {}
         self._segment_plans = {}
         self._opt_state = None
-        persistent = set(pl_module.state_dict())
-        self._named_buffers = [(n, b) for n, b in pl_module.named_buffers() if n in persistent]
+        persistent = set(module.state_dict())
+        self._named_buffers = [(n, b) for n, b in module.named_buffers() if n in persistent]
         copies = [b.detach().clone() for _, b in self._named_buffers]
         by_name = {n: c for (n, _), c in zip(self._named_buffers, copies)}
         self.recorder.copy_starts((copies, [b for _, b in self._named_buffers], by_name), stateful)
@@ -131,11 +131,11 @@ class StepRead:
 
     # ------------------------------------------------------------------ the read
 
-    def read(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool) -> Reading:
+    def read(self, loop: Loop, optimizer: Any, snapshot_due: bool) -> Reading:
         """Pack every flag of the step, all-reduce once, read once (the step's one host sync)."""
-        self.recorder.mark_read(trainer.global_step, seen=True)
-        world = trainer.world_size
-        slots, segments, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due, raw=world == 1)
+        self.recorder.mark_read(loop.step, seen=True)
+        world = loop.world_size
+        slots, segments, extras = self.slot_values(loop, optimizer, snapshot_due, raw=world == 1)
         n = self.extras_at
         if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
             vector = flags.stack_raw(list(slots.values()), extras or ())  # the spike statistics in the same stack
@@ -145,33 +145,29 @@ class StepRead:
             built_in = flags.decode_raw(values[: len(flags.SLOTS)], self.max_abs_input)
             seen = flags.StepFlags(built_in.ranks + _extra.seen_raw(self.extra, values[len(flags.SLOTS) : n]))
             return Reading(seen, segments, values[n:])
-        values = self.reduce(trainer, slots, extras).tolist()  # the one host read of the step
+        values = self.reduce(loop, slots, extras).tolist()  # the one host read of the step
         return Reading(flags.decode(values[:n], world), segments, values[n:])
 
-    def pack(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool
-    ) -> torch.Tensor:
+    def pack(self, loop: Loop, optimizer: Any, snapshot_due: bool) -> torch.Tensor:
         """The step's reduced flag vector on the device, without its host read (``sync_mode="deferred"``), followed
         by the spike statistics' raw values when the step carries them (the same all-reduce)."""
-        self.recorder.mark_read(trainer.global_step)
-        slots, _, extras = self.slot_values(trainer, pl_module, optimizer, snapshot_due)
-        return self.reduce(trainer, slots, extras)
+        self.recorder.mark_read(loop.step)
+        slots, _, extras = self.slot_values(loop, optimizer, snapshot_due)
+        return self.reduce(loop, slots, extras)
 
-    def reduce(
-        self, trainer: pl.Trainer, slots: dict[str, torch.Tensor], extras: list[torch.Tensor] | None
-    ) -> torch.Tensor:
+    def reduce(self, loop: Loop, slots: dict[str, torch.Tensor], extras: list[torch.Tensor] | None) -> torch.Tensor:
         """The rank-encoded flag vector with the spike statistics' 0-d raw values (``extras``) after it, all-reduced
         (``MAX``) across ranks in one call, on the device; the statistics' reduced values go to the spike guard."""
         n = self.extras_at
         packed = flags.pack_slots(list(slots.values()), extras or ())  # the extras in the one stack, not rank-encoded
-        packed = flags.encode_rank(packed, trainer.global_rank, trainer.world_size, width=n)
-        reduced = _distributed.reduce_max(trainer, packed)
+        packed = flags.encode_rank(packed, loop.rank, loop.world_size, width=n)
+        reduced = _distributed.reduce_max(loop, packed)
         if extras is not None:
             self.spike.take_reduced(reduced[n:])
         return reduced
 
     def slot_values(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, snapshot_due: bool, raw: bool = False
+        self, loop: Loop, optimizer: Any, snapshot_due: bool, raw: bool = False
     ) -> tuple[dict[str, torch.Tensor], dict[str, Named], list[torch.Tensor] | None]:
         """The step's 0-d slot values on the device, in :data:`~lightning_numguard.detect.flags.SLOTS` order, named as
         :func:`~lightning_numguard.detect.flags.pack`'s arguments, and the named tensors of its ``NORMS`` slot; no sync.
@@ -183,7 +179,7 @@ class StepRead:
         """
         rec = self.recorder.record
         assert rec is not None
-        device = pl_module.device
+        device = loop.device
         # Everything state- and gradient-checked goes into one slot (see norm_total).
         segments: dict[str, Named] = {}
         every_buffer = "buffers" in self.check or "params" in self.check
@@ -193,7 +189,7 @@ class StepRead:
             "opt_state": "optimizer_state" in self.check or snapshot_due,
         }
         for name, on in wanted.items():
-            if on and (named := self.segment(name, trainer)):
+            if on and (named := self.segment(name, loop)):
                 segments[name] = named
         if "grads" in self.check and optimizer is not None:
             segments["grads"] = self.grads(optimizer)
@@ -233,7 +229,7 @@ class StepRead:
         if self.spike is not None and self.spike.enabled and not rec.spike_read:
             self.recorder.mark_spike_read()  # the step's first read only (a further optimizer: its gradients alone)
             loss = loss_total if losses else None
-            rank, world = trainer.global_rank, trainer.world_size
+            rank, world = loop.rank, loop.world_size
             extras = self.spike.extras(loss, self.grad_norm, watch, device, rank, world)
         return slots, segments, extras
 
@@ -286,26 +282,26 @@ class StepRead:
 
     # ------------------------------------------------------------------ exact, after a hit
 
-    def confirmed(self, trainer: pl.Trainer, reading: Reading, segment: str) -> list[str]:
+    def confirmed(self, loop: Loop, reading: Reading, segment: str) -> list[str]:
         """The names in ``segment`` that are exactly non-finite (syncs; after a hit only)."""
         if segment in reading.segments:
             named = reading.segments[segment]
             if not reading.flags.seen(flags.NORMS):  # part of the step's flag, which proved it finite
                 return []
         else:  # not checked every step: after a hit, look at it exactly (the root cause may be there)
-            named = self.segment(segment, trainer)
+            named = self.segment(segment, loop)
         if not named:
             return []
         return [n for (n, _), bad in zip(named, checks.confirm_nonfinite([t for _, t in named])) if bad]
 
-    def state_bad(self, trainer: pl.Trainer, reading: Reading) -> list[str]:
+    def state_bad(self, loop: Loop, reading: Reading) -> list[str]:
         """Parameters, buffers at the step start and optimizer state that are non-finite on any rank."""
-        return self.state_bad_where(trainer, reading)[0]
+        return self.state_bad_where(loop, reading)[0]
 
-    def state_bad_where(self, trainer: pl.Trainer, reading: Reading) -> tuple[list[str], int]:
+    def state_bad_where(self, loop: Loop, reading: Reading) -> tuple[list[str], int]:
         """:meth:`state_bad`, and the lowest rank where that state was non-finite (``-1`` when none)."""
-        names = [n for s in ("params", "start_buffers", "opt_state") for n in self.confirmed(trainer, reading, s)]
-        return _distributed.first_rank(trainer, names)
+        names = [n for s in ("params", "start_buffers", "opt_state") for n in self.confirmed(loop, reading, s)]
+        return _distributed.first_rank(loop, names)
 
     # ------------------------------------------------------------------ named tensors
 
@@ -340,12 +336,12 @@ class StepRead:
         self._grads_plan, self._grads = plan, cast("list[torch.Tensor]", grads)  # the usual step: the plan applies
         return list(zip(labels, self._grads))
 
-    def segment(self, segment: str, trainer: pl.Trainer) -> Named:
+    def segment(self, segment: str, loop: Loop) -> Named:
         """The named tensors of one state segment, for the step's flag or for an exact look after a hit."""
         if segment == "params":
             return self.named_params
         if segment == "opt_state":
-            return self.optimizer_state(trainer)
+            return self.optimizer_state(loop)
         rec = self.recorder.record
         if segment == "start_buffers" and rec is not None and rec.start_buffers is not None:
             return self._start_checked  # the start-of-step copies live in storage reused every step
@@ -353,12 +349,12 @@ class StepRead:
             return self.checked_buffers
         return []
 
-    def state(self, trainer: pl.Trainer, with_optimizer: bool) -> Named:
+    def state(self, loop: Loop, with_optimizer: bool) -> Named:
         """Parameters and checked buffers (and optimizer state), with names, for a whole-state check."""
         named = list(self.named_params) + [(n, b) for n, b in self._named_buffers if n not in self.unchecked_buffers]
-        return named + (self.optimizer_state(trainer) if with_optimizer else [])
+        return named + (self.optimizer_state(loop) if with_optimizer else [])
 
-    def optimizer_state(self, trainer: pl.Trainer) -> Named:
+    def optimizer_state(self, loop: Loop) -> Named:
         """Every optimizer's floating state tensors, named ``optimizer[i].state[<param>].<key>``.
 
         The named list is kept while every state tensor is the same object (optimizers update their state in
@@ -367,7 +363,7 @@ class StepRead:
         """
         live = [
             value
-            for opt in trainer.optimizers
+            for opt in loop.optimizers
             for state in opt.state.values()
             for value in state.values()
             if isinstance(value, torch.Tensor)
@@ -376,7 +372,7 @@ class StepRead:
         if cached is not None and len(cached[0]) == len(live) and all(a is b for a, b in zip(cached[0], live)):
             return cached[1]
         out: Named = []
-        for i, opt in enumerate(trainer.optimizers):
+        for i, opt in enumerate(loop.optimizers):
             for param, state in opt.state.items():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and checks.is_checkable(value):

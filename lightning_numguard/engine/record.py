@@ -22,7 +22,6 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
 
 from lightning_numguard import _compat
@@ -33,6 +32,7 @@ from lightning_numguard.detect.registry import Check, CheckStep
 from lightning_numguard.detect.watch import OutputWatch
 from lightning_numguard.dtensor import local
 from lightning_numguard.engine import micro as _micro
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.state.snapshot import rng_state
 from lightning_numguard.state.stateful import clone_states
 from lightning_numguard.tree import floating_leaves
@@ -135,7 +135,7 @@ class StepRecorder:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def attach(self, pl_module: pl.LightningModule) -> None:
+    def attach(self, module: torch.nn.Module) -> None:
         """Create the op guard and register the output hooks (before any ``torch.compile`` runs)."""
         if "ops" in self.check:
             self.opguard = OpGuard(check_cpu_calls=False)  # CPU kernels check their own inputs: see OpGuard
@@ -143,9 +143,9 @@ class StepRecorder:
             self.opguard.module_resolver = self._calling_module
             self.opguard.hold()  # the functions stay wrapped for the fit: a step only pushes the guard
         if "outputs" in self.check:
-            self.watch = OutputWatch(pl_module, self.watch_modules, self.ignore_modules, self.watch_depth)
+            self.watch = OutputWatch(module, self.watch_modules, self.ignore_modules, self.watch_depth)
             self.watch.attach()
-        self._module_names = {id(m): n for n, m in pl_module.named_modules()}
+        self._module_names = {id(m): n for n, m in module.named_modules()}
 
     def detach(self) -> None:
         """Leave the op guard's mode and remove every hook (idempotent)."""
@@ -167,8 +167,7 @@ class StepRecorder:
 
     def begin(
         self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
+        loop: Loop,
         batch: Any,
         batch_idx: int,
         keep_start: bool,
@@ -177,7 +176,7 @@ class StepRecorder:
         """Start (or continue, within an accumulation window) the step record of ``batch``."""
         rec = self.record
         if rec is None:
-            rec = self.record = StepRecord(epoch=trainer.current_epoch, batch_idx=batch_idx, batch=batch)
+            rec = self.record = StepRecord(epoch=loop.epoch, batch_idx=batch_idx, batch=batch)
             if self.watch is not None:  # forget outputs recorded between steps (a retry after a rollback)
                 self.watch.reset()
             if keep_start:
@@ -195,7 +194,7 @@ class StepRecorder:
             micro.rng = _micro.micro_rng(rec.start_rng) if rec.micro else rec.start_rng
         rec.micro.append(micro)
         if self.extra_checks:
-            rec.check_step = CheckStep(trainer, pl_module, batch, batch_idx, trainer.global_step)
+            rec.check_step = CheckStep(loop, batch, batch_idx, loop.step)
             rec.checks = _extra.record(self.extra_checks, "batch_start", rec.check_step, rec.checks)
         if "inputs" in self.check:
             leaves = floating_leaves(batch)
@@ -203,7 +202,7 @@ class StepRecorder:
                 leaves = [(p, t) for p, t in leaves if p not in self.ignored_inputs]
             if leaves:
                 # non-finite exactly when an input is (a mask is a finite extreme): both input checks read it
-                unmasked = checks.unmasked_input_max([t for _, t in leaves], pl_module.device)
+                unmasked = checks.unmasked_input_max([t for _, t in leaves], loop.device)
                 rec.inputs.append((leaves, unmasked))
                 rec.input_unmasked.append(unmasked)
                 micro.input_max = unmasked
@@ -314,16 +313,16 @@ class StepRecorder:
             opguard.records if opguard is not None else [],  # reset() starts a new list: this one stays
         )
 
-    def point_to_bad_micro_batch(self, trainer: pl.Trainer | None = None) -> None:
+    def point_to_bad_micro_batch(self, loop: Loop | None = None) -> None:
         """Under gradient accumulation, make ``record.batch``/``batch_idx``/``start_rng`` the first bad micro-batch's.
 
         See :func:`~lightning_numguard.engine.micro.first_bad` (syncs, after a hit only; collective with
-        ``trainer`` under DDP).
+        ``loop`` under DDP).
         """
         rec = self.record
         if rec is None or len(rec.micro) < 2:
             return
-        first = _micro.first_bad(trainer, rec, self.watch)
+        first = _micro.first_bad(loop, rec, self.watch)
         rec.bad_micro_batch = first
         rec.batch, rec.batch_idx = rec.micro[first].batch, rec.micro[first].batch_idx
         rec.start_rng = rec.micro[first].rng or rec.start_rng

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytorch_lightning as pl
-
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.pipeline import StepPipeline
 
 __all__ = ["SYNC_MODES", "EveryStep", "ReadSchedule"]
@@ -28,22 +27,22 @@ class ReadSchedule:
     def __init__(self, pipeline: StepPipeline) -> None:
         self.pipeline = pipeline
 
-    def at_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def at_train_start(self, loop: Loop) -> None:
         """Once per fit, after the checkpoint's state is restored: refuse what the schedule cannot serve."""
 
-    def at_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def at_optimizer_step(self, loop: Loop, optimizer: Any) -> None:
         """The step's gradients are known: read (or pack) its flags."""
         raise NotImplementedError
 
-    def after_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def after_step(self, loop: Loop) -> None:
         """Batch end, before the step's decision is carried out."""
 
-    def at_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def at_train_end(self, loop: Loop) -> None:
         """The fit's end: read what is still pending."""
 
 
 class EveryStep(ReadSchedule):
     """``sync_mode="every_step"``: one host read per step, at its optimizer step."""
 
-    def at_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.pipeline.read(trainer, pl_module, optimizer)
+    def at_optimizer_step(self, loop: Loop, optimizer: Any) -> None:
+        self.pipeline.read(loop, optimizer)

@@ -1,20 +1,21 @@
 """fp16 AMP: the GradScaler's own overflow skips and its loss scale, on the loggers; a collapsing scale said once.
 
 Under a real ``GradScaler`` the guard counts the steps the scaler skipped itself (non-finite gradients
-with finite inputs, loss and state: its normal back-off) and logs ``numguard/amp_overflow_steps`` and
-``numguard/loss_scale`` with ``pl_module.log``: they reach the loggers every ``log_every_n_steps``, with
-the user's own metrics, and the scale stays a device tensor until Lightning writes it (no extra sync).
+with finite inputs, loss and state: its normal back-off) and writes ``numguard/amp_overflow_steps`` and
+``numguard/loss_scale`` to the loggers on the loop's logging steps, at its step number, as the guard's other series
+(:mod:`~lightning_numguard.reporting.series`): the scale is read there, on a logging step only (the loop reads its
+own metrics there too).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-import pytorch_lightning as pl
 import torch
 
 from lightning_numguard import _compat
+from lightning_numguard.engine.loop import Loop
+from lightning_numguard.reporting.report import Reporter
 
 __all__ = ["SCALE_FLOOR", "AmpCounters"]
 
@@ -24,31 +25,26 @@ log = logging.getLogger(__name__)
 SCALE_FLOOR = 1.0
 
 
-def scaler_of(trainer: pl.Trainer) -> Any:
-    """The precision plugin's GradScaler, or ``None``."""
-    return getattr(trainer.precision_plugin, "scaler", None)
-
-
 class AmpCounters:
-    """Logs the scaler's counters every step (through Lightning's logging) and watches the scale after overflows."""
+    """Writes the scaler's counters on the loop's logging steps and watches the scale after overflows."""
 
     def __init__(self) -> None:
         self.collapsed = False
 
-    def log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, overflow_steps: int) -> None:
-        """``numguard/amp_overflow_steps`` and ``numguard/loss_scale`` (only under a GradScaler; no sync)."""
-        scaler = scaler_of(trainer)
-        if scaler is None or not scaler.is_enabled() or not trainer.loggers:
+    def log(self, loop: Loop, reporter: Reporter, overflow_steps: int) -> None:
+        """``numguard/amp_overflow_steps`` and ``numguard/loss_scale`` (only under a GradScaler, on logging steps)."""
+        scaler = loop.scaler
+        if scaler is None or not scaler.is_enabled() or not loop.loggers or not loop.logs_due():
             return
+        values = {"numguard/amp_overflow_steps": float(overflow_steps)}
         scale, _ = _compat.scaler_tensors(scaler)
-        values: dict[str, Any] = {"numguard/amp_overflow_steps": float(overflow_steps)}
-        if isinstance(scale, torch.Tensor):
-            values["numguard/loss_scale"] = scale.detach().reshape(())
-        pl_module.log_dict(values, on_step=True, on_epoch=False, logger=True, prog_bar=False)
+        if isinstance(scale, torch.Tensor) and loop.is_zero:
+            values["numguard/loss_scale"] = float(scale.detach().reshape(()))  # a logging step's read, rank 0 only
+        reporter.point(loop, loop.log_step, values)
 
-    def after_overflow(self, trainer: pl.Trainer) -> str | None:
+    def after_overflow(self, loop: Loop) -> str | None:
         """After an overflow step (a hit: syncing is allowed): the message once when the scale has collapsed."""
-        scaler = scaler_of(trainer)
+        scaler = loop.scaler
         if self.collapsed or scaler is None:
             return None
         scale = float(scaler.get_scale())

@@ -10,9 +10,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import pytorch_lightning as pl
-
 from lightning_numguard.diagnose.findings import Finding
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.reporting.events import Event, acting, counts_as_incident
 from lightning_numguard.reporting.messages import action_message, incident_message
 from lightning_numguard.reporting.report import Reporter
@@ -56,7 +55,7 @@ class Ledger:
 
     def event(
         self,
-        trainer: pl.Trainer,
+        loop: Loop,
         finding: Finding,
         step: int,
         action: str,
@@ -64,11 +63,11 @@ class Ledger:
         batch_idx: int = -1,
     ) -> dict[str, Any]:
         """The event dict of ``finding``, with its message (the rank is the one that saw it, else this one)."""
-        rank = trainer.global_rank if finding.rank < 0 else finding.rank
+        rank = loop.rank if finding.rank < 0 else finding.rank
         return Event(
             kind=finding.kind,
             step=step,
-            epoch=trainer.current_epoch if epoch is None else epoch,
+            epoch=loop.epoch if epoch is None else epoch,
             batch_idx=batch_idx,
             rank=rank,
             where=list(finding.where),
@@ -94,7 +93,7 @@ class Ledger:
         ).to_dict()
 
     def record(
-        self, trainer: pl.Trainer, events: list[dict[str, Any]], counted: bool = False, outcome: Outcome | None = None
+        self, loop: Loop, events: list[dict[str, Any]], counted: bool = False, outcome: Outcome | None = None
     ) -> None:
         """Count ``events`` (unless :meth:`count_events` already did), keep them, and report them (files and loggers
         on rank 0); with ``outcome``, what carrying their decision out did is said in each.
@@ -110,7 +109,7 @@ class Ledger:
             self.count_events(events)
         self.events.extend(events)
         if self.reporter is not None:
-            self.reporter.emit(trainer, events, self.counters)
+            self.reporter.emit(loop, events, self.counters)
 
     def complete(self, events: list[dict[str, Any]], outcome: Outcome) -> None:
         """A halt's ``events``, recorded (and written) before it was carried out: the fit's record of them
@@ -119,19 +118,19 @@ class Ledger:
         self.events[:] = [done.get(id(e), e) for e in self.events]
 
     def log_action(
-        self, trainer: pl.Trainer, rec: Any, snapshot_step: int | None, ckpt: Any, steps_lost: int | None = None
+        self, loop: Loop, rec: Any, snapshot_step: int | None, ckpt: Any, steps_lost: int | None = None
     ) -> None:
         """One WARNING (``skip``, ``rollback``) or ERROR (``halt``) log line on rank 0 per action taken.
 
         Args:
-            trainer: the trainer.
+            loop: the loop.
             rec: the step's record (its ``decision``, ``events`` and ``step``).
             snapshot_step: the step of the snapshot a rollback or halt went back to.
             ckpt: ``last_finite.ckpt``'s path, when one is written in this run.
             steps_lost: the updates the restore of a rollback or halt discarded (its outcome's).
         """
         decision = rec.decision
-        if not acting(rec.action) or not rec.events or not trainer.is_global_zero:
+        if not acting(rec.action) or not rec.events or not loop.is_zero:
             return
         acted = [e for e in rec.events if e["action"] == rec.action] or rec.events  # not a field declared a convention
         root = next((e for e in acted if e.get("root_cause", True)), acted[0])

@@ -1,16 +1,16 @@
 """What the guard shows while training and after it: progress-bar counts and the end-of-fit summary.
 
 Progress bar: once something has happened, ``nan_incidents``, ``rollbacks`` and ``spikes`` (each from its
-first non-zero value on) go to Lightning's progress bar as integers, in ``trainer.progress_bar_metrics``
-(the dict both ``TQDMProgressBar`` and ``RichProgressBar`` display): ``pl_module.log`` would store them as
-floats, shown as "1.000". The keys are short so that Rich does not crop them in an 80-column terminal (it
-cuts a word wider than its metrics column with "…"); the loggers keep the ``numguard/<counter>`` tags. The
-counters are host integers: no device synchronisation, and nothing is shown before the first incident or
-without a progress bar.
+first non-zero value on) go where the loop shows its progress (:meth:`Loop.show
+<lightning_numguard.engine.loop.Loop.show>`: Lightning's progress bar, as integers). The keys are short so that
+Rich does not crop them in an 80-column terminal (it cuts a word wider than its metrics column with "…"); the
+loggers keep the ``numguard/<counter>`` tags. The counters are host integers: no device synchronisation, and
+nothing is shown before the first incident.
 
-Summary: at the end of ``fit`` (or when it raises), shown once. Without a Rich bar: one report through
-the ``lightning_numguard`` logger (WARNING when something happened, INFO otherwise). Under a
-``RichProgressBar``: a table printed through Rich's console (the one the bar draws on), with the path to
+Summary: at the end of ``fit`` (or when it raises), shown once. Without a Rich console: one report through
+the ``lightning_numguard`` logger (WARNING when something happened, INFO otherwise). Under Rich's console
+(:attr:`Loop.rich_console <lightning_numguard.engine.loop.Loop.rich_console>`: a ``RichProgressBar``): a table
+printed through Rich's console (the one the bar draws on), with the path to
 ``events.jsonl`` on a line of its own (never folded by the table's width), and the text report at INFO
 for log files. Text and table come from :mod:`lightning_numguard.reporting.summary`; only global rank 0
 reports.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.reporting.summary import FitSummary, rich_table, summarize, summary_text
 
 __all__ = ["PROGRESS_BAR_KEYS", "FitProgress"]
@@ -31,11 +32,6 @@ log = logging.getLogger(__name__)
 PROGRESS_BAR_KEYS: dict[str, str] = {"incidents": "nan_incidents", "rollbacks": "rollbacks", "spikes": "spikes"}
 
 
-def _uses_rich_bar(trainer: Any) -> bool:
-    bar = getattr(trainer, "progress_bar_callback", None)
-    return any(cls.__name__ == "RichProgressBar" for cls in type(bar).__mro__) if bar is not None else False
-
-
 class FitProgress:
     """Per-fit tally the step records do not keep (steps lost to rollbacks), the bar entries and the summary."""
 
@@ -43,23 +39,18 @@ class FitProgress:
         self.steps_lost_to_rollbacks = 0
         self.reported = False
 
-    def after_step(
-        self, trainer: Any, pl_module: Any, rec: Any, snapshot: Any, counters: dict[str, int], outcome: Any = None
-    ) -> None:
+    def after_step(self, loop: Loop, rec: Any, snapshot: Any, counters: dict[str, int], outcome: Any = None) -> None:
         """At batch end, after the step's action (``outcome``: what was done): count the steps a new rollback
         discarded; update the bar."""
         if rec.action == "rollback" and rec.events and snapshot is not None:  # the updates the restore discarded
             self.steps_lost_to_rollbacks += (outcome.steps_lost if outcome is not None else None) or 0
-        if getattr(trainer, "progress_bar_callback", None) is None:
-            return
-        shown = trainer.progress_bar_metrics  # the connector's own dict, kept between batches (a public property)
-        for counter, key in PROGRESS_BAR_KEYS.items():
-            if counters.get(counter, 0) > 0 and isinstance(shown, dict):
-                shown[key] = int(counters[counter])
+        shown = {key: int(counters[c]) for c, key in PROGRESS_BAR_KEYS.items() if counters.get(c, 0) > 0}
+        if shown:
+            loop.show(shown)
 
     def report(
         self,
-        trainer: Any,
+        loop: Loop,
         events: list[dict[str, Any]],
         counters: dict[str, int],
         events_path: Any,
@@ -69,11 +60,11 @@ class FitProgress:
         if self.reported:
             return None
         self.reported = True
-        if not trainer.is_global_zero:
+        if not loop.is_zero:
             return None
         path = str(events_path) if events_path is not None and events_path.exists() else None
-        summary = summarize(events, counters, self.steps_lost_to_rollbacks, trainer.global_step, path, ended)
-        table = summary.eventful and _uses_rich_bar(trainer)
+        summary = summarize(events, counters, self.steps_lost_to_rollbacks, loop.step, path, ended)
+        table = summary.eventful and loop.rich_console
         level = logging.WARNING if summary.eventful and not table else logging.INFO  # the table shows it already
         log.log(level, "%s", summary_text(summary))
         if table:

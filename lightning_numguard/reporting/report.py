@@ -1,30 +1,27 @@
-"""Writes incidents to ``events.jsonl``, to every logger of the trainer, and as warnings.
+"""Writes incidents to ``events.jsonl``, to every logger of the loop, and as warnings.
 
 Only global rank 0 writes files and loggers; every rank keeps the same ``events`` list.
 
-Scalars reach the loggers two ways: on the steps Lightning writes its own metrics (``(step + 1) %
-log_every_n_steps == 0``, through ``pl_module.log``: the same ``log_metrics`` call as the loss, see
+Scalars reach the loggers directly, never through the loop's own metrics: on the steps the loop writes its own
+metrics (Lightning's ``(step + 1) % log_every_n_steps == 0``, at its step number: see
 :mod:`~lightning_numguard.reporting.series`), so that a clean run shows the guard at work and its points line
-up with the loss curve; and at every step that had an event, directly (:meth:`Reporter.emit` writes the
-counters that changed, with the text; :meth:`Reporter.point` the step's gradient norm and z-scores). A step's
-scalar is written once, whichever way comes first. Every scalar is a host number already read: a device tensor
-would be read here, a host sync; read it in the step's one read instead.
+up with the loss curve; and at every step that had an event (:meth:`Reporter.emit` writes the counters that
+changed, with the text; :meth:`Reporter.point` the step's gradient norm and z-scores). A step's scalar is written
+once, whichever way comes first. Every scalar is a host number already read: a device tensor would be read here,
+a host sync; read it in the step's one read instead.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeGuard
-
-import pytorch_lightning as pl
-from pytorch_lightning.loggers import TensorBoardLogger
+from typing import Any
 
 from lightning_numguard import _compat
 from lightning_numguard.diagnose.usercode import user_frame
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.errors import NumGuardWarning
 from lightning_numguard.reporting.events import JsonlWriter
 
@@ -45,15 +42,13 @@ def counter_scalars(counters: Mapping[str, int], names: Sequence[str] = SERIES_C
     return {f"numguard/{name}": float(counters.get(name, 0)) for name in names}
 
 
-def is_tensorboard(logger: Any) -> TypeGuard[TensorBoardLogger]:
-    """Whether ``logger`` is the ``TensorBoardLogger`` of ``pytorch_lightning`` or of ``lightning.pytorch``.
+def is_tensorboard(logger: Any) -> bool:
+    """Whether ``logger`` is a ``TensorBoardLogger`` (of ``pytorch_lightning``, ``lightning.pytorch`` or Lightning
+    Fabric: the classes are distinct, and share the name and the ``experiment.add_text`` the events go to).
 
-    The two packages define distinct classes; the second is only looked up when already imported (a
-    logger of it exists only then), so recognising it never imports the ``lightning`` package.
+    Matched by class name, so that the engine imports none of the Lightning packages.
     """
-    other = sys.modules.get("lightning.pytorch.loggers")
-    types = (TensorBoardLogger, getattr(other, "TensorBoardLogger", TensorBoardLogger))
-    return isinstance(logger, types)
+    return any(cls.__name__ == "TensorBoardLogger" for cls in type(logger).__mro__)
 
 
 def warn_at_user_code(message: str, category: type[Warning] = NumGuardWarning) -> None:
@@ -84,7 +79,7 @@ class Reporter:
         self._counted: dict[str, int] = {}  # the counters as last written to the loggers
         self.warn = warn
 
-    def emit(self, trainer: pl.Trainer, events: list[dict[str, Any]], counters: dict[str, int]) -> None:
+    def emit(self, loop: Loop, events: list[dict[str, Any]], counters: dict[str, int]) -> None:
         """Record ``events`` (already in causal order) and the running ``counters``."""
         if not events:
             return
@@ -98,10 +93,10 @@ class Reporter:
                 and not (event.get("details") or {}).get("convention")
             ):
                 self._warned.add(key)
-                if trainer.is_global_zero:
+                if loop.is_zero:
                     warn_at_user_code(f"NumGuard: {event['message']}")
             log.info("numguard %s at step %s: %s", event["kind"], event["step"], event["message"])
-        if not trainer.is_global_zero:
+        if not loop.is_zero:
             return
         if self.writer is not None:
             self.writer.write(events)
@@ -115,14 +110,14 @@ class Reporter:
             for e in events
         )
         self._note_written(step, scalars)
-        for lg in trainer.loggers:
+        for lg in loop.loggers:
             try:
                 if scalars:
                     lg.log_metrics(scalars, step=step)
                 if is_tensorboard(lg):
                     lg.experiment.add_text("numguard/events", text, global_step=step)
                     lg.experiment.flush()
-                else:
+                elif callable(getattr(lg, "save", None)):
                     lg.save()
             except Exception as err:  # a broken logger must not kill training
                 log.warning("numguard could not write to logger %s: %s", type(lg).__name__, err)
@@ -135,13 +130,13 @@ class Reporter:
         self._counted.update({k.removeprefix("numguard/"): int(v) for k, v in due.items() if k in _COUNTER_TAGS})
         return due
 
-    def point(self, trainer: pl.Trainer, step: int, scalars: Mapping[str, float]) -> None:
-        """``scalars`` of an event's step to every logger, directly (Lightning writes only every
-        ``log_every_n_steps``); a tag already written at ``step`` is not written again. No flush."""
+    def point(self, loop: Loop, step: int, scalars: Mapping[str, float]) -> None:
+        """``scalars`` at ``step`` to every logger, directly (on global rank 0); a tag already written at ``step`` is
+        not written again. No flush."""
         due = self.unwritten(step, scalars)
-        if not due or not trainer.is_global_zero:
+        if not due or not loop.is_zero:
             return
-        for lg in trainer.loggers:
+        for lg in loop.loggers:
             try:
                 lg.log_metrics(due, step=step)
             except Exception as err:  # a broken logger must not kill training
@@ -151,13 +146,13 @@ class Reporter:
         last_step, tags = self._written
         self._written = (step, (tags if step == last_step else set()) | set(scalars))
 
-    def say_once(self, trainer: pl.Trainer, key: str, message: str) -> None:
+    def say_once(self, loop: Loop, key: str, message: str) -> None:
         """A condition that is not an incident (a collapsing fp16 loss scale): a log line and one warning per fit."""
         if key in self._said:
             return
         self._said.add(key)
         log.warning("numguard: %s", message)
-        if self.warn and trainer.is_global_zero:
+        if self.warn and loop.is_zero:
             warn_at_user_code(f"NumGuard: {message}")
 
     def close(self) -> None:

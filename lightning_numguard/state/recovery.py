@@ -12,16 +12,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 
 from lightning_numguard.decide.judge import Decision
 from lightning_numguard.decide.repeats import Restores, learning_rate, put_schedule, schedule
 from lightning_numguard.detect import checks
-from lightning_numguard.doors.trainer.logged import LoggedValues
-from lightning_numguard.doors.trainer.strategies import holds_local_shards
 from lightning_numguard.dtensor import local
 from lightning_numguard.engine import group as _distributed
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.pending import arm_device_skip, disarm_device_skip
 from lightning_numguard.engine.read import StepRead
 from lightning_numguard.engine.record import StepRecord
@@ -69,7 +67,6 @@ class Recovery:
         self.retry_transient = retry_transient
         self.use_quarantine = quarantine
         self.quarantine = Quarantine()
-        self.logged = LoggedValues()  # what a discarded step logged is withdrawn from Lightning's results
         self.skip_remaining = 0
         self.bad_rank = -1  # the lowest rank whose state the last checkpoint swap or end-of-fit check found bad
         self._armed: list[torch.optim.Optimizer] = []  # read late: optimizers whose next step may be skipped
@@ -93,39 +90,37 @@ class Recovery:
 
     # ------------------------------------------------------------------ fit start and end
 
-    def at_train_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, reader: StepRead, take: bool
-    ) -> list[str]:
+    def at_train_start(self, loop: Loop, reader: StepRead, take: bool) -> list[str]:
         """Check the whole state once (one sync per fit); if finite and ``take``, snapshot it.
 
         Returns the names found non-finite on any rank (buffers non-finite by design are left unchecked).
         """
-        named = reader.state(trainer, with_optimizer=True)
+        named = reader.state(loop, with_optimizer=True)
         bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
-        bad = reader.leave_unchecked(_distributed.any_rank(trainer, bad))
-        self.snapshots.resolve_async(pl_module)
+        bad = reader.leave_unchecked(_distributed.any_rank(loop, bad))
+        self.snapshots.resolve_async(loop)
         if not bad and take:
-            self.snapshots.take(trainer, pl_module)
+            self.snapshots.take(loop)
         return bad
 
     def at_train_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, reader: StepRead, warn_only: bool
+        self, loop: Loop, reader: StepRead, warn_only: bool
     ) -> tuple[list[str], str, dict[str, Any]] | None:
         """Check the last step's update once (one sync per fit); repair what is bad unless ``warn_only``.
 
         Returns ``None`` when all is finite, else the bad names, the action taken and the event's details
         (:attr:`bad_rank` is then the lowest rank where they were non-finite: one rank's shard, under sharding).
         """
-        named = reader.state(trainer, with_optimizer=False)
+        named = reader.state(loop, with_optimizer=False)
         flags = checks.confirm_nonfinite([t for _, t in named])
-        bad, self.bad_rank = _distributed.first_rank(trainer, [n for (n, _), b in zip(named, flags) if b])
+        bad, self.bad_rank = _distributed.first_rank(loop, [n for (n, _), b in zip(named, flags) if b])
         if not bad:
             return None
         if warn_only or self.snapshot is None:
             return bad, "none", {"when": "end of training"}
-        return bad, "rollback", self.repair_at_end(trainer, pl_module, bad)
+        return bad, "rollback", self.repair_at_end(loop, bad)
 
-    def repair_at_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, bad: list[str]) -> dict[str, Any]:
+    def repair_at_end(self, loop: Loop, bad: list[str]) -> dict[str, Any]:
         """End of fit: put back only ``bad`` tensors that took no part in training, else the whole snapshot.
 
         A parameter without a gradient (frozen, or unused by the loss) cannot have changed the other
@@ -133,8 +128,8 @@ class Recovery:
         rollback, and the details say how many steps it gives up. Returns the event's details.
         """
         assert self.snapshot is not None
-        params = dict(pl_module.named_parameters())
-        snapshot = self.snapshots.full(trainer)
+        params = dict(loop.module.named_parameters())
+        snapshot = self.snapshots.full(loop)
         idle = [n for n in bad if n in params and params[n].grad is None and n in snapshot.model]
         if len(idle) == len(bad):
             with torch.no_grad():
@@ -149,8 +144,8 @@ class Recovery:
             )
             when = "at the end of training (restored alone from the snapshot: unused by training, no step given up)"
             return {"when": when, "restored_only": idle, "steps_given_up": 0}
-        lost = max(trainer.global_step - self.snapshot.step, 0)
-        self.snapshots.restore(trainer, pl_module, restore_rng=False)
+        lost = max(loop.step - self.snapshot.step, 0)
+        self.snapshots.restore(loop, restore_rng=False)
         log.warning(
             "numguard rolled the whole model back to the snapshot of step %s at the end of training: %s training "
             "step(s) are given up (take snapshots more often with snapshot_every_n_steps to lose fewer)",
@@ -178,21 +173,19 @@ class Recovery:
             return None, self.quarantine.flag(batch, batch_idx, step)
         return None, None
 
-    def at_read(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, decision: Decision, optimizer: Any
-    ) -> None:
+    def at_read(self, loop: Loop, rec: StepRecord, decision: Decision, optimizer: Any) -> None:
         """Read at the step, before its optimizer step: drop the gradients of a skipped step; keep a verified start."""
         if decision.skips and optimizer is not None:
             self.drop_gradients(optimizer)
         if decision.keep_start:
-            self.snapshots.take(trainer, pl_module, rec)
+            self.snapshots.take(loop, rec)
 
     @staticmethod
     def drop_gradients(optimizer: Any) -> None:
         """A skipped step's optimizer step becomes a no-op: no momentum, weight decay or step count moves."""
         optimizer.zero_grad(set_to_none=True)
 
-    def at_late_read(self, trainer: pl.Trainer, step: int, decision: Decision, forced: bool = False) -> None:
+    def at_late_read(self, loop: Loop, step: int, decision: Decision, forced: bool = False) -> None:
         """Read one step late: verify or drop the candidates; the LR schedule of a step skipped for what it held is
         put back (not a ``forced`` skip's: after a late rollback, the snapshot's schedule stands)."""
         if decision.keep_start:
@@ -203,42 +196,42 @@ class Recovery:
         for old in [s for s in self._schedules if s < step]:
             del self._schedules[old]
         if decision.skips and not forced and schedule is not None:  # the schedule as the bad step found it
-            for config, state in zip(trainer.lr_scheduler_configs, schedule[0]):
-                config.scheduler.load_state_dict(state)
-            for opt, lrs in zip(trainer.optimizers, schedule[1]):
+            for scheduler, state in zip(loop.schedulers, schedule[0]):
+                scheduler.load_state_dict(state)
+            for opt, lrs in zip(loop.optimizers, schedule[1]):
                 for group, lr in zip(opt.param_groups, lrs):
                     group["lr"] = lr
 
-    def carry_out(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord, late: bool) -> Outcome:
+    def carry_out(self, loop: Loop, rec: StepRecord, late: bool) -> Outcome:
         """Batch end: what the decision leaves to be done once the optimizer step is over. Returns what was done
         (the ledger records the step's events with it)."""
         decision = rec.decision
         assert decision is not None
         restore, lrs, retry, quarantined = None, None, None, False
         if decision.skips and not late:  # what the discarded step logged must not reach monitors or loggers
-            self.logged.discard(trainer)
+            loop.discard_logged()
         if decision.action == "skip":
             if not late:  # read late, the device put the buffers back itself
-                self.undo_forward(pl_module, rec)
+                self.undo_forward(loop, rec)
             if decision.quarantine:
-                quarantined = self.quarantine_batch(trainer, rec, decision.quarantine)
+                quarantined = self.quarantine_batch(loop, rec, decision.quarantine)
         elif decision.action == "rollback":
-            restore = self.restores.before(trainer, rec, self.snapshot, decision.new_rollback)
-            kept = schedule(trainer) if restore is not None and restore.repeat is not None else None
-            self.snapshots.restore(trainer, pl_module)  # collective when sharded: every rank read the same flags
-            put_schedule(trainer, kept)  # a repeat: the LR schedule keeps its place, the same steps are not run again
-            self.restores.repeats.restored(learning_rate(trainer))
+            restore = self.restores.before(loop, rec, self.snapshot, decision.new_rollback)
+            kept = schedule(loop) if restore is not None and restore.repeat is not None else None
+            self.snapshots.restore(loop)  # collective when sharded: every rank read the same flags
+            put_schedule(loop, kept)  # a repeat: the LR schedule keeps its place, the same steps are not run again
+            self.restores.repeats.restored(learning_rate(loop))
             if decision.new_rollback:
-                lrs = self.after_rollback(trainer)
+                lrs = self.after_rollback(loop)
                 if self.retry_transient and not late:
-                    retry, quarantined = self._retry(trainer, pl_module, rec)
-                    put_schedule(trainer, kept)
+                    retry, quarantined = self._retry(loop, rec)
+                    put_schedule(loop, kept)
                 elif decision.quarantine:
-                    quarantined = self.quarantine_batch(trainer, rec, decision.quarantine)
-                self.save_last_finite(trainer)
+                    quarantined = self.quarantine_batch(loop, rec, decision.quarantine)
+                self.save_last_finite(loop)
         elif decision.action == "halt":
-            restore = self.restores.before(trainer, rec, self.snapshot, False)
-            self.halt(trainer, pl_module)
+            restore = self.restores.before(loop, rec, self.snapshot, False)
+            self.halt(loop)
         if decision.skips:
             self.restores.skipped.add(rec.step)
         now = self.snapshot.step if self.snapshot is not None else None
@@ -246,21 +239,21 @@ class Recovery:
 
     # ------------------------------------------------------------------ read late: the device-side skip
 
-    def start_late(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: dict[str, torch.Tensor]) -> None:
+    def start_late(self, loop: Loop, start: dict[str, torch.Tensor]) -> None:
         """Fit start, read late: the buffers put back on the device, the fit-start snapshot verified."""
-        self._buffers = [(b, start[n]) for n, b in pl_module.named_buffers() if n in start]
+        self._buffers = [(b, start[n]) for n, b in loop.module.named_buffers() if n in start]
         self.snapshots.start_late()
 
-    def skip_on_device(self, trainer: pl.Trainer, step: int, optimizer: Any, bad: torch.Tensor) -> None:
+    def skip_on_device(self, loop: Loop, step: int, optimizer: Any, bad: torch.Tensor) -> None:
         """Make the coming optimizer step a no-op where ``bad`` (0-d, on the device); the buffers the bad forward
         pass changed are put back with ``torch.where``; the LR schedule is kept to put back a late skip (no sync)."""
         arm_device_skip(optimizer, bad)
         self._armed.append(optimizer)
         for live, start in self._buffers:
             live.copy_(torch.where(bad, start, live))
-        schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
+        schedulers = loop.schedulers
         if schedulers:  # host-side and tiny
-            lrs = [[g["lr"] for g in o.param_groups] for o in trainer.optimizers]
+            lrs = [[g["lr"] for g in o.param_groups] for o in loop.optimizers]
             self._schedules[step] = ([s.state_dict() for s in schedulers], lrs)
 
     def skip_in_flight(self, optimizer: Any, device: torch.device) -> None:
@@ -277,39 +270,39 @@ class Recovery:
 
     # ------------------------------------------------------------------ actions
 
-    def undo_forward(self, pl_module: pl.LightningModule, rec: StepRecord) -> None:
+    def undo_forward(self, loop: Loop, rec: StepRecord) -> None:
         """``skip``: put back the buffers and metric states the bad forward pass changed."""
         if rec.start_buffers:
-            pl_module.load_state_dict(rec.start_buffers, strict=False)
+            loop.module.load_state_dict(rec.start_buffers, strict=False)
         for name, state in (rec.start_states or {}).items():
             if name.startswith("metric:"):
                 self.stateful[name].load_state_dict(clone_tree(state))
 
-    def after_rollback(self, trainer: pl.Trainer) -> list[float] | None:
+    def after_rollback(self, loop: Loop) -> list[float] | None:
         """A new rollback's skip window and learning-rate back-off; returns the learning rates after the back-off
         (``None``: none applied)."""
         self.skip_remaining = self.skip_batches_after_rollback
         if self.lr_backoff == 1.0:
             return None
-        schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
-        return apply_lr_backoff(trainer.optimizers, schedulers, self.lr_backoff)
+        schedulers = loop.schedulers
+        return apply_lr_backoff(loop.optimizers, schedulers, self.lr_backoff)
 
-    def _retry(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord) -> tuple[str, bool]:
+    def _retry(self, loop: Loop, rec: StepRecord) -> tuple[str, bool]:
         """Decide whether the incident was transient: re-run the batch once from the restored state.
 
         The re-run trains nothing (see :mod:`~lightning_numguard.state.retry`) and the snapshot is put back
         after it. A transient batch is simply not trained on; a persistent one is quarantined at once. Returns what
         the re-run said and whether the batch was quarantined.
         """
-        ok = is_transient(trainer, pl_module, rec.batch, rec.batch_idx, rec.start_rng)
-        ok = not _distributed.any_rank(trainer, [] if ok else ["retry"])
+        ok = is_transient(loop, rec.batch, rec.batch_idx, rec.start_rng)
+        ok = not _distributed.any_rank(loop, [] if ok else ["retry"])
         said = "transient: finite on retry" if ok else "persistent: non-finite again"
-        self.snapshots.restore(trainer, pl_module)
+        self.snapshots.restore(loop)
         if not ok and self.use_quarantine:
-            return said, self.quarantine_batch(trainer, rec, "non-finite again when re-run from the last finite state")
+            return said, self.quarantine_batch(loop, rec, "non-finite again when re-run from the last finite state")
         return said, False
 
-    def quarantine_batch(self, trainer: pl.Trainer, rec: StepRecord, reason: str) -> bool:
+    def quarantine_batch(self, loop: Loop, rec: StepRecord, reason: str) -> bool:
         """Quarantine ``rec``'s batch, saving it under ``bad_batches/`` (rank 0). Returns whether it was (not when
         it already is)."""
         if self.quarantine.holds(rec.batch_idx):
@@ -321,7 +314,7 @@ class Recovery:
             "reason": reason,
             "sample_indices": sample_indices(rec.batch),
         }
-        if trainer.is_global_zero and self.dirpath is not None:
+        if loop.is_zero and self.dirpath is not None:
             folder = self.dirpath / "bad_batches"
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"epoch{rec.epoch}_batch{rec.batch_idx}_step{rec.step}.pt"
@@ -330,33 +323,33 @@ class Recovery:
         self.quarantine.add(entry)
         return True
 
-    def halt(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def halt(self, loop: Loop) -> None:
         """Restore the last finite state, save it, and ask every rank to stop."""
         if self.snapshot is not None:
-            self.snapshots.restore(trainer, pl_module)
-            self.save_last_finite(trainer)
-        trainer.should_stop = True
+            self.snapshots.restore(loop)
+            self.save_last_finite(loop)
+        loop.stop()
 
-    def save_last_finite(self, trainer: pl.Trainer) -> None:
-        """Write the (restored, finite) live state as a normal Lightning checkpoint, atomically.
+    def save_last_finite(self, loop: Loop) -> None:
+        """Write the (restored, finite) live state as the loop's own checkpoint, atomically.
 
-        A strategy that shards its checkpoint (``ModelParallelStrategy``) writes a folder: it is written under
-        a temporary name too, then put in place of the previous one by rank 0 behind a barrier.
+        A loop whose state is local shards (``ModelParallelStrategy``) writes a folder: it is written under a
+        temporary name too, then put in place of the previous one by rank 0 behind a barrier.
         """
         final = self.ckpt_path
         if final is None:
             return
         tmp = final.with_name(final.name + ".tmp")
-        if trainer.is_global_zero:
+        if loop.is_zero:
             final.parent.mkdir(parents=True, exist_ok=True)
             remove(tmp)  # a folder left by an interrupted save would mix old shards with new ones
-        trainer.save_checkpoint(tmp, weights_only=False)  # collective: every rank calls it (after rank 0 cleared tmp)
-        if trainer.is_global_zero:
+        loop.save_checkpoint(tmp)  # collective: every rank calls it (after rank 0 cleared tmp)
+        if loop.is_zero:
             replace(tmp, final)
-        if trainer.world_size > 1 and holds_local_shards(trainer.strategy):  # a folder, written by every rank
-            trainer.strategy.barrier("numguard_last_finite")
+        if loop.world_size > 1 and loop.local_shards:  # a folder, written by every rank
+            loop.barrier("numguard_last_finite")
 
-    def swap_checkpoint(self, trainer: pl.Trainer, checkpoint: dict[str, Any], unchecked: set[str]) -> bool:
+    def swap_checkpoint(self, loop: Loop, checkpoint: dict[str, Any], unchecked: set[str]) -> bool:
         """Replace a checkpoint's non-finite model and optimizer states by the snapshot's (collective).
 
         Returns whether it did (then :attr:`bad_rank` is the lowest rank whose checkpoint state was non-finite).
@@ -368,17 +361,17 @@ class Recovery:
         found = tensors(model_state) + tensors(checkpoint.get("optimizer_states", []))
         if self.snapshot.specs:  # DTensor local shards: a checkpoint may hold this rank's shards, or nothing here
             bad = bool(found) and any(checks.confirm_nonfinite(found))
-            self.bad_rank = _distributed.first_rank(trainer, ["bad"] if bad else [])[1]  # every rank calls it
+            self.bad_rank = _distributed.first_rank(loop, ["bad"] if bad else [])[1]  # every rank calls it
             if self.bad_rank < 0:
                 return False
-            _sharded.swap_local_shards(trainer, trainer.lightning_module, self.snapshot.ready(), checkpoint)
+            _sharded.swap_local_shards(loop, self.snapshot.ready(), checkpoint)
             return True
         if not found:
             return False
-        self.bad_rank = _distributed.first_rank(trainer, ["bad"] if any(checks.confirm_nonfinite(found)) else [])[1]
+        self.bad_rank = _distributed.first_rank(loop, ["bad"] if any(checks.confirm_nonfinite(found)) else [])[1]
         if self.bad_rank < 0:
             return False
-        snapshot = self.snapshots.full(trainer)
+        snapshot = self.snapshots.full(loop)
         checkpoint["state_dict"] = clone_tree(snapshot.model, "cpu")
         if "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = clone_tree(snapshot.optimizers, "cpu")

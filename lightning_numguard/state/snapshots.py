@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
-import pytorch_lightning as pl
-
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.pending import LateSnapshots
 from lightning_numguard.engine.record import StepRecord
 from lightning_numguard.state import gather as _sharded
@@ -26,9 +25,8 @@ from lightning_numguard.state.snapshot import (
     restore,
     start_capture,
 )
-from lightning_numguard.state.stateful import MetricState, NumpyRNG, PrecisionState
 
-__all__ = ["LateView", "Snapshots", "SnapshotsView", "stateful_objects"]
+__all__ = ["LateView", "Snapshots", "SnapshotsView"]
 
 
 class LateView(NamedTuple):
@@ -79,23 +77,6 @@ class SnapshotsView:
         return LateView(tuple(self._of.late.candidates), self._of.late.last)
 
 
-def stateful_objects(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Stateful]:
-    """Everything besides the module and optimizers that a bitwise rollback must restore."""
-    out: dict[str, Stateful] = {}
-    for i, config in enumerate(trainer.lr_scheduler_configs):
-        out[f"lr_scheduler:{i}"] = config.scheduler
-    plugin = trainer.precision_plugin
-    if getattr(plugin, "scaler", None) is not None:
-        out["precision"] = PrecisionState(plugin)
-    from torchmetrics import Metric  # a dependency of Lightning
-
-    for name, module in pl_module.named_modules():
-        if isinstance(module, Metric):
-            out[f"metric:{name}"] = MetricState(module)
-    out["numpy_rng"] = NumpyRNG()
-    return out
-
-
 class Snapshots:
     """The last verified-finite snapshot of a fit and the candidates that may replace it.
 
@@ -129,25 +110,25 @@ class Snapshots:
     def where(self) -> Literal["host", "device"]:
         return "host" if self.device == "host" else "device"
 
-    def resolve_async(self, pl_module: pl.LightningModule) -> None:
+    def resolve_async(self, loop: Loop) -> None:
         """Train start: asynchronous copies on when asked, or by default on CUDA with host snapshots."""
-        auto = pl_module.device.type == "cuda" and self.device == "host"
+        auto = loop.device.type == "cuda" and self.device == "host"
         self.async_on = auto if self.asynchronous is None else self.asynchronous
 
     # ------------------------------------------------------------------ read at the step
 
-    def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, due: bool) -> None:
+    def start(self, loop: Loop, due: bool) -> None:
         """Batch start of a step whose snapshot is ``due``: start copying into the spare (asynchronous only)."""
         if not due or self.pending is not None or not self.async_on:
             return
         self.pending = start_capture(
-            pl_module,
-            trainer.optimizers,
-            step=trainer.global_step,
+            loop.module,
+            loop.optimizers,
+            step=loop.step,
             where=self.where,
             reuse=self.spare,  # never the verified snapshot: it stays whole until the candidate is verified
-            shard_among=_sharded.shard_among(trainer, self.sharding),
-            backend="stream" if pl_module.device.type == "cuda" else "thread",
+            shard_among=_sharded.shard_among(loop, self.sharding),
+            backend="stream" if loop.device.type == "cuda" else "thread",
         )
 
     def settle(self) -> None:
@@ -156,14 +137,14 @@ class Snapshots:
             self.pending.copies.synchronize()  # nothing may overwrite its sources (a restore) before it is done
             self.pending = None
 
-    def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord | None = None) -> None:
+    def take(self, loop: Loop, rec: StepRecord | None = None) -> None:
         """Keep the state at the start of this step (just verified finite), or the live state without ``rec``."""
         pending = self.pending
         if pending is not None and rec is not None and pending.step == rec.step:
             candidate = finish_capture(
                 pending,
-                pl_module,
-                trainer.optimizers,
+                loop.module,
+                loop.optimizers,
                 self.stateful,
                 rng=rec.micro[0].rng if rec.micro else rec.start_rng,
                 model_state=rec.start_buffers,
@@ -177,14 +158,14 @@ class Snapshots:
         self.settle()
         if self.snapshot is not None:
             self.snapshot.ready()  # an asynchronous snapshot's copies are done before its storage is reused
-        self.snapshot = self._capture(trainer, pl_module, rec, reuse=self.snapshot)
+        self.snapshot = self._capture(loop, rec, reuse=self.snapshot)
         self.last_step = self.snapshot.step
 
     # ------------------------------------------------------------------ read one step late
 
-    def add_candidate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord) -> None:
+    def add_candidate(self, loop: Loop, rec: StepRecord) -> None:
         """Capture the state at ``rec``'s start as a candidate, verified when that step reads clean (no collective)."""
-        self.late.add(rec.step, self._capture(trainer, pl_module, rec, reuse=self.spare))
+        self.late.add(rec.step, self._capture(loop, rec, reuse=self.spare))
         self.spare = None
         self.last_step = rec.step
 
@@ -210,27 +191,25 @@ class Snapshots:
 
     # ------------------------------------------------------------------ putting back
 
-    def full(self, trainer: pl.Trainer) -> Snapshot:
+    def full(self, loop: Loop) -> Snapshot:
         """The whole snapshot (gathered from every rank when sharded: then collective)."""
         assert self.snapshot is not None
-        return _sharded.gather_snapshot(trainer, self.snapshot.ready())
+        return _sharded.gather_snapshot(loop, self.snapshot.ready())
 
-    def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, restore_rng: bool = True) -> None:
+    def restore(self, loop: Loop, restore_rng: bool = True) -> None:
         """Put the snapshot back in place."""
-        restore(self.full(trainer), pl_module, trainer.optimizers, self.stateful, restore_rng=restore_rng)
+        restore(self.full(loop), loop.module, loop.optimizers, self.stateful, restore_rng=restore_rng)
 
-    def _capture(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, rec: StepRecord | None, reuse: Any
-    ) -> Snapshot:
+    def _capture(self, loop: Loop, rec: StepRecord | None, reuse: Any) -> Snapshot:
         return capture(
-            pl_module,
-            trainer.optimizers,
+            loop.module,
+            loop.optimizers,
             self.stateful,
-            step=rec.step if rec is not None else trainer.global_step,
+            step=rec.step if rec is not None else loop.step,
             where=self.where,
             rng=(rec.micro[0].rng if rec.micro else rec.start_rng) if rec is not None else None,  # window start
             model_state=rec.start_buffers if rec is not None else None,
             stateful_state=rec.start_states if rec is not None else None,
             reuse=reuse,
-            shard_among=_sharded.shard_among(trainer, self.sharding),  # no collective: only the restores gather
+            shard_among=_sharded.shard_among(loop, self.sharding),  # no collective: only the restores gather
         )

@@ -15,7 +15,7 @@ import torch
 from lightning_numguard import _compat
 from lightning_numguard.state.snapshot import Stateful, clone_tree
 
-__all__ = ["MetricState", "NumpyRNG", "PrecisionState", "apply_lr_backoff", "clone_states"]
+__all__ = ["MetricState", "NumpyRNG", "PrecisionState", "apply_lr_backoff", "clone_states", "module_states"]
 
 
 class MetricState:
@@ -74,6 +74,21 @@ class PrecisionState:
             tracker.copy_(state["growth_tracker_tensor"])
             return
         self.plugin.load_state_dict(state)
+
+
+def module_states(module: torch.nn.Module) -> dict[str, Stateful]:
+    """What a rollback restores that lives in ``module`` but not in its ``state_dict``, for every door: each
+    torchmetrics ``Metric``'s accumulated state (``metric:<name>``) and numpy's global RNG (``numpy_rng``)."""
+    out: dict[str, Stateful] = {}
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        Metric = ()  # type: ignore[assignment,misc]
+    for name, sub in module.named_modules():
+        if isinstance(sub, Metric):
+            out[f"metric:{name}"] = MetricState(sub)
+    out["numpy_rng"] = NumpyRNG()
+    return out
 
 
 def clone_states(stateful: Mapping[str, Stateful], names: Sequence[str]) -> dict[str, Any]:

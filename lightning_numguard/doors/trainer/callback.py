@@ -30,6 +30,7 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from typing_extensions import override
 
+from lightning_numguard import _compat
 from lightning_numguard.config import validate as _config
 from lightning_numguard.config.argtypes import (
     Backoff,
@@ -42,6 +43,9 @@ from lightning_numguard.config.argtypes import (
 from lightning_numguard.config.doc import DOC
 from lightning_numguard.config.validate import CHECKS, DEFAULT_CHECKS, Action, CheckSite
 from lightning_numguard.detect.registry import Check
+from lightning_numguard.doors.trainer.loop import TrainerLoop
+from lightning_numguard.doors.trainer.nofiles import files_folder
+from lightning_numguard.doors.trainer.strategies import check_strategy
 from lightning_numguard.engine.flow import StepFlow
 from lightning_numguard.engine.pipeline import Settings, StepPipeline
 from lightning_numguard.engine.schedule import SYNC_MODES
@@ -145,6 +149,7 @@ class NumGuardCallback(Callback):
         self.spike_rollback_after = int(spike_rollback_after)
         self.extra_checks = _config.extra_checks(extra_checks)
         self._flow = StepFlow(self._settings())
+        self._fit_loop: TrainerLoop | None = None
 
     def _settings(self) -> Settings:
         """The validated arguments the fit's parts act on (read again in ``setup``)."""
@@ -247,23 +252,36 @@ class NumGuardCallback(Callback):
 
     # ------------------------------------------------------------------ hooks: the step's flow
 
+    def _loop(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainerLoop:
+        """The trainer in the engine's terms (one per fit)."""
+        loop = self._fit_loop
+        if loop is None or loop.trainer is not trainer or loop.module is not pl_module:
+            loop = self._fit_loop = TrainerLoop(trainer, pl_module)
+        return loop
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._flow = self._flow.setup(trainer, pl_module, stage, self._settings())
+        if stage != "fit":
+            return
+        _compat.require_accumulation_api(trainer)
+        settings = self._settings()
+        check_strategy(trainer.strategy, settings.action)
+        self._fit_loop = TrainerLoop(trainer, pl_module)
+        self._flow = self._flow.setup(pl_module, settings, files_folder(trainer, settings.dirpath))
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._flow.at_fit_start(trainer, pl_module)
+        self._flow.at_fit_start(self._loop(trainer, pl_module))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._flow.at_train_start(trainer, pl_module)
+        self._flow.at_train_start(self._loop(trainer, pl_module))
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._flow.batch_start(trainer, pl_module, batch, batch_idx)
+        self._flow.batch_start(self._loop(trainer, pl_module), batch, batch_idx)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -273,17 +291,17 @@ class NumGuardCallback(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        self._flow.before_optimizer_step(trainer, pl_module, optimizer)
+        self._flow.before_optimizer_step(self._loop(trainer, pl_module), optimizer)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._flow.batch_end(trainer, pl_module)
+        self._flow.batch_end(self._loop(trainer, pl_module))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._flow.at_train_end(trainer, pl_module)
+        self._flow.at_train_end(self._loop(trainer, pl_module))
 
     @override
     def on_save_checkpoint(
@@ -292,15 +310,27 @@ class NumGuardCallback(Callback):
         """Last line of defence: no checkpoint written during the run holds non-finite weights (see
         :meth:`StepPipeline.swap_checkpoint
         <lightning_numguard.engine.pipeline.StepPipeline.swap_checkpoint>`)."""
-        self._flow.at_save_checkpoint(trainer, checkpoint)
+        self._flow.at_save_checkpoint(self._loop(trainer, pl_module), checkpoint)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._flow.at_end(trainer, stage == "fit")
+        self._end(trainer, pl_module, stage == "fit")
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._flow.at_end(trainer, trainer.state.fn == "fit", exception)
+        self._end(trainer, pl_module, trainer.state.fn == "fit", exception)
+
+    def _end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, fit: bool, exception: BaseException | None = None
+    ) -> None:
+        loop = self._loop(trainer, pl_module)
+        self._flow.at_end(loop, fit, exception)
+        loop.logged.release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fit_loop"] = None  # the trainer of a running fit stays with it
+        return state
 
 
 # LightningCLI's --help prints the Args: entries: plain text there, RST in the source.

@@ -12,10 +12,19 @@ memory and says that no ``last_finite.ckpt`` was written.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytorch_lightning as pl
 
-__all__ = ["writes_files"]
+__all__ = ["files_folder", "writes_files"]
+
+
+def files_folder(trainer: pl.Trainer, dirpath: str | None) -> Path | None:
+    """Where the guard's files go in this fit: ``dirpath``, else ``<log_dir>/numguard`` (``<default_root_dir>/numguard``
+    without a logger); ``None`` when the run writes no file (see :func:`writes_files`)."""
+    if not writes_files(trainer, dirpath):
+        return None
+    return Path(dirpath) if dirpath else Path(trainer.log_dir or trainer.default_root_dir) / "numguard"
 
 
 def writes_files(trainer: pl.Trainer, dirpath: str | None) -> bool:

@@ -27,7 +27,15 @@ from typing import Any
 from lightning_numguard.errors import NumGuardError, NumGuardWarning
 from lightning_numguard.reporting.events import acting
 
-__all__ = ["LOCAL_SHARDS", "SHARDED", "SUPPORTED", "UNTESTED_SHARDED", "check_strategy", "holds_local_shards"]
+__all__ = [
+    "LOCAL_SHARDS",
+    "SHARDED",
+    "SUPPORTED",
+    "UNTESTED_SHARDED",
+    "check_strategy",
+    "holds_local_shards",
+    "replicates_state",
+]
 
 #: Strategy classes (by name, anywhere in the MRO) whose state is sharded across ranks.
 SHARDED = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")
@@ -87,3 +95,11 @@ def holds_local_shards(strategy: Any) -> bool:
     """Whether ``strategy`` is one whose state the guard handles as ``DTensor`` local shards (its checkpoints:
     a distributed-checkpoint folder, written by every rank)."""
     return any(cls.__name__ in LOCAL_SHARDS for cls in type(strategy).__mro__)
+
+
+def replicates_state(strategy: Any) -> bool:
+    """Whether every rank of ``strategy`` holds the same whole parameters and optimizer state: Lightning's
+    ``DDPStrategy`` and its spawn/find-unused variants, not DeepSpeed ZeRO (which subclasses it) nor FSDP."""
+    from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
+
+    return isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
