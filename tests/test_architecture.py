@@ -71,11 +71,31 @@ def test_every_module_that_writes_is_in_the_architecture_table_and_only_those():
     assert set(doc) == set(code), {"missing from the table": sorted(set(code) - set(doc)), "not writing": sorted(set(doc) - set(code)), "calls": code}  # fmt: skip
 
 
-def test_each_part_is_listed_once_in_the_layers_and_exists():
+def layer_parts() -> list[str]:
+    """The parts the layer map lists, as paths (``engine/loop``, ``doors/trainer/loop``): a room's parts are
+    indented under it."""
     layers = DOC.split("## Layers", 1)[1].split("```", 2)[1]
-    names = re.findall(r"^ {4}(?: {2})?(_?\w+) +\S", layers, re.M)  # a package's parts, or a subpackage's
-    assert "ledger" in names and "callback" in names, names  # the scan reads the callbacks' rows
-    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    rooms: list[str] = []
+    parts = []
+    for line in layers.splitlines():
+        m = re.match(r"^( +)(_?\w+)(/)? +\S", line)
+        if not m or len(m.group(1)) not in (2, 4, 6):
+            continue
+        depth = len(m.group(1)) // 2 - 1
+        rooms[depth:] = []
+        if m.group(3):
+            rooms.append(m.group(2))
+        elif depth:
+            parts.append("/".join([*rooms, m.group(2)]))
+    return parts
+
+
+def test_each_part_is_listed_once_in_the_layers_and_exists():
+    parts = layer_parts()
+    assert "reporting/ledger" in parts and "doors/trainer/callback" in parts, parts
+    assert len(parts) == len(set(parts)), sorted(n for n in parts if parts.count(n) > 1)
+    missing = [p for p in parts if not (PACKAGE / f"{p}.py").is_file() and not (PACKAGE / p).is_dir()]
+    assert not missing, missing
 
 
 def test_the_architecture_names_no_symbol_the_code_lacks():

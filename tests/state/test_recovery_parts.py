@@ -1,13 +1,12 @@
 """The recovery part and the ledger as tables, without a Trainer: each ``Decision`` carried out on a small model.
 
-A stand-in host object carries the few attributes the parts read from a trainer (optimizers, schedulers, the
-rank); the decisions come from ``core.judge``, as in a fit.
+A small :class:`~lightning_numguard.engine.loop.Loop` of the test's own carries what the parts read of a training
+loop (the module, its optimizer, the step, the rank); the decisions come from ``decide.judge``, as in a fit.
 """
 
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ from torch import nn
 
 from lightning_numguard.decide.judge import Budget, Decision, Facts, judge
 from lightning_numguard.diagnose.findings import Finding
+from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.record import StepRecord
 from lightning_numguard.reporting.ledger import Ledger
 from lightning_numguard.state.recovery import Recovery
@@ -32,18 +32,38 @@ class Net(nn.Module):
         return self.norm(self.lin(x))
 
 
+class HostLoop(Loop):
+    """One process, one optimizer, a step counter the test moves, and a stop request it can read."""
+
+    def __init__(self, model: nn.Module, lr: float, rank: int = 0, epoch: int = 0) -> None:
+        super().__init__(model)
+        self._optimizers = [torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)]
+        self.global_step = 3
+        self.should_stop = False
+        self._rank, self._epoch = rank, epoch
+
+    @property
+    def step(self) -> int:
+        return self.global_step
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self._optimizers
+
+    def stop(self) -> None:
+        self.should_stop = True
+
+
 def _host(model: nn.Module, lr: float = 0.1) -> Any:
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    return SimpleNamespace(
-        optimizers=[opt],
-        lr_scheduler_configs=[],
-        world_size=1,
-        global_rank=0,
-        global_step=3,
-        current_epoch=0,
-        is_global_zero=True,
-        should_stop=False,
-    )
+    return HostLoop(model, lr)
 
 
 def _train_step(model: nn.Module, host: Any) -> None:
@@ -58,7 +78,7 @@ def _parts(lr_backoff: float = 1.0, skip_after: int = 0) -> tuple[Net, Any, Reco
     host = _host(model)
     recovery = Recovery(None, Snapshots("host"), skip_after, lr_backoff, retry_transient=False, quarantine=True)
     _train_step(model, host)  # momentum buffers exist: the snapshot holds them too
-    recovery.snapshots.take(host, model)  # the verified state, step 3
+    recovery.snapshots.take(host)  # the verified state, step 3
     return model, host, recovery
 
 
@@ -97,8 +117,8 @@ def test_recovery_carries_out_each_decision(caplog, action, facts, restored, buf
     rec = _record(model, decision)
     _train_step(model, host)  # the step went ahead (its weights and BatchNorm statistics moved)
     moved = _weights(model)
-    with caplog.at_level(logging.WARNING):  # a stand-in host has no logged values to withdraw: said once
-        recovery.carry_out(host, model, rec, late=False)
+    with caplog.at_level(logging.WARNING):
+        recovery.carry_out(host, rec, late=False)
     now = model.state_dict()
     assert torch.equal(now["lin.weight"], at_snapshot["lin.weight"]) == restored
     assert torch.equal(now["lin.weight"], moved["lin.weight"]) == (not restored)
@@ -113,7 +133,7 @@ def test_recovery_carries_out_each_decision(caplog, action, facts, restored, buf
 def test_a_rollback_backs_the_learning_rate_off_and_says_so():
     model, host, recovery = _parts(lr_backoff=0.5)
     rec = _record(model, judge("rollback", BAD, Budget(True, 0, 3)))
-    outcome = recovery.carry_out(host, model, rec, late=False)
+    outcome = recovery.carry_out(host, rec, late=False)
     assert host.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05)
     assert outcome.lr_after_backoff == [pytest.approx(0.05)]
     assert outcome.restore is not None and outcome.restore.snapshot_step == 3 and outcome.steps_lost == 0
@@ -126,7 +146,7 @@ def test_a_rollback_backs_the_learning_rate_off_and_says_so():
 def test_a_batch_that_failed_twice_is_quarantined_by_the_decision():
     model, host, recovery = _parts()
     rec = _record(model, judge("rollback", Facts(incident=True, failures=2), Budget(True, 0, 3)))
-    outcome = recovery.carry_out(host, model, rec, late=False)
+    outcome = recovery.carry_out(host, rec, late=False)
     assert [q["batch_idx"] for q in recovery.quarantine.entries] == [5]
     assert outcome.quarantined is True and outcome.said_in(rec.events[0])["details"]["quarantined"] is True
 
@@ -145,7 +165,7 @@ def test_before_the_optimizer_step(decision, grads_dropped, snapshot_step):
     recovery.snapshots.snapshot.step = 0  # an older snapshot: a new one would say step 3
     model(torch.randn(4, 3)).sum().backward()
     rec = _record(model, decision)
-    recovery.at_read(host, model, rec, decision, host.optimizers[0])
+    recovery.at_read(host, rec, decision, host.optimizers[0])
     assert (model.lin.weight.grad is None) == grads_dropped
     assert recovery.snapshot.step == snapshot_step
 
@@ -156,7 +176,7 @@ def test_read_late_the_candidates_are_verified_or_dropped():
     first = recovery.snapshot
     for step in (4, 5):
         host.global_step = step
-        recovery.snapshots.add_candidate(host, model, StepRecord(epoch=0, batch_idx=step, step=step))
+        recovery.snapshots.add_candidate(host, StepRecord(epoch=0, batch_idx=step, step=step))
     recovery.at_late_read(host, 4, Decision(keep_start=True))
     assert recovery.snapshot.step == 4 and recovery.snapshot is not first
     recovery.at_late_read(host, 5, judge("rollback", Facts(incident=True, late=True), Budget(True, 0, 3)))
@@ -165,7 +185,7 @@ def test_read_late_the_candidates_are_verified_or_dropped():
 
 def test_the_ledger_owns_the_counters():
     ledger = Ledger()
-    host = SimpleNamespace(global_rank=1, current_epoch=2)
+    host = HostLoop(nn.Linear(1, 1), 0.1, rank=1, epoch=2)
     ledger.count(judge("rollback", BAD, Budget(True, 0, 3)).counts)
     ledger.count(judge("skip", Facts(spike="skip"), Budget(True, 0, 3)).counts)
     ledger.count(judge("rollback", Facts(forced_skip=True), Budget(True, 0, 3)).counts)
