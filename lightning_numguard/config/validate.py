@@ -28,7 +28,8 @@ __all__ = [
     "path_or_none",
     "patterns",
     "positive_or_none",
-    "spike_settings",
+    "spike_action",
+    "spike_group",
 ]
 
 CheckSite = Literal["inputs", "outputs", "ops", "loss", "grads", "buffers", "params", "optimizer_state"]
@@ -115,34 +116,39 @@ def path_or_none(name: str, value: Any) -> str | None:
     return os.fspath(value)
 
 
-def spike_settings(
-    action: str, spike_action: Any, sigma: Any, window: Any, warmup: Any, rollback_after: Any, headroom: Any
+def spike_group(
+    sigma: Any, window: Any, warmup: Any, rollback_after: Any, headroom: Any
 ) -> tuple[float, int, float | None]:
-    """Check the spike and overflow arguments; returns ``(sigma, warmup, headroom)`` (``warmup`` resolved)."""
-    if spike_action is not None:
-        choice("spike_action", spike_action, SPIKE_ACTIONS)
+    """Check the ``spikes`` group; returns ``(sigma, warmup, headroom)`` as plain numbers (``warmup`` resolved)."""
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not 0 < sigma < math.inf:
-        raise NumGuardConfigError(f"`spike_sigma` must be a positive number, got {sigma!r}")
-    integer("spike_window", window, 0)
-    if spike_action is not None and window == 0:
-        raise NumGuardConfigError(
-            f"`spike_action={spike_action!r}` needs spike statistics: `spike_window` must be an integer >= 1, got 0"
-        )
+        raise NumGuardConfigError(f"`spikes.sigma` must be a positive number, got {sigma!r}")
+    integer("spikes.window", window, 0)
     if warmup is None:
         warmup = max(min(window // 2, DEFAULT_SPIKE_WARMUP), 1)
     elif isinstance(warmup, bool) or not isinstance(warmup, int) or not 1 <= warmup <= max(window, 1):
         raise NumGuardConfigError(
-            f"`spike_warmup` must be None or an integer in [1, spike_window={window}], got {warmup!r} (the window "
-            "judges once it holds spike_warmup values: lower spike_warmup or raise spike_window)"
+            f"`spikes.warmup` must be None or an integer in [1, spikes.window={window}], got {warmup!r} (the window "
+            "judges once it holds spikes.warmup values: lower spikes.warmup or raise spikes.window)"
         )
-    integer("spike_rollback_after", rollback_after, 0)
+    integer("spikes.rollback_after", rollback_after, 0)
     if headroom is not None and (
         isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 1 <= headroom < math.inf
     ):
-        raise NumGuardConfigError(f"`overflow_headroom` must be a number >= 1 or None (off), got {headroom!r}")
+        raise NumGuardConfigError(f"`spikes.overflow_headroom` must be a number >= 1 or None (off), got {headroom!r}")
+    return float(sigma), int(warmup), None if headroom is None else float(headroom)
+
+
+def spike_action(action: str, spike_action: Any, window: int) -> None:
+    """Check ``spike_action`` against ``action`` and the spike window."""
+    if spike_action is None:
+        return
+    choice("spike_action", spike_action, SPIKE_ACTIONS)
+    if window == 0:
+        raise NumGuardConfigError(
+            f"`spike_action={spike_action!r}` needs spike statistics: `spikes.window` must be an integer >= 1, got 0"
+        )
     if action == "warn" and spike_action in ("skip", "rollback"):
         raise NumGuardConfigError(
             f"`spike_action={spike_action!r}` acts on finite spikes while `action='warn'` lets NaN steps through: "
             "use action='skip' or 'rollback' with it, or spike_action='warn'"
         )
-    return float(sigma), warmup, None if headroom is None else float(headroom)

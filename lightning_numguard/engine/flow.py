@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
+from lightning_numguard.config.arguments import GuardConfig
 from lightning_numguard.detect.coverage_check import CoverageCheck
 from lightning_numguard.detect.spike_guard import STATEFUL_KEY
 from lightning_numguard.engine.deferred import Deferred
 from lightning_numguard.engine.loop import Loop
-from lightning_numguard.engine.pipeline import Settings, StepPipeline
+from lightning_numguard.engine.pipeline import StepPipeline
 from lightning_numguard.engine.schedule import EveryStep, ReadSchedule
 from lightning_numguard.reporting.progress import FitProgress
 from lightning_numguard.reporting.series import RunSeries
@@ -37,13 +38,13 @@ def read_schedule(pipeline: StepPipeline) -> ReadSchedule:
 class StepFlow:
     """The parts of one fit and the order the hooks run them in."""
 
-    def __init__(self, settings: Settings, dirpath: Path | None = None) -> None:
+    def __init__(self, settings: GuardConfig, dirpath: Path | None = None) -> None:
         """New parts for a fit (``dirpath``: where files go; ``None``: no file is written)."""
         self.settings = settings
         self.pipeline = StepPipeline.build(settings, dirpath)
         self.coverage = CoverageCheck(settings.check_optimizer_coverage)
         self.progress = FitProgress()
-        sigma = settings.spike_sigma if self.pipeline.spike.window is not None else None
+        sigma = settings.spikes.sigma if self.pipeline.spike.window is not None else None
         self.series = RunSeries(self.pipeline.reporter, sigma)
         self.schedule = read_schedule(self.pipeline)
 
@@ -60,7 +61,7 @@ class StepFlow:
 
     # ------------------------------------------------------------------ once per fit
 
-    def setup(self, module: torch.nn.Module, settings: Settings, dirpath: Path | None) -> StepFlow:
+    def setup(self, module: torch.nn.Module, settings: GuardConfig, dirpath: Path | None) -> StepFlow:
         """The flow of a new fit of ``module``: new parts, the module's hooks attached (before any compiled call).
 
         ``dirpath``: where the fit's files go (``None``: no file is written)."""

@@ -17,11 +17,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from lightning_numguard.config.arguments import GuardConfig
 from lightning_numguard.decide import policy
 from lightning_numguard.decide.judge import Budget, Decision, Facts, judge
 from lightning_numguard.detect import flags, registry
 from lightning_numguard.detect.conventions import InputConventions
-from lightning_numguard.detect.registry import Check
 from lightning_numguard.detect.spike_guard import SpikeGuard
 from lightning_numguard.diagnose.builder import StepView, diagnose
 from lightning_numguard.diagnose.findings import Finding
@@ -30,7 +30,6 @@ from lightning_numguard.engine.read import StepRead
 from lightning_numguard.engine.record import StepRecord, StepRecorder
 from lightning_numguard.errors import NonFiniteError
 from lightning_numguard.reporting.amp import AmpCounters
-from lightning_numguard.reporting.events import acting
 from lightning_numguard.reporting.ledger import Ledger
 from lightning_numguard.reporting.report import Reporter
 from lightning_numguard.state.outcome import Outcome
@@ -38,55 +37,16 @@ from lightning_numguard.state.quarantine import position_key
 from lightning_numguard.state.recovery import Recovery
 from lightning_numguard.state.snapshots import Snapshots
 
-__all__ = ["Settings", "StepPipeline"]
+__all__ = ["StepPipeline"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The callback's validated arguments that its parts act on (see ``NumGuardCallback``)."""
-
-    action: str
-    dirpath: str | None
-    check: list[str]
-    check_optimizer_coverage: str
-    max_abs_input: float | None
-    watch_modules: list[str]
-    ignore_modules: list[str]
-    watch_depth: int | None
-    snapshot_every_n_steps: int
-    snapshot_device: str
-    max_rollbacks: int
-    halt_raises: bool
-    skip_batches_after_rollback: int
-    lr_backoff: float
-    retry_transient: bool
-    quarantine: bool
-    replay: bool
-    emit_warnings: bool
-    sync_mode: str
-    snapshot_sharding: str
-    snapshot_async: bool | None
-    spike_action: str | None
-    spike_sigma: float
-    spike_window: int
-    spike_warmup: int
-    spike_rollback_after: int
-    overflow_headroom: float | None
-    extra_checks: tuple[Check, ...] = ()
-
-    @property
-    def acting(self) -> bool:
-        """Whether the guard acts on a bad step (skip, rollback, halt), not only reports it (``action="warn"``)."""
-        return acting(self.action)
 
 
 @dataclass
 class StepPipeline:
     """The parts of one fit, wired once; every step of both schedules goes through :meth:`judge`."""
 
-    settings: Settings
+    settings: GuardConfig
     recorder: StepRecorder
     reader: StepRead
     snapshots: Snapshots
@@ -98,20 +58,20 @@ class StepPipeline:
     reporter: Reporter
 
     @classmethod
-    def build(cls, s: Settings, dirpath: Path | None) -> StepPipeline:
+    def build(cls, s: GuardConfig, dirpath: Path | None) -> StepPipeline:
         """The parts of a fit, wired (``dirpath``: where files go; ``None``: no file is written)."""
         conventions = InputConventions()  # batch fields flagged step after step: no longer checked
+        r, k = s.recovery, s.spikes
         reporter = Reporter(dirpath, warn=s.emit_warnings)
         # the deferred candidates shard the same way; they are copied synchronously
         snapshots = Snapshots(
-            s.snapshot_device, s.snapshot_sharding, s.snapshot_async if s.sync_mode != "deferred" else False
+            s.snapshot.device, s.snapshot.sharding, s.snapshot.asynchronous if s.sync_mode != "deferred" else False
         )
         recovery = Recovery(
-            dirpath, snapshots, s.skip_batches_after_rollback, s.lr_backoff, s.retry_transient, s.quarantine
+            dirpath, snapshots, s.skip_batches_after_rollback, s.lr_backoff, r.retry_transient, r.quarantine
         )
-        spike = SpikeGuard(
-            s.spike_action, s.spike_sigma, s.spike_window, s.spike_warmup, s.spike_rollback_after, s.overflow_headroom
-        )
+        assert k.warmup is not None  # resolved where the group is built
+        spike = SpikeGuard(s.spike_action, k.sigma, k.window, k.warmup, k.rollback_after, k.overflow_headroom)
         recorder, reader = _instruments(s, spike, conventions)
         return cls(
             s, recorder, reader, snapshots, recovery, Ledger(reporter), spike, conventions, AmpCounters(), reporter
@@ -154,7 +114,7 @@ class StepPipeline:
         elif seen.any:
             if not late:
                 self.recorder.point_to_bad_micro_batch(loop)  # under accumulation: the micro-batch that went bad
-            found = diagnose(loop, self.recorder, self.reader, view, s.replay and s.acting, s.acting)
+            found = diagnose(loop, self.recorder, self.reader, view, s.recovery.replay and s.acting, s.acting)
             if found.amp_overflow:
                 advisory += self._loss_scale(loop)
             findings, declared = self.conventions.sort(found.findings)  # a field flagged step after step: not a fault
@@ -176,7 +136,7 @@ class StepPipeline:
             wanted = self.spike.decide(rec.step) if spikes else None
             for f in spikes:
                 if wanted != s.spike_action:
-                    f.details["escalated"] = f"{s.spike_rollback_after} spikes within {s.spike_window} steps"
+                    f.details["escalated"] = f"{s.spikes.rollback_after} spikes within {s.spikes.window} steps"
             findings = spikes
             facts = Facts(spike=wanted, snapshot_due=due, late=late)
         findings = advisory + findings  # advisory findings (overflow risks) are judged too: reported, never acted on
@@ -186,7 +146,7 @@ class StepPipeline:
             s.max_rollbacks,
             self.recovery.restores.repeats.cause,
         )
-        decision = judge(s.action, facts, budget, quarantine=s.quarantine, retry=s.retry_transient)
+        decision = judge(s.action, facts, budget, quarantine=s.recovery.quarantine, retry=s.recovery.retry_transient)
         for f in findings:
             if late and not registry.is_advisory(f.kind):
                 f.details.update({"deferred": True, "read_at_step": loop.step})
@@ -215,7 +175,7 @@ class StepPipeline:
             self.ledger.record(loop, rec.events, counted=True, outcome=outcome)
         ckpt = self.recovery.ckpt_path
         self.ledger.log_action(loop, rec, outcome.snapshot_step, ckpt, outcome.steps_lost)
-        if decision.action == "halt" and (self.settings.halt_raises or not loop.will_stop()):
+        if decision.action == "halt" and (self.settings.recovery.halt_raises or not loop.will_stop()):
             raise NonFiniteError(self._halt_message(loop, rec))
         return outcome
 
@@ -316,10 +276,10 @@ def _broken(findings: list[Finding]) -> str | None:
     return f"{', '.join(persistent[0].where)} was flagged on {steps} consecutive steps: the data pipeline is broken"
 
 
-def _instruments(s: Settings, spike: SpikeGuard, conventions: InputConventions) -> tuple[StepRecorder, StepRead]:
+def _instruments(s: GuardConfig, spike: SpikeGuard, conventions: InputConventions) -> tuple[StepRecorder, StepRead]:
     """A fit's step recorder and read: the recorder leaves out the fields declared conventions; the read carries the
     spike statistics after its flags."""
     recorder = StepRecorder(
-        s.check, s.watch_modules, s.ignore_modules, s.watch_depth, conventions.ignored, s.extra_checks
+        list(s.check), s.watch.modules, s.watch.ignore, s.watch.depth, conventions.ignored, tuple(s.extra_checks or ())
     )
-    return recorder, StepRead(s.check, s.max_abs_input, recorder, spike)
+    return recorder, StepRead(list(s.check), s.max_abs_input, recorder, spike)

@@ -16,9 +16,7 @@ from typing import Any
 from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.pipeline import StepPipeline
 
-__all__ = ["SYNC_MODES", "EveryStep", "ReadSchedule"]
-
-SYNC_MODES = ("every_step", "deferred")
+__all__ = ["EveryStep", "ReadSchedule"]
 
 
 class ReadSchedule:

@@ -24,9 +24,7 @@ from lightning_numguard.state.sharding import pack, unpack
 from lightning_numguard.state.snapshot import Snapshot, capture, restore, unsharded
 from lightning_numguard.tree import clone_tree
 
-__all__ = ["SHARDING", "gather_snapshot", "shard_among", "swap_local_shards"]
-
-SHARDING = ("auto", "off")
+__all__ = ["gather_snapshot", "shard_among", "swap_local_shards"]
 
 
 def shard_among(loop: Loop, sharding: str) -> tuple[int, int] | None:
