@@ -55,7 +55,7 @@ def count() -> tuple[float, Counter[str]]:
     for name in originals:
         setattr(_spike.SpikeGuard, name, counted(name))
     try:
-        guard = NumGuardCallback(spike_action="skip", overflow_headroom=None, emit_warnings=False)
+        guard = NumGuardCallback(spike_action="skip", emit_warnings=False, spikes={"overflow_headroom": None})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             quiet_trainer([Step(), guard], max_steps=LAST + 2).fit(FaultModel(), loader(FaultData(n=400)))

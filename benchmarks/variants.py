@@ -78,7 +78,7 @@ def make_variant(name: str, tmp: Path) -> tuple[dict[str, Any], list[Callback]]:
     if name == "numguard_default":
         return {}, [NumGuardCallback(dirpath=ng)]
     if name == "numguard_no_spike":
-        return {}, [NumGuardCallback(dirpath=ng, spike_window=0, overflow_headroom=None)]
+        return {}, [NumGuardCallback(dirpath=ng, spikes={"window": 0, "overflow_headroom": None})]
     if name == "numguard_spike_skip":
         return {}, [NumGuardCallback(dirpath=ng, spike_action="skip")]
     if name == "numguard_all":

@@ -93,7 +93,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     steps = 8 if args.fast else 120
     data = DataLoader(Sentences(16 * steps, 100), batch_size=16, collate_fn=collate)
-    guard = NumGuardCallback(action="rollback", snapshot_every_n_steps=4, watch_depth=3)
+    guard = NumGuardCallback(action="rollback", snapshot_every_n_steps=4, watch={"depth": 3})
     trainer = pl.Trainer(
         accelerator="cpu",
         precision="bf16-mixed",

@@ -89,8 +89,7 @@ class InputConventions:
         self.ignored |= new
         # what remains is judged on its own: its first finding is the step's root cause
         acted = [replace(f, root_cause=True, consequence_of=None, details=_without_after(f.details)) for f in acted]
-        mark_consequences(acted)
-        return acted, declared
+        return mark_consequences(acted), declared
 
 
 def is_mask(finding: Finding) -> bool:

@@ -94,9 +94,8 @@ def findings(
         if world > 1 and (check.kind not in recorded or not _seen(check, float(recorded[check.kind]))):
             continue  # another rank saw it
         for finding in check.findings(step):
-            finding.rank = rank
-            finding.details.setdefault("check", type(check).__name__)
-            out.append(finding)
+            details = {**finding.details, "check": finding.details.get("check", type(check).__name__)}
+            out.append(replace(finding, rank=rank, details=details))
     return out
 
 

@@ -217,7 +217,7 @@ class SpikeGuard:
                     "rule": "cube root > median + sigma x upper-half MAD",
                 }
                 spikes.append(Finding(f"{name}_spike", [name], details, loss_rank if name == "loss" else 0))
-        mark_consequences(spikes)  # a loss and a gradient norm spiking together are one incident
+        spikes = mark_consequences(spikes)  # a loss and a gradient norm spiking together are one incident
         return spikes, self._overflow(values, watch, world - round(values[9]) if values[9] > 0 else 0)
 
     def _overflow(self, values: list[float], watch: Any, rank: int) -> list[Finding]:

@@ -12,41 +12,107 @@ vector, so every rank takes the same branches).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import torch
 
 from lightning_numguard.decide.policy import is_amp_overflow
-from lightning_numguard.detect import checks, flags, registry
+from lightning_numguard.detect import checks, flags
 from lightning_numguard.detect import extra as _extra
 from lightning_numguard.detect.opguard import OpGuard
 from lightning_numguard.diagnose.findings import AFTER_FORWARD, Finding, mark_consequences, merge
+from lightning_numguard.diagnose.replay import Replay
 from lightning_numguard.diagnose.rerun import replay_batch
-from lightning_numguard.engine import group as _distributed
+from lightning_numguard.engine import group
 from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.read import Reading, StepRead
 from lightning_numguard.engine.record import StepRecord, StepRecorder
 
-__all__ = ["Diagnosis", "StepView", "diagnose"]
+__all__ = ["Diagnosis", "StateLook", "StepView", "diagnose", "name_culprit"]
 
-#: The finding of a slot whose place no rank could name (read late: the records are gone).
-_PLACEHOLDERS = {
-    slot: (kind, registry.CHECK_BY_KIND[kind].placeholder)
-    for slot, kind in ((flags.OUTPUT, "nonfinite_output"), (flags.OP, "op_domain"))
-}
+
+@dataclass(frozen=True)
+class StateLook:
+    """What an exact look at the training state found after a hit (collective: every rank looks)."""
+
+    #: the parameters, start-of-step buffers and optimizer state that are non-finite on any rank
+    state_bad: list[str] = field(default_factory=list)
+    #: their findings, in causal order
+    findings: list[Finding] = field(default_factory=list)
+    #: the gradients and the buffers the forward pass changed that are non-finite (read at the step only)
+    grad_bad: list[str] = field(default_factory=list)
+    buffer_bad: list[str] = field(default_factory=list)
+    #: fp16 AMP: the gradients overflowed and nothing else went bad (the GradScaler's own business)
+    amp_overflow: bool = False
 
 
 @dataclass
 class StepView:
-    """What the builder looks at: a step's record and read, and (read late) the records kept for it."""
+    """What the builder looks at: a step's record and its read, at the step (``sync_mode="every_step"``).
+
+    The deferred read schedule hands the builder its own view of a step read one step late
+    (:class:`~lightning_numguard.engine.deferred.LateView`): the records it kept for the step instead of the live
+    instruments, no replay, and a slot no rank can name any more reported by its flag. The builder asks the view;
+    it never asks which schedule it is in.
+    """
 
     rec: StepRecord
     reading: Reading
-    #: read late: the watch's kept buffer and the op guard's records of that step; ``None``: the live instruments
-    kept: tuple[Any, list[Any]] | None = None
-    #: read late: the parts of the ``NORMS`` slot (``"grads"``, ``"live_buffers"``, ...) and their totals then
-    norms: tuple[list[str], torch.Tensor] | None = None
+    #: read one step late (the judge's facts say so; the builder's own steps ask the view's methods)
+    late: ClassVar[bool] = False
+
+    def look(self, loop: Loop, reader: StepRead, exact: bool) -> StateLook:
+        """The state exactly, the step's gradients and buffers included (collective)."""
+        state_bad, rank = reader.state_bad_where(loop, self.reading)
+        grad_bad = group.any_rank(loop, reader.confirmed(loop, self.reading, "grads"))
+        buffer_bad = group.any_rank(loop, reader.confirmed(loop, self.reading, "live_buffers"))
+        amp_overflow = is_amp_overflow(
+            grads_bad=bool(grad_bad),
+            has_scaler=loop.scaler is not None,
+            local_incident=self.reading.flags.any_local(),
+            state_bad=bool(state_bad),
+        )
+        if amp_overflow:  # fp16 AMP: non-finite gradients are the GradScaler's business (it skips and backs off)
+            grad_bad = []
+        before = {"when": "before the optimizer step"}
+        findings = [Finding("nonfinite_param", n, dict(before), rank, site=s) for s, n in _by_site(reader, state_bad)]
+        return StateLook(state_bad, findings, grad_bad, buffer_bad, amp_overflow)
+
+    def bad_blocks(self, watch: Any) -> list[tuple[str, float, float]]:
+        """The watched blocks whose output went non-finite, in execution order, with their min and max."""
+        return watch.first_bad(None) if watch is not None else []
+
+    def op_records(self, recorder: StepRecorder) -> list[Any]:
+        """The op guard's records of the step."""
+        return recorder.opguard.records if recorder.opguard is not None else []
+
+    @property
+    def replays(self) -> bool:
+        """Whether the step can be replayed now (its batch and the state it started from are at hand)."""
+        return self.rec.batch is not None
+
+    def op_finding(self, finding: Finding, module: str | None, upstream: str | None) -> Finding:
+        """An op-domain finding as this view names it: the op, in the module that ran it, after the module that
+        showed the trouble first."""
+        details = {**finding.details, "upstream": upstream} if upstream else finding.details
+        return replace(finding, where=[finding.where[0]], op=finding.where[0], module=module, details=details)
+
+    def complete(self, findings: list[Finding]) -> list[Finding]:
+        """The merged findings of every rank, completed by what only the view knows (read at the step: nothing)."""
+        return findings
+
+    def marked(self, finding: Finding, read_at: int) -> Finding:
+        """A finding of this step as its event says it (read at the step: as it is)."""
+        return finding
+
+    def state_bad(self, loop: Loop, reader: StepRead) -> bool:
+        """A batch skipped whatever it holds: whether the state is bad too (collective)."""
+        return bool(reader.state_bad(loop, self.reading))
+
+    def point_to_bad_micro_batch(self, loop: Loop, recorder: StepRecorder) -> None:
+        """Under gradient accumulation, the record names the micro-batch that went bad (collective)."""
+        recorder.point_to_bad_micro_batch(loop)
 
 
 @dataclass
@@ -68,159 +134,82 @@ def diagnose(
 ) -> Diagnosis:
     """The findings of a hit, merged across ranks, in causal order, consequences marked.
 
-    ``replay``: re-run the batch with full instrumentation when the forward or backward pass went bad, to name
-    the first module (when outputs are not watched every step) and the first op (read at the step only).
-    ``exact_state``: read late, look at the whole state exactly (``False`` under ``action="warn"``, which
-    acts on nothing).
+    Each site's findings are appended in causal order (inputs, state before the step, module outputs, op domains,
+    loss, checks of one's own, gradients, buffers after the forward pass). ``replay``: re-run the batch with full
+    instrumentation when the forward or backward pass went bad, to name the first module (when outputs are not
+    watched every step) and the culprit op (:func:`name_culprit`). ``exact_state``: look at the whole state exactly
+    (``False`` under ``action="warn"`` read late, which acts on nothing). Collective.
     """
     rec, seen = view.rec, view.reading.flags
     rank, world = loop.rank, loop.world_size
-    late = view.kept is not None
-    watch_kept, op_records = view.kept if view.kept is not None else (None, _live_ops(recorder))
-    grad_bad: list[str] = []
-    buffer_bad: list[str] = []
-    amp_overflow = False
-    if late:  # the step's gradients and buffers are gone; the state now is what a rollback would judge
-        state_bad: list[str] = []
-        state_rank = -1
-        if exact_state:
-            named = reader.state(loop, with_optimizer=True)
-            bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
-            state_bad, state_rank = _distributed.first_rank(loop, bad)
-    else:
-        state_bad, state_rank = reader.state_bad_where(loop, view.reading)
-        grad_bad = _distributed.any_rank(loop, reader.confirmed(loop, view.reading, "grads"))
-        buffer_bad = _distributed.any_rank(loop, reader.confirmed(loop, view.reading, "live_buffers"))
-        has_scaler = loop.scaler is not None
-        amp_overflow = is_amp_overflow(
-            grads_bad=bool(grad_bad), has_scaler=has_scaler, local_incident=seen.any_local(), state_bad=bool(state_bad)
-        )
-        if amp_overflow:  # fp16 AMP: non-finite gradients are the GradScaler's business (it skips and backs off)
-            grad_bad = []
-
-    # appended in causal order: inputs, state before the step, module outputs, op domains, loss, gradients, buffers
+    look = view.look(loop, reader, exact_state)
     found: list[Finding] = []
     if seen.seen_on(flags.INPUT, rank, world) or seen.seen_on(flags.SUSPICIOUS, rank, world):
-        found.extend(input_findings(rec, reader.max_abs_input, rank))
-    if late and state_bad:  # the state now, one step after the fault
-        found.append(Finding("nonfinite_param", state_bad, {}, state_rank))
-    for site, names in _by_site(reader, state_bad) if not late else []:
-        found.append(Finding("nonfinite_param", names, {"when": "before the optimizer step"}, state_rank, site=site))
-    output = output_finding(recorder.watch, watch_kept, late, rank) if seen.seen(flags.OUTPUT) else None
-    if output is not None:
-        found.append(output)
-
-    result: dict[str, Any] = {}
-    if (
-        replay
-        and not late
-        and rec.batch is not None
-        and (seen.seen(flags.OUTPUT) or seen.seen(flags.OP) or seen.seen(flags.LOSS) or grad_bad)
-    ):
-        result = _replay(loop, recorder, rec)
-    stage = result.get("stage")
-    sites = result.pop("op_sites", {}) or {}
-    if output is None and result.get("forward_module") and stage != "forward":
-        output = Finding("nonfinite_output", [result["forward_module"]], {}, rank)
-        found.append(output)
-    culprit = _culprit_finding(result, output, type(loop.module).__name__, rank) if stage == "forward" else None
-    if culprit is not None:  # the op that made the value, where it ran; the module that showed it received it
-        if output is not None and output in found:
-            found.insert(found.index(output), culprit)
-        else:
-            found.append(culprit)
-        if output is not None and _inside(culprit.where[0], output.where[0]):  # the block that made it
-            found.remove(output)
-            culprit.details.update({k: v for k, v in output.details.items() if k not in culprit.details})
-            output = None  # one event: the culprit's
-        elif output is not None:
-            output.details["received_from"] = culprit.where[0]
-    elif output is not None and result.get("forward_module") and result["forward_module"] != output.where[0]:
-        # the per-step watch names a block; the replay, watching every module, names the exact one
-        output.details["block"] = output.where[0]
-        output.where[0] = result["forward_module"]
-    for shown in (culprit, output):
-        if shown is not None and not late:
-            shown.details["replay"] = result
-    shown_first = culprit or output
-    first_module = shown_first.where[0] if shown_first is not None else None
-
+        found += input_findings(rec, reader.max_abs_input, rank)
+    found += look.findings
+    output = output_finding(view.bad_blocks(recorder.watch), rank) if seen.seen(flags.OUTPUT) else None
+    wanted = seen.seen(flags.OUTPUT) or seen.seen(flags.OP) or seen.seen(flags.LOSS) or bool(look.grad_bad)
+    rep = _replay(loop, recorder, rec) if replay and view.replays and wanted else Replay()
+    culprit, modules = name_culprit(output, rep, type(loop.module).__name__, rank, attach=not view.late)
+    found += modules
+    first_module = modules[0].where[0] if modules else None
     if seen.seen(flags.OP):
-        for finding in op_findings(op_records, first_module, rank, late):
-            op, module = finding.where[0], finding.details.get("module")
-            calls = sites.get(op) or []
-            line = calls[min(finding.details.pop("call", 0), len(calls) - 1)] if calls else {}
-            if not late:
-                finding.where, finding.op, finding.module = [op], op, module
-            if line.get("file"):
-                finding.source = f"{line['file']}:{line['line']}"
-            found.append(finding)
-    loss = loss_finding(rec, rank) if seen.seen_on(flags.LOSS, rank, world) and rec.losses else None
-    if loss is not None:
-        found.append(loss)
-        if result:
-            loss.details["replay"] = result
-            if stage == "forward" and culprit is None:  # no module output went bad: the loss code made it
-                _name_op(loss, result)
+        found += op_findings(view, view.op_records(recorder), first_module, rep.op_sites, rank)
+    if seen.seen_on(flags.LOSS, rank, world) and rec.losses:
+        found += loss_findings(rec, rep, culprit_named=culprit is not None, rank=rank)
     if recorder.extra_checks:  # the checks passed as extra_checks, each by its own findings
-        found.extend(_extra.findings(recorder.extra_checks, seen, rec.check_step, rec.checks, rank, world, late))
-    if grad_bad:
-        grad = Finding("nonfinite_grad", grad_bad, {}, seen.rank(flags.NORMS))
-        if result:
-            grad.details["replay"] = result
-            if stage == "backward":
-                _name_op(grad, result)
-        found.append(grad)
-    if buffer_bad:
-        buffers = Finding("nonfinite_param", buffer_bad, {"when": AFTER_FORWARD}, seen.rank(flags.NORMS), site="buffer")
-        found.append(buffers)
-    if not late:
-        checked = sorted(set(reader.check) | ({"replay"} if result else set()))
-        for finding in found:
-            finding.details["checked"] = checked
-
-    findings = merge(_distributed.gather(loop, found))  # so that rank 0 can write every rank's findings
-    if late:
-        findings = _placeholders(seen, findings, view.norms)
-    mark_consequences(findings)
-    return Diagnosis(findings, state_bad, amp_overflow)
+        found += _extra.findings(recorder.extra_checks, seen, rec.check_step, rec.checks, rank, world, view.late)
+    if look.grad_bad:
+        found.append(
+            _with_replay(Finding("nonfinite_grad", look.grad_bad, {}, seen.rank(flags.NORMS)), rep, "backward")
+        )
+    if look.buffer_bad:
+        after = {"when": AFTER_FORWARD}
+        found.append(Finding("nonfinite_param", look.buffer_bad, after, seen.rank(flags.NORMS), site="buffer"))
+    if not view.late:
+        checked = sorted(set(reader.check) | ({"replay"} if rep.ran else set()))
+        found = [replace(f, details={**f.details, "checked": checked}) for f in found]
+    findings = view.complete(merge(group.gather(loop, found)))  # so that rank 0 can write every rank's findings
+    return Diagnosis(mark_consequences(findings), look.state_bad, look.amp_overflow)
 
 
-def _placeholders(
-    seen: flags.StepFlags, findings: list[Finding], norms: tuple[list[str], torch.Tensor] | None = None
-) -> list[Finding]:
-    """Read late, a slot seen on some rank whose place no rank could name is reported by its flag (the ``NORMS``
-    slot by the part of it that went bad, from its kept totals: a gradient, a buffer, a parameter...)."""
-    kinds = {f.kind for f in findings}
-    out = list(findings)
-    for slot in (flags.OUTPUT, flags.OP):
-        kind, where = _PLACEHOLDERS[slot]
-        if seen.seen(slot) and kind not in kinds:
-            out.append(Finding(kind, [where], {}, seen.rank(slot)))
-    if not out and seen.seen(flags.NORMS):
-        out.append(_norms_placeholder(norms, seen.rank(flags.NORMS)))
-    return merge([out])
+def name_culprit(
+    output: Finding | None, rep: Replay, root: str, rank: int, attach: bool = True
+) -> tuple[Finding | None, list[Finding]]:
+    """The culprit, and the findings of the step's module outputs with it first: the one place the replay's culprit
+    is named.
 
-
-#: The finding of each part of the ``NORMS`` slot read late: kind, what it names, site and details.
-_NORM_PARTS: dict[str, tuple[str, str, str | None, dict[str, Any]]] = {
-    "grads": ("nonfinite_grad", registry.CHECK_BY_KIND["nonfinite_grad"].placeholder, None, {}),
-    "live_buffers": ("nonfinite_param", "a buffer", "buffer", {"when": AFTER_FORWARD}),
-    "start_buffers": ("nonfinite_param", "a buffer", "buffer", {}),
-    "params": ("nonfinite_param", "a parameter", "param", {}),
-    "opt_state": ("nonfinite_param", "the optimizer state", "optimizer_state", {}),
-}
-
-
-def _norms_placeholder(norms: tuple[list[str], torch.Tensor] | None, rank: int) -> Finding:
-    """The first part of the ``NORMS`` slot whose kept total is non-finite (a host read, after a hit only)."""
-    part = "grads"
-    if norms is not None:
-        names, totals = norms
-        bad = [n for n, v in zip(names, totals.reshape(-1).tolist()) if not math.isfinite(v)]
-        part = bad[0] if bad and bad[0] in _NORM_PARTS else part
-    kind, where, site, details = _NORM_PARTS[part]
-    return Finding(kind, [where], dict(details), rank, site=site)
+    The rule (the replay applies it, :func:`~lightning_numguard.diagnose.provenance.culprit_of`): the culprit is
+    the op that made the non-finite value reaching the detected bad value (the first module output that went bad,
+    or the loss), walking past a NaN made of an accidental Inf to the op that made the Inf, and stopping at a
+    deliberate one (a literal ``-inf`` mask). Here it is named: a ``nonfinite_output`` in the module that ran the op
+    (``root``, the root module's class name, for its own ``forward``/``training_step``) with the op and the user's
+    line. The watched block that showed the value first (``output``) is the same event when the culprit ran inside
+    it (its details merged), else a consequence that received the value from the culprit. Without a forward
+    culprit the replay, watching every module, still narrows the block down to the exact module. ``attach``: each
+    finding carries the replay's record (read at the step).
+    """
+    if output is None and rep.forward_module and rep.stage != "forward":
+        output = Finding("nonfinite_output", [rep.forward_module], {}, rank)
+    culprit = _culprit(rep, output, root, rank) if rep.stage == "forward" else None
+    shown: list[Finding] = []
+    if culprit is not None:  # the op that made the value, where it ran; the module that showed it received it
+        if output is not None and _inside(culprit.where[0], output.where[0]):  # the block that made it: one event
+            merged = {**culprit.details, **{k: v for k, v in output.details.items() if k not in culprit.details}}
+            shown = [replace(culprit, details=merged)]
+        else:
+            shown = [culprit]
+            if output is not None:
+                shown.append(replace(output, details={**output.details, "received_from": culprit.where[0]}))
+    elif output is not None and rep.forward_module and rep.forward_module != output.where[0]:
+        # the per-step watch names a block; the replay, watching every module, names the exact one
+        block = {**output.details, "block": output.where[0]}
+        shown = [replace(output, where=[rep.forward_module, *output.where[1:]], details=block)]
+    elif output is not None:
+        shown = [output]
+    if attach:
+        shown = [replace(f, details={**f.details, "replay": rep.details()}) for f in shown]
+    return (shown[0] if culprit is not None else None), shown
 
 
 # ------------------------------------------------------------------ the findings of each site (sync; after a hit)
@@ -245,21 +234,20 @@ def input_findings(rec: StepRecord, max_abs_input: float | None, rank: int) -> l
     return out
 
 
-def output_finding(watch: Any, kept: Any, late: bool, rank: int) -> Finding | None:
-    """The first watched module whose output went non-finite (``kept``: the records of a past step)."""
-    if watch is None or (late and kept is None):
+def output_finding(bad_blocks: list[tuple[str, float, float]], rank: int) -> Finding | None:
+    """The first watched block whose output went non-finite (with its min and max, and the next few bad ones)."""
+    if not bad_blocks:
         return None
-    bad_modules = watch.first_bad(kept)
-    if not bad_modules:
-        return None
-    first, lo, hi = bad_modules[0]
+    first, lo, hi = bad_blocks[0]
     return Finding(
-        "nonfinite_output", [first], {"min": lo, "max": hi, "also": [m for m, _, _ in bad_modules[1:6]]}, rank
+        "nonfinite_output", [first], {"min": lo, "max": hi, "also": [m for m, _, _ in bad_blocks[1:6]]}, rank
     )
 
 
-def op_findings(records: list[Any], first_module: str | None, rank: int, late: bool = False) -> list[Finding]:
-    """Op calls whose inputs were outside their domain."""
+def op_findings(
+    view: StepView, records: list[Any], first_module: str | None, sites: dict[str, list[dict[str, Any]]], rank: int
+) -> list[Finding]:
+    """Op calls whose inputs were outside their domain, each named by the view, at the user's line of its call."""
     if not records:
         return []
     device = records[0].flag.device  # one stack on the flags' device, one read (not a read per record)
@@ -269,41 +257,45 @@ def op_findings(records: list[Any], first_module: str | None, rank: int, late: b
     for record, flag in zip(records, values):
         call = calls.get(record.op, 0)
         calls[record.op] = call + 1
-        if flag:
-            details = {**OpGuard.describe(record), "call": call}
-            if first_module and not late:
-                details["upstream"] = first_module
-            out.append(Finding("op_domain", [record.op] + ([record.module] if record.module else []), details, rank))
+        if not flag:
+            continue
+        details = OpGuard.describe(record)
+        finding = Finding("op_domain", [record.op] + ([record.module] if record.module else []), details, rank)
+        finding = view.op_finding(finding, record.module, first_module)
+        lines = sites.get(record.op) or []
+        line = lines[min(call, len(lines) - 1)] if lines else {}
+        out.append(replace(finding, source=f"{line['file']}:{line['line']}") if line.get("file") else finding)
     return out
 
 
-def loss_finding(rec: StepRecord, rank: int) -> Finding | None:
-    """The non-finite loss values of the step's micro-batches."""
+def loss_findings(rec: StepRecord, rep: Replay, culprit_named: bool, rank: int) -> list[Finding]:
+    """The non-finite loss values of the step's micro-batches; when no module output went bad, the loss code made
+    the value and the replay's culprit is named here."""
     values = [float(x.float().mean()) for x in rec.losses]
-    if any(not math.isfinite(v) for v in values):
-        return Finding("nonfinite_loss", ["loss"], {"values": values}, rank)
-    return None
+    if all(math.isfinite(v) for v in values):
+        return []
+    loss = Finding("nonfinite_loss", ["loss"], {"values": values}, rank)
+    return [_with_replay(loss, rep, "forward" if not culprit_named else None)]
 
 
-def _live_ops(recorder: StepRecorder) -> list[Any]:
-    return recorder.opguard.records if recorder.opguard is not None else []
+def _with_replay(finding: Finding, rep: Replay, names: str | None) -> Finding:
+    """``finding`` with the replay's record when it ran, and its culprit op when the replay's stage is ``names``."""
+    if not rep.ran:
+        return finding
+    finding = replace(finding, details={**finding.details, "replay": rep.details()})
+    return _named(finding, rep) if names is not None and rep.stage == names else finding
 
 
-def _culprit_finding(result: dict[str, Any], output: Finding | None, root: str, rank: int) -> Finding | None:
-    """The root cause of a forward culprit that reached a module's output: ``nonfinite_output`` in the module that
-    ran the op (``root``, the LightningModule's class name, for its own ``forward`` or ``training_step``).
-
-    ``None`` when no module output went non-finite (the loss code made the value: the loss finding names it).
-    """
-    if output is None and not result.get("forward_module") and not result.get("op_module"):
+def _culprit(rep: Replay, output: Finding | None, root: str, rank: int) -> Finding | None:
+    """A forward culprit that reached a module's output, as a finding in the module that ran the op (``None`` when
+    no module output went non-finite: the loss code made the value, and the loss finding names it)."""
+    if output is None and not rep.forward_module and not rep.op_module:
         return None
-    module = result.get("op_module") or root
-    finding = Finding("nonfinite_output", [module], {"own_code": True} if not result.get("op_module") else {}, rank)
-    _name_op(finding, result)
-    finding.module = module
+    module = rep.op_module or root
+    details: dict[str, Any] = {"own_code": True} if not rep.op_module else {}
     if output is not None and module != output.where[0] and _inside(module, output.where[0]):
-        finding.details["block"] = output.where[0]
-    return finding
+        details["block"] = output.where[0]
+    return replace(_named(Finding("nonfinite_output", [module], details, rank), rep), module=module)
 
 
 def _inside(module: str, block: str) -> bool:
@@ -311,12 +303,9 @@ def _inside(module: str, block: str) -> bool:
     return module == block or module.startswith(block + ".")
 
 
-def _name_op(finding: Finding, result: dict[str, Any]) -> None:
-    """Put the replay's culprit op, its module and the user's line into ``finding``'s own fields."""
-    finding.op = result.get("op")
-    finding.module = result.get("op_module") or result.get("module")
-    if result.get("file"):
-        finding.source = f"{result['file']}:{result['line']}"
+def _named(finding: Finding, rep: Replay) -> Finding:
+    """``finding`` with the replay's culprit op, its module and the user's line in its own fields."""
+    return replace(finding, op=rep.op, module=rep.op_module or rep.module, source=rep.source or finding.source)
 
 
 def _by_site(reader: StepRead, names: list[str]) -> list[tuple[str, list[str]]]:
@@ -329,14 +318,14 @@ def _by_site(reader: StepRead, names: list[str]) -> list[tuple[str, list[str]]]:
     return [(site, groups[site]) for site in ("param", "buffer", "optimizer_state") if site in groups]
 
 
-def _replay(loop: Loop, recorder: StepRecorder, rec: StepRecord) -> dict[str, Any]:
-    rng = rec.start_rng
+def _replay(loop: Loop, recorder: StepRecorder, rec: StepRecord) -> Replay:
+    """The step's replay, with the per-step watch off (the replay watches every module itself)."""
     watch = recorder.watch
     watching = watch.enabled if watch is not None else False
     if watch is not None:
         watch.enabled = False
     try:
-        return replay_batch(loop, rec.batch, rec.batch_idx, rng)
+        return replay_batch(loop, rec.batch, rec.batch_idx, rec.start_rng)
     finally:
         if watch is not None:
             watch.enabled = watching

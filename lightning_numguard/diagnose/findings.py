@@ -8,7 +8,7 @@ first one is the root cause; each later one is marked as its consequence.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_numguard.detect import registry
@@ -19,9 +19,10 @@ __all__ = ["AFTER_FORWARD", "Finding", "causal_position", "mark_consequences", "
 AFTER_FORWARD = "after the forward pass"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Finding:
-    """One thing found non-finite (or out of domain) in a step, on one rank.
+    """One thing found non-finite (or out of domain) in a step, on one rank. Immutable: a changed finding is a new
+    one (``dataclasses.replace``).
 
     Attributes:
         kind: an incident kind from :data:`~lightning_numguard.reporting.events.KINDS`, or a registered check's.
@@ -55,8 +56,8 @@ class Finding:
 
 
 def causal_position(finding: Finding) -> int:
-    """Where in a step ``finding`` happens: the index of its kind in the checks' causal order (``core/registry``:
-    the built-in kinds, ``KINDS``, with every registered check at its place).
+    """Where in a step ``finding`` happens, the one causal order: the index of its kind in the checks' declared
+    order (``detect/registry``: the built-in kinds, ``KINDS``, with every registered check at its place).
 
     Buffers poisoned by the forward pass come after everything else; unknown kinds last.
     """
@@ -86,19 +87,24 @@ def merge(parts: Iterable[Iterable[Finding]]) -> list[Finding]:
     return merged
 
 
-def mark_consequences(findings: list[Finding]) -> None:
-    """Mark every finding after the first (the root cause) as its consequence.
+def mark_consequences(findings: list[Finding]) -> list[Finding]:
+    """``findings`` with every one after the first (the root cause) marked as its consequence.
 
-    Sets ``root_cause=False``, ``consequence_of`` (the root's kind) and ``details["after"]`` (the
+    A consequence has ``root_cause=False``, ``consequence_of`` (the root's kind) and ``details["after"]`` (the
     root's kind and first name, for the hint). Advisory findings (optimizer coverage, overflow risks) are
     never incidents: they are neither a root cause nor a consequence of one.
     """
     incidents = [f for f in findings if not registry.is_advisory(f.kind)]
     if len(incidents) < 2:
-        return
+        return list(findings)
     root = incidents[0]
     cause = f"{root.kind} in `{root.where[0]}`" if root.where else root.kind
-    for finding in incidents[1:]:
-        finding.root_cause = False
-        finding.consequence_of = root.kind
-        finding.details.setdefault("after", cause)
+    later = {id(f) for f in incidents[1:]}
+    return [
+        replace(
+            f, root_cause=False, consequence_of=root.kind, details={**f.details, "after": f.details.get("after", cause)}
+        )
+        if id(f) in later
+        else f
+        for f in findings
+    ]

@@ -14,11 +14,7 @@ storage, else a constant (``torch.tensor(nan)``): a constant is never an origin;
 a tensor is (``x[i] = nan``: the write, at its line). An Inf made from a constant (``masked_fill(mask,
 -inf)``, ``torch.full(..., -inf)``) is *deliberate*, a mask.
 
-:meth:`Provenance.culprit` answers the rule: the culprit of a bad value is the origin of that value, and
-when that origin is a NaN made from ±Inf inputs whose Inf was made by accident (an overflow, ``x / 0``,
-``log(0)``), the walk goes on to that Inf's origin; when the Inf was a mask, the op that made NaN of it is
-the culprit (a fully masked softmax row). Non-finite values that never reach a bad value the step
-detected (T5's ``log(0)`` in its position buckets, a causal mask's ``-inf``) are never culprits.
+The culprit rule is :func:`culprit_of`'s, stated there once.
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ from lightning_numguard._compat import TorchDispatchMode, caller_frame, first_fr
 from lightning_numguard.diagnose.usercode import user_site
 from lightning_numguard.dtensor import local
 
-__all__ = ["Origin", "Provenance", "op_base_name"]
+__all__ = ["Origin", "Provenance", "culprit_of", "op_base_name"]
 
 NAN, INF = "nan", "inf"
 # Ops whose output is uninitialised memory (may hold any bits until written): never an origin.
@@ -158,7 +154,7 @@ class Provenance(TorchDispatchMode):
 
     @staticmethod
     def culprit(origin: Origin) -> Origin:
-        """The rule's culprit for a bad value of this ``origin``: a NaN made from an accidental Inf is that Inf's."""
+        """The culprit of one bad value of this ``origin`` (:func:`culprit_of`'s walk past an accidental Inf)."""
         seen = 0
         while origin.source == "op" and origin.from_inf is not None and not origin.from_inf.deliberate and seen < 64:
             if origin.from_inf.source == "constant":
@@ -291,3 +287,20 @@ def _overflow_facts(inputs: list[torch.Tensor], scalars: list[float]) -> dict[st
             if values.is_floating_point() and values.numel():
                 peaks.append(float(values.detach().abs().nan_to_num(0.0, 0.0, 0.0).max()))
     return {"max_abs_in": max(peaks)} if peaks else {}
+
+
+def culprit_of(bad: Iterable[Origin | None]) -> Origin | None:
+    """The culprit of a step, by definition: the rule, written here once.
+
+    The culprit is **the first op, in execution order, that made a NaN or Inf none of its inputs held, and whose
+    value reaches a bad value the step detected** (``bad``: the origins of the first module output that went
+    non-finite and of the loss). Of each bad value the origin is taken (the op that made it, or the parameter,
+    buffer or batch field that already held it); when that origin is a NaN made from ±Inf inputs whose Inf was
+    made by accident (an overflow, ``x / 0``, ``log(0)``), the walk goes on to the op that made that Inf; when the
+    Inf was deliberate (a literal ``-inf`` mask), the op that made NaN of it is the culprit (a fully masked softmax
+    row). Of the bad values' culprits the earliest in execution order is the step's. Non-finite values that never
+    reach a detected bad value (T5's ``log(0)`` in its position buckets, a causal mask's ``-inf``) are never
+    culprits. ``None``: nothing to blame (no bad value had an origin).
+    """
+    culprits = [Provenance.culprit(o) for o in bad if o is not None]
+    return min(culprits, key=lambda o: o.seq) if culprits else None

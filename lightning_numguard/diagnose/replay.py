@@ -6,11 +6,10 @@ step's forward pass and returns what ``training_step`` returns (a loss tensor, a
 trace the backward pass) from the same RNG state. The caller restores the training state
 afterwards: the replay's forward pass changes BatchNorm buffers and leaves gradients.
 
-The rule, by definition: **the culprit is the first op, in execution order, that wrote a NaN or Inf
-that none of its inputs held, and whose value reaches the bad value the step detected** (the first
-module output that went non-finite, or the loss). :class:`~lightning_numguard.diagnose.provenance.Provenance`
-records every op at the dispatcher, in place and ``__setitem__`` included, and walks back from the bad
-value to the op that made it (``result["stage"]``):
+The culprit is the rule's (:func:`~lightning_numguard.diagnose.provenance.culprit_of`, where it is written).
+:class:`~lightning_numguard.diagnose.provenance.Provenance` records every op at the dispatcher, in place and
+``__setitem__`` included; the replay gives the rule the origins of the bad values it saw, and says what the
+culprit is (:attr:`Replay.stage`):
 
 - ``"forward"``: an op made it: ``op``, the module running it (``op_module``; ``None`` for the root
   module's own code) and the user's ``file``/``line``/``code`` *of that call*;
@@ -20,9 +19,6 @@ value to the op that made it (``result["stage"]``):
 - ``"backward"``: the whole forward pass was finite: the culprit is the first autograd node whose
   gradients went non-finite from finite ones (``sqrt(0)``'s ``SqrtBackward0``).
 
-Non-finite values that never reach the bad value are never culprits (T5's ``log(0)`` in its position
-buckets, a causal mask's ``-inf``); a NaN made from an Inf written on purpose is (a softmax over a fully
-masked row: ``inf_in``).
 """
 
 from __future__ import annotations
@@ -32,6 +28,7 @@ import logging
 import re
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -39,17 +36,81 @@ from torch import nn
 
 from lightning_numguard.detect.opguard import OpGuard
 from lightning_numguard.diagnose.calls import Calls, op_name, site
-from lightning_numguard.diagnose.provenance import Origin, Provenance
+from lightning_numguard.diagnose.provenance import Origin, Provenance, culprit_of
 from lightning_numguard.diagnose.usercode import is_library_file
 from lightning_numguard.dtensor import local
 from lightning_numguard.state.snapshot import rng_state, set_rng_state
 from lightning_numguard.tree import tensor_leaves, tensors
 
-__all__ = ["first_bad_node", "loss_of", "op_name", "replay"]
+__all__ = ["Replay", "first_bad_node", "loss_of", "op_name", "replay"]
 
 log = logging.getLogger(__name__)
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)')
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What the replay of a step found (see :func:`replay`); empty (``stage=None``) when it found nothing or did not
+    run. :meth:`details` is its record in an event's ``details["replay"]``."""
+
+    #: ``"forward"``, ``"inputs"`` or ``"backward"`` (the module docstring); ``None``: nothing went non-finite
+    stage: str | None = None
+    #: the culprit op (``div``; an autograd node such as ``SqrtBackward0`` when the stage is ``"backward"``)
+    op: str | None = None
+    #: the innermost module running the culprit op (``None``: the root module's own code)
+    op_module: str | None = None
+    #: the first module, in backward order, whose input gradient went non-finite from a finite one
+    module: str | None = None
+    #: the first module whose output went non-finite (it received the value; it may not have made it)
+    forward_module: str | None = None
+    #: the user's line of the culprit call
+    file: str | None = None
+    line: int | None = None
+    code: str | None = None
+    forward_trace: str | None = None
+    #: the forward culprit again, kept for older readers of the events
+    forward_op: str | None = None
+    forward_op_module: str | None = None
+    #: ``stage="inputs"``: the parameter, buffer or batch field that held the value (``source``, ``name``)
+    leaf: dict[str, str] | None = None
+    #: ``stage="inputs"``: the value came from another rank through a collective (tensor parallelism)
+    from_another_rank: bool = False
+    first_bad_op: str | None = None
+    #: what the culprit op's inputs looked like: their dtype, largest magnitude, whether one held ±Inf
+    dtype: str | None = None
+    max_abs_in: float | None = None
+    inf_in: bool | None = None
+    #: the culprit wrote a literal NaN/Inf (``x[i] = nan``)
+    literal: bool | None = None
+    #: the replay itself raised (it never propagates)
+    error: str | None = None
+    #: op name -> the user's line of each call, in call order (the op guard's findings take their line from it)
+    op_sites: dict[str, list[dict[str, Any]]] = field(default_factory=dict, compare=False)
+    #: the fields the passes found, in the order found (a found ``None``, the ``op_module`` of the root's own
+    #: code, is a finding too); an event's ``details["replay"]`` holds these
+    found: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def source(self) -> str | None:
+        """``"file:line"`` of the culprit call, when known."""
+        return f"{self.file}:{self.line}" if self.file else None
+
+    @property
+    def ran(self) -> bool:
+        """Whether the replay ran and said anything (a stage, the first bad module, or an error)."""
+        return bool(self.details())
+
+    def details(self) -> dict[str, Any]:
+        """The record of this replay in an event: the fields that were found, in the order found (``op_sites``
+        left out)."""
+        return {name: getattr(self, name) for name in self.found if name != "op_sites"}
+
+    @classmethod
+    def of(cls, found: dict[str, Any]) -> Replay:
+        """The replay's record from what the passes found (keys of this class's fields)."""
+        known = {k: v for k, v in found.items() if k in _REPLAY_FIELDS}
+        return cls(**known, found=tuple(known))
 
 
 def _local_tensors(obj: Any) -> list[torch.Tensor]:
@@ -227,15 +288,14 @@ def _forward(root: nn.Module, run_step: Callable[[], Any], result: dict[str, Any
 
 
 def _chosen(seen: _Seen) -> Origin | None:
-    """The rule's culprit: of the bad values the forward pass made (the first bad module output, the loss),
-    the earliest origin in execution order, walked back past NaN made of an accidental Inf."""
+    """The step's culprit (:func:`~lightning_numguard.diagnose.provenance.culprit_of`) among the bad values the
+    forward pass made: the first bad module output and the loss."""
     found = [o for o in (seen.first_output[1] if seen.first_output else None, seen.loss) if o is not None]
     if not found and seen.provenance is not None and seen.provenance.first_nan is not None:
         # no module output and no loss went bad, but a NaN was there (a NaN weight whose attention kernel's output
         # stayed finite): the forward pass was not finite, and that NaN is what the backward pass spreads
         found = [seen.provenance.first_nan]
-    culprits = [Provenance.culprit(o) for o in found]
-    return min(culprits, key=lambda o: o.seq) if culprits else None
+    return culprit_of(found)
 
 
 def _describe(origin: Origin, result: dict[str, Any]) -> None:
@@ -292,19 +352,10 @@ def replay(
     sites: bool = False,
     agree: Callable[[bool], bool] | None = None,
     batch: Any = None,
-) -> dict[str, Any]:
-    """Run ``run_step`` (and its backward) from ``rng``; return what went non-finite first.
+) -> Replay:
+    """Run ``run_step`` (and its backward) from ``rng``; return what went non-finite first (a :class:`Replay`).
 
-    Returns a dict with ``stage`` (see the module docstring) when anything went non-finite, and:
-    ``op``, ``file``, ``line``, ``code`` (the culprit op and the user's line of that call; ``op`` is a
-    forward op such as ``div`` when the stage is ``"forward"`` and an autograd node such as
-    ``SqrtBackward0`` when it is ``"backward"``), ``op_module`` (the innermost module running it; ``None``:
-    the root module's own code), ``forward_module`` (the first module whose output went non-finite: it
-    received the value, it may not have made it), ``module`` (the first module, in backward order, whose
-    input gradient went non-finite from a finite one), ``leaf`` (``stage="inputs"``: the parameter, buffer or
-    batch field that held the value), ``forward_op`` / ``forward_op_module`` (the forward culprit, kept for
-    older readers), ``forward_trace``, ``op_sites`` (op name -> the user's line of each call, in call order)
-    and ``error`` if the replay itself raised (it never propagates). The replay runs under
+    The replay runs under
     :class:`~lightning_numguard.detect.opguard.OpGuard`, so it cannot trip a device-side assert either. The
     RNG state is put back afterwards. ``sites``: keep ``op_sites`` even when nothing went non-finite (the op
     guard's findings take their user line from it). ``batch``: the batch replayed, so that a value already
@@ -340,4 +391,7 @@ def replay(
     if "stage" not in result and not sites:
         result.pop("op_sites", None)
     log.debug("numguard replay: %s", result)
-    return result
+    return Replay.of(result)
+
+
+_REPLAY_FIELDS = frozenset(f.name for f in fields(Replay))

@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from lightning_numguard.diagnose.replay import replay
+from lightning_numguard.diagnose.replay import Replay, replay
 from lightning_numguard.engine import group
 from lightning_numguard.engine.loop import Loop
 
 __all__ = ["replay_batch"]
 
 
-def replay_batch(loop: Loop, batch: Any, batch_idx: int, rng: dict[str, Any] | None) -> dict[str, Any]:
+def replay_batch(loop: Loop, batch: Any, batch_idx: int, rng: dict[str, Any] | None) -> Replay:
     """Replay ``batch`` from the current weights; see :func:`~lightning_numguard.diagnose.replay.replay`.
 
     Gradients are not synchronised across ranks (``no_sync``): only this rank replays. When the forward and

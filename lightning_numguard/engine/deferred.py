@@ -22,12 +22,16 @@ leaf module. See ``docs/performance.md``.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import torch
 
-from lightning_numguard.detect import flags
-from lightning_numguard.diagnose.builder import StepView
+from lightning_numguard.detect import checks, flags, registry
+from lightning_numguard.diagnose.builder import StateLook, StepView
+from lightning_numguard.diagnose.findings import AFTER_FORWARD, Finding, merge
+from lightning_numguard.engine import group
 from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.pending import PendingFlags, supports_device_skip
 from lightning_numguard.engine.pipeline import StepPipeline
@@ -36,7 +40,87 @@ from lightning_numguard.engine.record import StepRecord
 from lightning_numguard.engine.schedule import ReadSchedule
 from lightning_numguard.errors import NumGuardConfigError
 
-__all__ = ["Deferred"]
+__all__ = ["Deferred", "LateView"]
+
+
+@dataclass
+class LateView(StepView):
+    """A step read one step late, as the findings builder sees it: the records kept for the step (the watch's and
+    the op guard's) instead of the live instruments, the state now instead of the step's gradients and buffers, no
+    replay, and a slot that no rank can name any more reported by its flag."""
+
+    #: the watch's kept buffer and the op guard's records of the step
+    kept_watch: Any = None
+    kept_ops: list[Any] | None = None
+    #: the parts of the ``NORMS`` slot (``"grads"``, ``"live_buffers"``, ...) and their totals then
+    norms: tuple[list[str], torch.Tensor] | None = None
+    late: ClassVar[bool] = True
+
+    def look(self, loop: Loop, reader: Any, exact: bool) -> StateLook:
+        """The state now, one step after the fault: what a rollback would judge (the step's gradients are gone)."""
+        if not exact:
+            return StateLook()
+        named = reader.state(loop, with_optimizer=True)
+        bad = [n for (n, _), b in zip(named, checks.confirm_nonfinite([t for _, t in named])) if b]
+        state_bad, rank = group.first_rank(loop, bad)
+        return StateLook(state_bad, [Finding("nonfinite_param", state_bad, {}, rank)] if state_bad else [])
+
+    def bad_blocks(self, watch: Any) -> list[tuple[str, float, float]]:
+        return watch.first_bad(self.kept_watch) if watch is not None and self.kept_watch is not None else []
+
+    def op_records(self, recorder: Any) -> list[Any]:
+        return list(self.kept_ops or [])
+
+    @property
+    def replays(self) -> bool:
+        return False  # the step's state is gone: the state now is a step later
+
+    def op_finding(self, finding: Finding, module: str | None, upstream: str | None) -> Finding:
+        return finding  # named by the op and the module the op guard saw
+
+    def complete(self, findings: list[Finding]) -> list[Finding]:
+        """A slot seen on some rank whose place no rank could name is reported by its flag (the ``NORMS`` slot by
+        the part of it that went bad, from its kept totals: a gradient, a buffer, a parameter...)."""
+        seen = self.reading.flags
+        kinds = {f.kind for f in findings}
+        out = list(findings)
+        for slot, kind in ((flags.OUTPUT, "nonfinite_output"), (flags.OP, "op_domain")):
+            if seen.seen(slot) and kind not in kinds:
+                out.append(Finding(kind, [registry.CHECK_BY_KIND[kind].placeholder], {}, seen.rank(slot)))
+        if not out and seen.seen(flags.NORMS):
+            out.append(_norms_placeholder(self.norms, seen.rank(flags.NORMS)))
+        return merge([out])
+
+    def state_bad(self, loop: Loop, reader: Any) -> bool:
+        return self.reading.flags.seen(flags.NORMS)  # the step's state is gone: its flag says
+
+    def point_to_bad_micro_batch(self, loop: Loop, recorder: Any) -> None:
+        """The micro-batches' records are gone: the window is named as a whole."""
+
+    def marked(self, finding: Finding, read_at: int) -> Finding:
+        """A finding of this step as its event says it: read late, at step ``read_at``."""
+        return replace(finding, details={**finding.details, "deferred": True, "read_at_step": read_at})
+
+
+#: The finding of each part of the ``NORMS`` slot read late: kind, what it names, site and details.
+_NORM_PARTS: dict[str, tuple[str, str, str | None, dict[str, Any]]] = {
+    "grads": ("nonfinite_grad", registry.CHECK_BY_KIND["nonfinite_grad"].placeholder, None, {}),
+    "live_buffers": ("nonfinite_param", "a buffer", "buffer", {"when": AFTER_FORWARD}),
+    "start_buffers": ("nonfinite_param", "a buffer", "buffer", {}),
+    "params": ("nonfinite_param", "a parameter", "param", {}),
+    "opt_state": ("nonfinite_param", "the optimizer state", "optimizer_state", {}),
+}
+
+
+def _norms_placeholder(norms: tuple[list[str], torch.Tensor] | None, rank: int) -> Finding:
+    """The first part of the ``NORMS`` slot whose kept total is non-finite (a host read, after a hit only)."""
+    part = "grads"
+    if norms is not None:
+        names, totals = norms
+        bad = [n for n, v in zip(names, totals.reshape(-1).tolist()) if not math.isfinite(v)]
+        part = bad[0] if bad and bad[0] in _NORM_PARTS else part
+    kind, where, site, details = _NORM_PARTS[part]
+    return Finding(kind, [where], dict(details), rank, site=site)
 
 
 class Deferred(ReadSchedule):
@@ -119,7 +203,7 @@ class Deferred(ReadSchedule):
         n = p.reader.extras_at
         reading = Reading(flags.decode(values[:n], loop.world_size), {}, values[n:])
         forced = rec.skip_forced or reading.flags.seen(flags.QUARANTINE)
-        decision = p.judge(loop, StepView(rec, reading, kept[:2], norms=kept[2]), due=False)
+        decision = p.judge(loop, LateView(rec, reading, kept_watch=kept[0], kept_ops=kept[1], norms=kept[2]), due=False)
         p.recovery.at_late_read(loop, step, decision, forced)
         if decision.restore and optimizer is not None:  # the step in flight started from the state to replace
             p.recovery.skip_in_flight(optimizer, loop.device)

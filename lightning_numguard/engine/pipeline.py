@@ -100,7 +100,7 @@ class StepPipeline:
 
     def judge(self, loop: Loop, view: StepView, due: bool) -> Decision:
         """Name the culprits of a read, judge it, move the counters; the recorder settles the decision and events."""
-        rec, seen, late = view.rec, view.reading.flags, view.kept is not None
+        rec, seen, late = view.rec, view.reading.flags, view.late
         s = self.settings
         spikes, advisory = self._spikes(loop, rec, view.reading.extras)
         if seen.seen(flags.QUARANTINE):
@@ -108,12 +108,10 @@ class StepPipeline:
         findings: list[Finding] = []
         events: list[dict[str, Any]] = []
         if rec.skip_forced:  # a batch known to be bad: skipped without an incident
-            state_bad = seen.seen(flags.NORMS) if late else bool(self.reader.state_bad(loop, view.reading))
-            facts = Facts(forced_skip=True, state_bad=state_bad, late=late)
+            facts = Facts(forced_skip=True, state_bad=view.state_bad(loop, self.reader), late=late)
             log.info("numguard skipped batch %s at step %s: %s", rec.batch_idx, rec.step, rec.forced_skip)
         elif seen.any:
-            if not late:
-                self.recorder.point_to_bad_micro_batch(loop)  # under accumulation: the micro-batch that went bad
+            view.point_to_bad_micro_batch(loop, self.recorder)  # under accumulation: the micro-batch that went bad
             found = diagnose(loop, self.recorder, self.reader, view, s.recovery.replay and s.acting, s.acting)
             if found.amp_overflow:
                 advisory += self._loss_scale(loop)
@@ -134,9 +132,9 @@ class StepPipeline:
         else:
             self.conventions.clean_step()
             wanted = self.spike.decide(rec.step) if spikes else None
-            for f in spikes:
-                if wanted != s.spike_action:
-                    f.details["escalated"] = f"{s.spikes.rollback_after} spikes within {s.spikes.window} steps"
+            if wanted != s.spike_action:
+                escalated = f"{s.spikes.rollback_after} spikes within {s.spikes.window} steps"
+                spikes = [replace(f, details={**f.details, "escalated": escalated}) for f in spikes]
             findings = spikes
             facts = Facts(spike=wanted, snapshot_due=due, late=late)
         findings = advisory + findings  # advisory findings (overflow risks) are judged too: reported, never acted on
@@ -148,9 +146,9 @@ class StepPipeline:
         )
         decision = judge(s.action, facts, budget, quarantine=s.recovery.quarantine, retry=s.recovery.retry_transient)
         for f in findings:
-            if late and not registry.is_advisory(f.kind):
-                f.details.update({"deferred": True, "read_at_step": loop.step})
-            taken = "none" if registry.is_advisory(f.kind) else decision.action  # an advisory finding is not acted on
+            advisory_kind = registry.is_advisory(f.kind)
+            f = f if advisory_kind else view.marked(f, loop.step)
+            taken = "none" if advisory_kind else decision.action  # an advisory finding is not acted on
             events.append(self.ledger.event(loop, f, rec.step, taken, rec.epoch, rec.batch_idx))
         self.recorder.settle(rec, decision, events)
         self.ledger.count(decision.counts)

@@ -65,18 +65,18 @@ def test_every_finding_after_the_first_names_it_as_the_cause():
         Finding("nonfinite_loss", ["loss"]),
         Finding("nonfinite_grad", []),
     ]
-    mark_consequences(found)
+    found = mark_consequences(found)
     assert "after" not in found[0].details
     assert found[1].details["after"] == found[2].details["after"] == "nonfinite_input in `batch['x']`"
 
 
 def test_a_lone_finding_is_no_consequence():
     found = [Finding("nonfinite_loss", ["loss"])]
-    mark_consequences(found)
+    found = mark_consequences(found)
     assert found[0].details == {}
 
 
 def test_an_existing_cause_is_kept():
     found = [Finding("nonfinite_input", []), Finding("nonfinite_loss", ["loss"], {"after": "something earlier"})]
-    mark_consequences(found)
+    found = mark_consequences(found)
     assert found[0].details == {} and found[1].details["after"] == "something earlier"

@@ -57,9 +57,9 @@ def test_a_nan_made_between_submodules_is_the_root_modules_op_not_the_layernorm_
     for fault, op in (("mul_nan", "mul"), ("temperature", "div")):
         model = Root(fault)
         result = replay(model, lambda model=model: model(torch.randn(2, 4)))
-        assert (result["stage"], result["op"], result["op_module"]) == ("forward", op, None), result
-        assert result["line"] == line_of(f"# FAULT {fault}")
-        assert result["forward_module"] == "blocks.0.ln"  # the first module that showed it: it only received it
+        assert (result.stage, result.op, result.op_module) == ("forward", op, None), result
+        assert result.line == line_of(f"# FAULT {fault}")
+        assert result.forward_module == "blocks.0.ln"  # the first module that showed it: it only received it
 
 
 class TwoSites(nn.Module):
@@ -80,8 +80,8 @@ class TwoSites(nn.Module):
 def test_two_call_sites_of_one_op_name_the_call_that_went_bad():
     model = TwoSites()
     result = replay(model, lambda: model(torch.randn(3, 4)))
-    assert (result["op"], result["line"]) == ("div", line_of("# FAULT second div"))
-    assert [site["line"] for site in result["op_sites"]["div"]] == [line_of("# a finite div"), result["line"]]
+    assert (result.op, result.line) == ("div", line_of("# FAULT second div"))
+    assert [site["line"] for site in result.op_sites["div"]] == [line_of("# a finite div"), result.line]
 
 
 class Causal(nn.Module):
@@ -103,8 +103,8 @@ def test_a_nan_weight_under_a_causal_mask_is_the_weight_not_the_mask():
     with torch.no_grad():
         model.qk.weight[0, 0] = float("nan")
     result = replay(model, lambda: model(torch.randn(2, 3, 4)))
-    assert result["stage"] == "inputs" and result["leaf"] == {"source": "param", "name": "qk.weight"}
-    assert "op" not in result
+    assert result.stage == "inputs" and result.leaf == {"source": "param", "name": "qk.weight"}
+    assert "op" not in result.details()
 
 
 def test_a_clean_causal_mask_and_a_discarded_log0_are_never_culprits():
@@ -117,7 +117,7 @@ def test_a_clean_causal_mask_and_a_discarded_log0_are_never_culprits():
 
     model = Buckets()
     result = replay(model, lambda: model(-torch.ones(2, 3, 4)))
-    assert (result["op"], result["line"]) == ("pow", line_of("# FAULT sqrt of negatives"))
+    assert (result.op, result.line) == ("pow", line_of("# FAULT sqrt of negatives"))
 
 
 def test_a_nan_written_by_a_forward_hook_is_the_write_at_its_line():
@@ -128,8 +128,8 @@ def test_a_nan_written_by_a_forward_hook_is_the_write_at_its_line():
 
     model[0].register_forward_hook(poison)
     result = replay(model, lambda: model(torch.randn(2, 4)).sum())
-    assert (result["stage"], result["op"], result["op_module"]) == ("forward", "__setitem__", "0"), result
-    assert result["line"] == line_of("# FAULT hook setitem") and result["literal"] is True
+    assert (result.stage, result.op, result.op_module) == ("forward", "__setitem__", "0"), result
+    assert result.line == line_of("# FAULT hook setitem") and result.literal is True
 
 
 def test_a_fully_masked_row_blames_the_softmax_and_says_the_row_was_masked():
@@ -145,7 +145,7 @@ def test_a_fully_masked_row_blames_the_softmax_and_says_the_row_was_masked():
     model, keep = Masked(), torch.ones(2, 3, dtype=torch.bool)
     keep[1] = False
     result = replay(model, lambda: model(torch.randn(2, 3, 4), keep))
-    assert (result["op"], result["line"], result["inf_in"]) == ("softmax", line_of("# FAULT masked row"), True)
+    assert (result.op, result.line, result.inf_in) == ("softmax", line_of("# FAULT masked row"), True)
 
 
 def test_an_accidental_inf_that_a_later_op_turns_into_nan_is_the_inf_s_maker():
@@ -156,7 +156,7 @@ def test_an_accidental_inf_that_a_later_op_turns_into_nan_is_the_inf_s_maker():
 
     model = Overflow()
     result = replay(model, lambda: model(torch.full((3,), 100.0)))
-    assert (result["op"], result["line"]) == ("exp", line_of("# FAULT exp overflow"))
+    assert (result.op, result.line) == ("exp", line_of("# FAULT exp overflow"))
 
 
 def test_a_bad_batch_field_is_a_leaf_named_by_its_path():
@@ -164,7 +164,7 @@ def test_a_bad_batch_field_is_a_leaf_named_by_its_path():
     batch = {"x": torch.randn(2, 4)}
     batch["x"][0, 0] = float("nan")
     result = replay(model, lambda: model(batch["x"]).sum(), batch=batch)
-    assert result["stage"] == "inputs" and result["leaf"]["source"] == "input" and "x" in result["leaf"]["name"]
+    assert result.stage == "inputs" and result.leaf["source"] == "input" and "x" in result.leaf["name"]
 
 
 def test_the_culprit_walk_stops_at_a_deliberate_inf():

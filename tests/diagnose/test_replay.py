@@ -31,8 +31,8 @@ def test_a_forward_division_by_zero_std_is_named_with_its_module_and_op():
         model[0].bias.fill_(1.0)  # constant activations
     x = torch.randn(3, 4)
     result = replay(model, lambda: model(x).sum())
-    assert result["forward_module"] == "1"
-    assert result["forward_op"] == "div" and result["forward_op_module"] == "1"
+    assert result.forward_module == "1"
+    assert result.forward_op == "div" and result.forward_op_module == "1"
     assert all(p.grad is None for p in model.parameters())  # the replay leaves no gradients
 
 
@@ -43,18 +43,18 @@ def test_a_backward_only_inf_is_named_by_its_autograd_node_and_user_line():
     assert result["op"] == "SqrtBackward0"
     assert "test_replay.py" in result["forward_trace"] and "sqrt" in result["forward_trace"]
     full = replay(model, lambda: model(x).sum())
-    assert "forward_op" not in full and full["op"] == "SqrtBackward0"
+    assert "forward_op" not in full.details() and full.op == "SqrtBackward0"
 
 
 def test_a_clean_step_names_nothing_and_a_raising_step_is_reported_not_raised():
     model = nn.Linear(2, 1)
     x = torch.randn(3, 2)
-    assert replay(model, lambda: model(x).sum()) == {}
+    assert replay(model, lambda: model(x).sum()).details() == {}
 
     def boom() -> torch.Tensor:
         raise RuntimeError("user code failed")
 
-    assert replay(model, boom)["error"] == "RuntimeError: user code failed"
+    assert replay(model, boom).error == "RuntimeError: user code failed"
 
 
 def test_the_replay_restores_the_rng_it_was_given_and_the_one_it_found():

@@ -31,7 +31,7 @@ def test_agree_runs_the_backward_pass_on_a_rank_that_did_not_want_it_and_ignores
     x = torch.randn(3, 4)
     wishes: list[bool] = []
     alone: list[int] = []
-    assert replay(model, _counting(model, x, alone))["op"] == "div" and len(alone) == 1  # no second pass alone
+    assert replay(model, _counting(model, x, alone)).op == "div" and len(alone) == 1  # no second pass alone
     together: list[int] = []
 
     def another_rank_wants_it(wish: bool) -> bool:
@@ -40,7 +40,7 @@ def test_agree_runs_the_backward_pass_on_a_rank_that_did_not_want_it_and_ignores
 
     result = replay(model, _counting(model, x, together), agree=another_rank_wants_it)
     assert wishes == [False] and len(together) == 2  # ran the backward search too
-    assert result["stage"] == "forward" and result["op"] == "div"  # and kept its own finding
+    assert result.stage == "forward" and result.op == "div"  # and kept its own finding
 
 
 def test_agree_is_asked_with_this_ranks_wish_for_a_backward_culprit():
@@ -48,6 +48,6 @@ def test_agree_is_asked_with_this_ranks_wish_for_a_backward_culprit():
     x = torch.randn(3, 4)
     wishes: list[bool] = []
     result = replay(model, lambda: model(x).sum(), agree=lambda w: wishes.append(w) or w)
-    assert wishes == [True] and result["stage"] == "backward" and result["op"] == "SqrtBackward0"
+    assert wishes == [True] and result.stage == "backward" and result.op == "SqrtBackward0"
     vetoed = replay(model, lambda: model(x).sum(), agree=lambda w: False)  # no rank may run it alone
-    assert "stage" not in vetoed
+    assert "stage" not in vetoed.details()

@@ -33,7 +33,9 @@ def _lines(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
 
 
 def test_rollback_logs_one_warning_naming_the_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    cb = NumGuardCallback(action="rollback", replay=False, check=EVERY_CHECK, dirpath=str(tmp_path / "ng"))
+    cb = NumGuardCallback(
+        action="rollback", check=EVERY_CHECK, dirpath=str(tmp_path / "ng"), recovery={"replay": False}
+    )
     with caplog.at_level(logging.INFO, logger="lightning_numguard"):
         _fit_quietly(tmp_path, cb, "loss")
     ((level, text),) = _lines(caplog)
@@ -48,7 +50,7 @@ def test_rollback_logs_one_warning_naming_the_files(tmp_path: Path, caplog: pyte
 
 
 def test_halt_logs_one_error_saying_halted_why_and_where(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    cb = NumGuardCallback(action="halt", replay=False, check=EVERY_CHECK, dirpath=str(tmp_path / "ng"))
+    cb = NumGuardCallback(action="halt", check=EVERY_CHECK, dirpath=str(tmp_path / "ng"), recovery={"replay": False})
     with caplog.at_level(logging.INFO, logger="lightning_numguard"):
         tr = _fit_quietly(tmp_path, cb, "loss")
     ((level, text),) = _lines(caplog)
@@ -60,7 +62,7 @@ def test_halt_logs_one_error_saying_halted_why_and_where(tmp_path: Path, caplog:
 
 
 def test_escalation_skip_to_rollback_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK, dirpath=str(tmp_path / "ng"))
+    cb = NumGuardCallback(action="skip", check=EVERY_CHECK, dirpath=str(tmp_path / "ng"), recovery={"replay": False})
     with caplog.at_level(logging.INFO, logger="lightning_numguard"):
         _fit_quietly(tmp_path, cb, "param")
     ((level, text),) = _lines(caplog)
@@ -69,7 +71,9 @@ def test_escalation_skip_to_rollback_is_logged(tmp_path: Path, caplog: pytest.Lo
 
 
 def test_escalation_rollback_to_halt_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    cb = NumGuardCallback(action="rollback", max_rollbacks=0, replay=False, check=EVERY_CHECK, dirpath=str(tmp_path))
+    cb = NumGuardCallback(
+        action="rollback", max_rollbacks=0, check=EVERY_CHECK, dirpath=str(tmp_path), recovery={"replay": False}
+    )
     with caplog.at_level(logging.INFO, logger="lightning_numguard"):
         _fit_quietly(tmp_path, cb, "loss")
     ((level, text),) = _lines(caplog)
@@ -80,7 +84,7 @@ def test_escalation_rollback_to_halt_is_logged(tmp_path: Path, caplog: pytest.Lo
 @pytest.mark.parametrize("dirpath", [None, "ng"])
 def test_fast_dev_run_writes_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dirpath: str | None) -> None:
     monkeypatch.chdir(tmp_path)
-    cb = NumGuardCallback(action="rollback", replay=False, check=EVERY_CHECK, dirpath=dirpath)
+    cb = NumGuardCallback(action="rollback", check=EVERY_CHECK, dirpath=dirpath, recovery={"replay": False})
     _fit_quietly(tmp_path / "root", cb, "loss", step=1, fast_dev_run=3, max_steps=-1)
     assert [(e["kind"], e["step"]) for e in cb.events] == [("nonfinite_loss", 1)]
     assert cb.counters["rollbacks"] == 1
@@ -92,7 +96,7 @@ def test_no_logger_no_checkpointing_no_dirpath_writes_nothing_in_the_cwd(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    cb = NumGuardCallback(action="halt", replay=False, check=EVERY_CHECK)
+    cb = NumGuardCallback(action="halt", check=EVERY_CHECK, recovery={"replay": False})
     tr = quiet_trainer([cb], max_steps=6)  # no default_root_dir: the working directory
     with warnings.catch_warnings(), pytest.raises(NonFiniteError, match="restored in memory"):
         warnings.simplefilter("ignore")
@@ -102,7 +106,7 @@ def test_no_logger_no_checkpointing_no_dirpath_writes_nothing_in_the_cwd(
 
 
 def test_warnings_point_at_the_users_line(tmp_path: Path) -> None:
-    cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK, dirpath=str(tmp_path / "ng"))
+    cb = NumGuardCallback(action="skip", check=EVERY_CHECK, dirpath=str(tmp_path / "ng"), recovery={"replay": False})
     tr = trainer(tmp_path, [cb], max_steps=6)
     with pytest.warns(NumGuardWarning) as records:
         tr.fit(FaultModel(site="loss", step=3), loader(FaultData()))

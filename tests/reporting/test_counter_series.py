@@ -42,7 +42,7 @@ def _series(log_dir: str, names: tuple[str, ...] = SERIES_TAGS) -> dict[str, lis
 
 
 def _fit(tmp_path: Path, site: str | None, **kw: Any) -> tuple[NumGuardCallback, TensorBoardLogger]:
-    guard = NumGuardCallback(action="rollback", replay=False, dirpath=str(tmp_path / "ng"))
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), recovery={"replay": False})
     logger = TensorBoardLogger(tmp_path, name="tb")
     t = trainer(tmp_path, [guard], max_steps=STEPS, logger=logger, log_every_n_steps=EVERY, **kw)
     t.fit(LossModel(site=site, step=4), loader(FaultData()))
@@ -70,7 +70,7 @@ def test_an_incident_run_shows_each_counter_rising_at_its_step(tmp_path: Path) -
 
 def test_an_incident_on_a_series_step_is_written_once(tmp_path: Path) -> None:
     """The incident's write and the series' write of the same step are one point per tag, not two."""
-    guard = NumGuardCallback(action="skip", replay=False, dirpath=str(tmp_path / "ng"))
+    guard = NumGuardCallback(action="skip", dirpath=str(tmp_path / "ng"), recovery={"replay": False})
     logger = TensorBoardLogger(tmp_path, name="tb")
     t = trainer(tmp_path, [guard], max_steps=STEPS, logger=logger, log_every_n_steps=EVERY)
     with pytest.warns(NumGuardWarning, match=r"the loss is non-finite at step 5 on rank 0"):
@@ -82,7 +82,7 @@ def test_an_incident_on_a_series_step_is_written_once(tmp_path: Path) -> None:
 
 
 def test_other_loggers_get_the_series_too(tmp_path: Path) -> None:
-    guard = NumGuardCallback(replay=False, dirpath=str(tmp_path / "ng"))
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), recovery={"replay": False})
     logger = CSVLogger(tmp_path, name="csv")
     trainer(tmp_path, [guard], max_steps=STEPS, logger=logger, log_every_n_steps=EVERY).fit(
         FaultModel(), loader(FaultData())
@@ -97,7 +97,7 @@ def test_other_loggers_get_the_series_too(tmp_path: Path) -> None:
 def test_the_series_costs_no_host_read(tmp_path: Path) -> None:
     """Still exactly one host read per step caused by the guard, series steps included (counters are host ints)."""
     counter = SyncCounter(package="lightning_numguard")
-    guard = NumGuardCallback(replay=False, dirpath=str(tmp_path / "ng"))
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), recovery={"replay": False})
     t = trainer(
         tmp_path, [SyncWindow(counter), guard], max_steps=6, logger=TensorBoardLogger(tmp_path), log_every_n_steps=1
     )

@@ -109,7 +109,7 @@ def _csv_rows(log_dir: str) -> dict[int, dict[str, str]]:
 def tb_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """Rollback run, module output poisoned at steps 3 and 6, TensorBoard logging every 50 steps."""
     tmp = tmp_path_factory.mktemp("tb")
-    cb = NumGuardCallback(action="rollback", replay=False, check=EVERY_CHECK)
+    cb = NumGuardCallback(action="rollback", check=EVERY_CHECK, recovery={"replay": False})
     logger = TensorBoardLogger(tmp)
     with pytest.warns(NumGuardWarning, match=ANY_NUMGUARD) as records:
         tr = _fit(tmp, cb, "output", FAULT_STEPS, logger=logger, log_every_n_steps=50)
@@ -177,7 +177,7 @@ def test_first_event_of_a_step_is_the_root_cause(tmp_path: Path, action: str) ->
     The poisoned module ``body.1`` also corrupts BatchNorm's running stats *during* the forward
     pass; those are an effect and must come after the module output, whatever the action.
     """
-    cb = NumGuardCallback(action=action, replay=False, check=EVERY_CHECK)
+    cb = NumGuardCallback(action=action, check=EVERY_CHECK, recovery={"replay": False})
     with pytest.warns(NumGuardWarning, match=ANY_NUMGUARD) as records:
         _fit(tmp_path, cb, "output", (3,), max_steps=5)
     _check_warnings(records, cb.events, OUTPUT_AT_3)
@@ -190,7 +190,7 @@ def test_first_event_of_a_step_is_the_root_cause(tmp_path: Path, action: str) ->
 
 
 def test_csv_logger_gets_the_counters(tmp_path: Path) -> None:
-    cb = NumGuardCallback(action="rollback", replay=False, check=EVERY_CHECK)
+    cb = NumGuardCallback(action="rollback", check=EVERY_CHECK, recovery={"replay": False})
     logger = CSVLogger(tmp_path)
     with pytest.warns(NumGuardWarning, match=LOSS_AT_3):
         _fit(tmp_path, cb, "loss", FAULT_STEPS, logger=logger, log_every_n_steps=50)
@@ -203,7 +203,7 @@ def test_csv_logger_gets_the_counters(tmp_path: Path) -> None:
 
 
 def test_tensorboard_and_csv_loggers_both_get_the_counters(tmp_path: Path) -> None:
-    cb = NumGuardCallback(action="rollback", replay=False, check=EVERY_CHECK)
+    cb = NumGuardCallback(action="rollback", check=EVERY_CHECK, recovery={"replay": False})
     tb, csv_logger = TensorBoardLogger(tmp_path, name="tb"), CSVLogger(tmp_path, name="csv")
     with pytest.warns(NumGuardWarning, match=LOSS_AT_3):
         _fit(tmp_path, cb, "loss", FAULT_STEPS, logger=[tb, csv_logger], log_every_n_steps=50)
@@ -223,7 +223,7 @@ def test_tensorboard_and_csv_loggers_both_get_the_counters(tmp_path: Path) -> No
 
 def test_no_logger_writes_events_under_default_root_dir(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK)
+    cb = NumGuardCallback(action="skip", check=EVERY_CHECK, recovery={"replay": False})
     with pytest.warns(NumGuardWarning, match=LOSS_AT_3):
         tr = _fit(root, cb, "loss", FAULT_STEPS, logger=False)
     assert tr.loggers == []
@@ -242,7 +242,7 @@ def test_no_logger_writes_events_under_default_root_dir(tmp_path: Path) -> None:
 
 
 def test_one_warning_per_kind_and_place_not_per_step(tmp_path: Path) -> None:
-    cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK)
+    cb = NumGuardCallback(action="skip", check=EVERY_CHECK, recovery={"replay": False})
     with pytest.warns(NumGuardWarning, match=LOSS_AT_2) as records:
         _fit(tmp_path, cb, "loss", (2, 4, 6), max_steps=8)
     assert [(e["kind"], e["step"]) for e in cb.events] == [
@@ -256,7 +256,7 @@ def test_one_warning_per_kind_and_place_not_per_step(tmp_path: Path) -> None:
 
 def test_warnings_deduplicated_when_every_step_is_bad(tmp_path: Path) -> None:
     """Under ``warn`` a NaN update poisons every later step: many events, one warning per kind and place."""
-    cb = NumGuardCallback(action="warn", replay=False, check=EVERY_CHECK)
+    cb = NumGuardCallback(action="warn", check=EVERY_CHECK, recovery={"replay": False})
     with pytest.warns(NumGuardWarning, match=ANY_NUMGUARD) as records:
         _fit(tmp_path, cb, "output", (3,), max_steps=8)
     warned = _check_warnings(records, cb.events, OUTPUT_AT_3)
@@ -284,7 +284,7 @@ def test_later_events_of_a_step_do_not_contradict_the_root_cause(
 ) -> None:
     """A NaN batch makes every module output, the loss and the gradients NaN too; their messages
     must not tell the user that the inputs (or the forward pass) were finite."""
-    cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK)
+    cb = NumGuardCallback(action="skip", check=EVERY_CHECK, recovery={"replay": False})
     with pytest.warns(NumGuardWarning, match=ANY_NUMGUARD):
         tr = trainer(tmp_path, [cb], max_steps=5)
         tr.fit(FaultModel(site=site, step=3), loader(FaultData(bad_batch=3, site=site)))

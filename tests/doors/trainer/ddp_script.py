@@ -132,9 +132,8 @@ def sharded_main(out: Path, fault_rank: int, action: str, asynchronous: bool = F
         guard = NumGuardCallback(
             action=action,
             dirpath=str(out / f"ng_{mode}"),
-            snapshot_sharding=mode,
             snapshot_every_n_steps=2,
-            snapshot_async=asynchronous and mode == "auto",
+            snapshot={"sharding": mode, "asynchronous": asynchronous and mode == "auto"},
         )
         saver = ModelCheckpoint(dirpath=out / f"ckpt_{mode}", every_n_train_steps=1, save_top_k=-1)
         trainer = ddp_trainer(5, [guard, saver])
@@ -277,10 +276,10 @@ def _deferred_run(
     guard = NumGuardCallback(
         action=action,
         dirpath=str(dirpath),
-        snapshot_sharding=mode,
         snapshot_every_n_steps=2,
         sync_mode="deferred",
-        spike_window=0,  # kept whole per rank, the window's 1 KiB would hide the halving of this 3 KiB model's state
+        snapshot={"sharding": mode},
+        spikes={"window": 0},
     )
     if callbacks is None:
         trainer = ddp_trainer(10, [guard], enable_checkpointing=False)

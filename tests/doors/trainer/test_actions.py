@@ -199,7 +199,7 @@ def test_halt_raises_false_stops_gracefully_and_loggers_see_which(tmp_path):
         fit(tmp_path / "raises", "input", "halt", logger=Finalised(tmp_path / "raises"), log_every_n_steps=1)
     assert Finalised.status == ["failed"]
     with pytest.raises(NumGuardConfigError, match="halt_raises"):
-        NumGuardCallback(halt_raises="yes")  # type: ignore[arg-type]
+        NumGuardCallback(recovery={"halt_raises": "yes"})  # type: ignore[arg-type]
 
 
 def test_on_save_checkpoint_never_writes_poisoned_weights(tmp_path):
@@ -238,7 +238,10 @@ def test_at_most_one_host_sync_per_training_step(tmp_path, snapshot_async):
 
     # the guard first, so its on_train_batch_end runs before the window closes
     guard = NumGuardCallback(
-        action="rollback", dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=2, snapshot_async=snapshot_async
+        action="rollback",
+        dirpath=str(tmp_path / "ng"),
+        snapshot_every_n_steps=2,
+        snapshot={"asynchronous": snapshot_async},
     )
     model = FaultModel()
     t = trainer(tmp_path, [SyncWindow(counter), guard], max_steps=8)

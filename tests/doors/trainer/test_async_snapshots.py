@@ -14,7 +14,11 @@ def fit(tmp_path, snapshot_async, site, step=3, max_steps=6, **kw):
     torch.manual_seed(0)
     model = FaultModel(site=site, step=step)
     guard = NumGuardCallback(
-        action="rollback", snapshot_every_n_steps=1, dirpath=str(tmp_path / "ng"), snapshot_async=snapshot_async, **kw
+        action="rollback",
+        snapshot_every_n_steps=1,
+        dirpath=str(tmp_path / "ng"),
+        **kw,
+        snapshot={"asynchronous": snapshot_async},
     )
     t = trainer(tmp_path, [guard], max_steps=max_steps)
     with pytest.warns(NumGuardWarning):
@@ -68,7 +72,7 @@ def test_the_snapshots_are_shown_through_a_read_only_view(tmp_path):
 
 def test_snapshot_async_is_validated_and_off_by_default_on_the_cpu(tmp_path):
     with pytest.raises(NumGuardConfigError, match="snapshot_async"):
-        NumGuardCallback(snapshot_async="yes")  # type: ignore[arg-type]
+        NumGuardCallback(snapshot={"asynchronous": "yes"})  # type: ignore[arg-type]
     guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=1)
     trainer(tmp_path, [guard], max_steps=2).fit(FaultModel(), loader(FaultData()))
     assert not guard.snapshots.async_on and guard.snapshots.spare is None

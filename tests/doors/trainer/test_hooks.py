@@ -76,7 +76,7 @@ def test_no_hooks_left_after_fit(tmp_path: Path) -> None:
     model = CensusModel()
     census = _Census()
     before = _hook_count(model)
-    trainer(tmp_path, [NumGuardCallback(replay=False, check=EVERY_CHECK), census], max_steps=3).fit(
+    trainer(tmp_path, [NumGuardCallback(check=EVERY_CHECK, recovery={"replay": False}), census], max_steps=3).fit(
         model, loader(FaultData())
     )
     # control: the guard's hooks and op guard were live during training
@@ -94,7 +94,7 @@ def test_no_hooks_left_after_fit(tmp_path: Path) -> None:
 @pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_second_fit_does_not_stack_hooks(tmp_path: Path) -> None:
     model = CensusModel()
-    cb = NumGuardCallback(replay=False, check=EVERY_CHECK)
+    cb = NumGuardCallback(check=EVERY_CHECK, recovery={"replay": False})
     first, second = _Census(), _Census()
     trainer(tmp_path, [cb, first], max_steps=2).fit(model, loader(FaultData()))
     tr = trainer(tmp_path, [cb], max_steps=2)
@@ -108,7 +108,7 @@ def test_second_fit_does_not_stack_hooks(tmp_path: Path) -> None:
 
 def test_second_fit_still_detects(tmp_path: Path) -> None:
     """The re-registered hooks are live: a module fault in the second fit is named."""
-    cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK)
+    cb = NumGuardCallback(action="skip", check=EVERY_CHECK, recovery={"replay": False})
     model = FaultModel()
     trainer(tmp_path, [cb], max_steps=2).fit(model, loader(FaultData()))
     model.site, model.fault_step = "output", 3  # a new Trainer counts steps from 0 again
@@ -125,7 +125,7 @@ def test_exception_in_training_step_removes_hooks_and_mode(tmp_path: Path) -> No
     model = BoomModel()
     census = _Census()
     with pytest.raises(RuntimeError, match="boom in training_step at step 2"):
-        trainer(tmp_path, [NumGuardCallback(replay=False, check=EVERY_CHECK), census], max_steps=5).fit(
+        trainer(tmp_path, [NumGuardCallback(check=EVERY_CHECK, recovery={"replay": False}), census], max_steps=5).fit(
             model, loader(FaultData())
         )
     assert len(census.hooks) == 3
@@ -163,7 +163,7 @@ class _EMA(pl.Callback):
 
 
 def test_deepcopy_of_the_model_does_not_record(tmp_path: Path) -> None:
-    cb = NumGuardCallback(action="skip", replay=False, check=EVERY_CHECK)
+    cb = NumGuardCallback(action="skip", check=EVERY_CHECK, recovery={"replay": False})
     ema = _EMA()
     model = FaultModel()
     trainer(tmp_path, [cb, ema], max_steps=4).fit(model, loader(FaultData()))

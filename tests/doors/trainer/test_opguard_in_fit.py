@@ -36,7 +36,7 @@ ORIGINAL = F.cross_entropy
 @pytest.mark.parametrize("boom_step", [None, 1])
 def test_the_guarded_functions_are_wrapped_during_the_fit_only(tmp_path: Path, boom_step: Any) -> None:
     model = WrappedDuringStep(boom_step)
-    t = trainer(tmp_path, [NumGuardCallback(replay=False)], max_steps=3)
+    t = trainer(tmp_path, [NumGuardCallback(recovery={"replay": False})], max_steps=3)
     if boom_step is None:
         t.fit(model, loader(FaultData()))
     else:

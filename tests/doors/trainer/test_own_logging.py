@@ -19,7 +19,7 @@ def test_a_run_with_an_incident_makes_lightning_warn_about_nothing_the_guard_log
     tmp_path: Path, bar_class: type
 ) -> None:
     """Every value the guard hands to ``self.log`` is already what Lightning wants (a float tensor, one element)."""
-    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), replay=False)
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), recovery={"replay": False})
     t = trainer(
         tmp_path,
         [guard, bar_class()],
@@ -44,7 +44,7 @@ def test_a_run_with_an_incident_makes_lightning_warn_about_nothing_the_guard_log
 def test_a_nan_batch_warns_once_its_consequences_are_recorded_not_warned(tmp_path: Path) -> None:
     """One warning per root cause: the module outputs, loss, gradients and buffers that the NaN batch made
     non-finite are events (file, loggers, summary), not four more warnings saying "fix that first"."""
-    guard = NumGuardCallback(action="skip", dirpath=str(tmp_path / "ng"), replay=False)
+    guard = NumGuardCallback(action="skip", dirpath=str(tmp_path / "ng"), recovery={"replay": False})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer(tmp_path, [guard], max_steps=5).fit(FaultModel(), loader(FaultData(bad_batch=3, site="input")))

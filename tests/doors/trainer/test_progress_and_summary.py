@@ -78,7 +78,7 @@ def test_the_bar_entries_cost_no_extra_host_read(tmp_path: Path) -> None:
     """Still one host read per step caused by the guard, steps after an incident included."""
     counter = SyncCounter(package="lightning_numguard")
 
-    guard = NumGuardCallback(action="skip", dirpath=str(tmp_path / "ng"), replay=False)
+    guard = NumGuardCallback(action="skip", dirpath=str(tmp_path / "ng"), recovery={"replay": False})
     t = trainer(tmp_path, [SyncWindow(counter), guard, TQDMProgressBar()], max_steps=8, enable_progress_bar=True)
     t.callbacks = [c for c in t.callbacks if c is not guard] + [guard]  # the guard's batch end inside the window
     with counter:

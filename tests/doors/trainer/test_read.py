@@ -88,7 +88,9 @@ def test_state_goes_through_the_rewriting_check_only_while_no_snapshot_copies_it
     every = ["inputs", "loss", "grads", "buffers", "params", "optimizer_state"]
     fused = {}  # whether the state went through the fused (rewriting) check, seen at the dispatcher
     for asynchronous in (False, True):
-        guard = NumGuardCallback(dirpath=str(tmp_path / str(asynchronous)), check=every, snapshot_async=asynchronous)
+        guard = NumGuardCallback(
+            dirpath=str(tmp_path / str(asynchronous)), check=every, snapshot={"asynchronous": asynchronous}
+        )
         counter = OpCounter()
         counter.on = True
         torch.manual_seed(0)

@@ -153,7 +153,7 @@ def test_persistent_batch_is_quarantined_saved_and_skipped_in_later_epochs(tmp_p
 
 def test_retry_tells_transient_from_persistent(tmp_path):
     # transient: the fault fires once; the re-run of the same batch is finite (it is not trained on)
-    guard = NumGuardCallback(action="rollback", retry_transient=True, dirpath=str(tmp_path / "a"))
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "a"), recovery={"retry_transient": True})
     # transient: the replay finds `body.1` finite again, so the warning names no particular place
     with pytest.warns(NumGuardWarning, match=guard_warning("", 3)):
         model, _ = run(tmp_path / "a", FaultData(), FaultModel(site="output", step=3, once=True), guard)
@@ -161,7 +161,7 @@ def test_retry_tells_transient_from_persistent(tmp_path):
     assert guard.quarantined == []
     assert all_finite(model.state_dict())
     # persistent: the batch itself is bad, so the re-run fails too and it is quarantined at once
-    guard = NumGuardCallback(action="rollback", retry_transient=True, dirpath=str(tmp_path / "b"))
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "b"), recovery={"retry_transient": True})
     with pytest.warns(NumGuardWarning, match=guard_warning("batch['x']", 3)):
         run(tmp_path / "b", FaultData(bad_batch=3, site="input"), guard=guard)
     assert guard.events[0]["details"]["retry"] == "persistent: non-finite again"
@@ -172,7 +172,7 @@ def test_retry_tells_transient_from_persistent(tmp_path):
 # Lightning's remark on any mid-epoch resume (what this test does on purpose), not the guard's
 @pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
 def test_resume_keeps_the_quarantine(tmp_path):
-    guard = NumGuardCallback(action="rollback", retry_transient=True, dirpath=str(tmp_path / "ng"))
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), recovery={"retry_transient": True})
     with pytest.warns(NumGuardWarning, match=guard_warning("batch['x']", 3)):
         run(tmp_path, FaultData(bad_batch=3, site="input"), guard=guard, max_epochs=1)
     ckpt = tmp_path / "ng" / "last_finite.ckpt"
@@ -219,7 +219,7 @@ def test_fp16_amp_overflow_is_left_to_the_grad_scaler(tmp_path):
 def test_a_rollbacks_last_finite_ckpt_holds_the_fits_counters(tmp_path):
     """The checkpoint a rollback writes counts the incident that made it (it lagged by one before, issue 27), and
     the rollback's event says the step it went back to (the run's picture shades the span)."""
-    guard = NumGuardCallback(action="rollback", replay=False, dirpath=str(tmp_path / "ng"))
+    guard = NumGuardCallback(action="rollback", dirpath=str(tmp_path / "ng"), recovery={"replay": False})
     with guard_warns(guard_warning("loss", 3)):
         trainer(tmp_path, [guard], max_steps=6).fit(FaultModel(site="loss", step=3), loader(FaultData()))
     last = torch.load(tmp_path / "ng" / "last_finite.ckpt", weights_only=False)

@@ -68,7 +68,9 @@ def test_manual_two_optimizer_gan_keeps_global_step(tmp_path, bad_batch):
     torch.manual_seed(0)
     ref = trainer(tmp_path / "ref", [], max_epochs=1)
     ref.fit(TwoOptimizerGAN(), loader(FaultData(n=48)))
-    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), replay=False, emit_warnings=False)  # reads the events
+    guard = NumGuardCallback(
+        dirpath=str(tmp_path / "ng"), emit_warnings=False, recovery={"replay": False}
+    )  # reads the events
     t = trainer(tmp_path / "ng", [guard], max_epochs=1)
     torch.manual_seed(0)
     t.fit(TwoOptimizerGAN(bad_batch), loader(FaultData(n=48)))

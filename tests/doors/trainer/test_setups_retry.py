@@ -40,7 +40,9 @@ def test_retry_under_manual_optimization_steps_nothing(tmp_path, once):
     torch.manual_seed(0)
     ref = trainer(tmp_path / "ref", [], max_epochs=1)
     ref.fit(CountingGAN(), loader(FaultData(n=48)))
-    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), replay=False, retry_transient=True, emit_warnings=False)
+    guard = NumGuardCallback(
+        dirpath=str(tmp_path / "ng"), emit_warnings=False, recovery={"replay": False, "retry_transient": True}
+    )
     model = CountingGAN(bad_batch=2, once=once)
     t = trainer(tmp_path / "ng", [guard], max_epochs=1)
     torch.manual_seed(0)
@@ -63,7 +65,7 @@ class Fp16OverflowData(FaultData):
 def test_retry_runs_under_autocast(tmp_path):
     """A fault that only happens in fp16 is persistent. Before: the retry ran in float32, found it finite."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), replay=False, retry_transient=True)
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), recovery={"replay": False, "retry_transient": True})
     t = trainer(tmp_path, [guard], max_epochs=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
     with pytest.warns(NumGuardWarning):
         t.fit(FaultModel(), loader(Fp16OverflowData()))

@@ -209,7 +209,7 @@ def test_resume_restores_the_spike_window(tmp_path):
 
 def test_a_nan_gradient_mid_window_leaves_statistics_and_optimizer_state_finite(tmp_path):
     guard = NumGuardCallback(
-        dirpath=str(tmp_path / "ng"), action="skip", spike_window=8, spike_warmup=2, emit_warnings=False
+        dirpath=str(tmp_path / "ng"), action="skip", emit_warnings=False, spikes={"window": 8, "warmup": 2}
     )
     model = FaultModel(site="grad", step=3)
     trainer(tmp_path, [guard], max_steps=8).fit(model, loader(FaultData()))
@@ -242,7 +242,7 @@ def _scalars(log_dir: str, tag: str) -> dict[int, float]:
 
 def test_grad_norm_zscores_and_spikes_reach_tensorboard_on_lightnings_steps_and_at_each_spike(tmp_path):
     guard = NumGuardCallback(
-        dirpath=str(tmp_path / "ng"), spike_action="warn", spike_window=16, spike_warmup=8, emit_warnings=False
+        dirpath=str(tmp_path / "ng"), spike_action="warn", emit_warnings=False, spikes={"window": 16, "warmup": 8}
     )
     probe = NormProbe()
     logger = TensorBoardLogger(tmp_path, name="tb")
@@ -349,7 +349,7 @@ def test_a_clean_run_of_each_benchmark_model_raises_no_spike(tmp_path, name, bat
 
 
 def test_with_spike_statistics_off_the_read_carries_nothing_else(tmp_path):
-    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), spike_window=0, overflow_headroom=None)
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), spikes={"window": 0, "overflow_headroom": None})
     logger = TensorBoardLogger(tmp_path, name="tb")
     trainer(tmp_path, [guard], max_steps=4, logger=logger, log_every_n_steps=1).fit(FaultModel(), loader(FaultData()))
     assert guard.state_dict()["spike"] == {"spike_steps": []}  # no window to save

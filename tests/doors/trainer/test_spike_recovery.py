@@ -152,7 +152,7 @@ def test_a_fit_shorter_than_the_warm_up_is_warned_that_spike_detection_cannot_ac
     from lightning_numguard import NumGuardWarning
     from tests.helpers import FaultData, FaultModel, loader
 
-    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), spike_action="skip", spike_warmup=20)
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), spike_action="skip", spikes={"warmup": 20})
     with pytest.warns(NumGuardWarning, match=r"max_steps=10 ends it before the spike window holds spike_warmup=20"):
         trainer(tmp_path, [guard], max_steps=10).fit(FaultModel(), loader(FaultData()))
     assert guard.events == []

@@ -191,7 +191,7 @@ def test_last_finite_ckpt_loads_with_load_from_checkpoint(faulted: SimpleNamespa
 def test_last_finite_ckpt_resumes_with_fit(faulted: SimpleNamespace, tmp_path: Path) -> None:
     path = faulted.cb.resolved_dirpath / "last_finite.ckpt"
     start = torch.load(path, weights_only=True)["global_step"]
-    cb = NumGuardCallback(action="rollback", replay=False)
+    cb = NumGuardCallback(action="rollback", recovery={"replay": False})
     model = FaultModel()
     tr = trainer(tmp_path, [cb], max_steps=start + 2)
     tr.fit(model, loader(FaultData()), ckpt_path=path)
