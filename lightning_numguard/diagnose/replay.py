@@ -45,10 +45,28 @@ from lightning_numguard.dtensor import local
 from lightning_numguard.state.snapshot import rng_state, set_rng_state
 from lightning_numguard.tree import tensor_leaves, tensors
 
-__all__ = ["first_bad_node", "loss_of", "op_name", "replay"]
+__all__ = ["CULPRIT_FACTS", "first_bad_node", "loss_of", "op_name", "replay"]
 
 log = logging.getLogger(__name__)
 
+#: What the replay measured at the culprit op that the events carry (the hints read them: ``reporting/hints``).
+CULPRIT_FACTS = (
+    "dtype",
+    "max_abs_in",
+    "min_in",
+    "max_in",
+    "inf_in",
+    "literal",
+    "made",
+    "zero_divisor",
+    "reduced_over",
+    "correction",
+    "short_samples",
+    "frames_needed",
+    "frames",
+    "labels_counted",
+    "ignore_index",
+)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)')
 
 
@@ -245,7 +263,7 @@ def _describe(origin: Origin, result: dict[str, Any]) -> None:
         if origin.site is not None:
             result.update(site(*origin.site))
             result["forward_trace"] = f"{result['file']}:{result['line']}: {result.get('code', '')}"
-        result.update({k: v for k, v in origin.facts.items() if k in ("dtype", "max_abs_in", "inf_in", "literal")})
+        result.update({k: v for k, v in origin.facts.items() if k in CULPRIT_FACTS})
         result["forward_op"], result["forward_op_module"] = origin.op, origin.module
     elif origin.source == "rank":
         result.update(stage="inputs", from_another_rank=True)
@@ -302,10 +320,13 @@ def replay(
     the root module's own code), ``forward_module`` (the first module whose output went non-finite: it
     received the value, it may not have made it), ``module`` (the first module, in backward order, whose
     input gradient went non-finite from a finite one), ``leaf`` (``stage="inputs"``: the parameter, buffer or
-    batch field that held the value), ``forward_op`` / ``forward_op_module`` (the forward culprit, kept for
-    older readers), ``forward_trace``, ``op_sites`` (op name -> the user's line of each call, in call order)
-    and ``error`` if the replay itself raised (it never propagates). The replay runs under
-    :class:`~lightning_numguard.detect.opguard.OpGuard`, so it cannot trip a device-side assert either. The
+    batch field that held the value), what was measured at a forward culprit (:data:`CULPRIT_FACTS`: its dtype,
+    the smallest, largest and largest-magnitude finite values it read, whether an input held ±Inf, and for a few ops
+    a zero divisor, the values a ``std`` reduced, the CTC samples short of frames, the labels a loss counted),
+    ``forward_op`` / ``forward_op_module`` (the forward culprit, kept for older readers), ``forward_trace``,
+    ``op_sites`` (op name -> the user's line of each call, in call order) and ``error`` if the replay itself
+    raised (it never propagates). The replay runs under :class:`~lightning_numguard.detect.opguard.OpGuard`, so
+    it cannot trip a device-side assert either. The
     RNG state is put back afterwards. ``sites``: keep ``op_sites`` even when nothing went non-finite (the op
     guard's findings take their user line from it). ``batch``: the batch replayed, so that a value already
     bad in it is named by its path.
