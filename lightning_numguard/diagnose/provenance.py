@@ -313,7 +313,15 @@ def _input_facts(inputs: list[torch.Tensor], scalars: list[float]) -> dict[str, 
 def _op_facts(name: str, args: Any, kwargs: Any, out: torch.Tensor) -> dict[str, Any]:
     """What the advice for a few ops needs beyond the values read: whether a divisor held 0, how many values a
     ``std``/``var`` reduced, which CTC targets need more frames than their input has, how many labels a
-    ``nll_loss`` counted. Read on the host, at the op that made a non-finite value during the replay only."""
+    ``nll_loss`` counted. Read on the host, at the op that made a non-finite value during the replay only; a call
+    whose arguments are not as expected gives none (the advice is then worded without them)."""
+    try:
+        return _measure(name, args, kwargs, out)
+    except Exception:  # a fact is an extra: the diagnosis never fails over one
+        return {}
+
+
+def _measure(name: str, args: Any, kwargs: Any, out: torch.Tensor) -> dict[str, Any]:
     with torch.no_grad():
         if name in ("div", "div_", "true_divide", "reciprocal", "remainder", "fmod"):
             divisor = args[0] if name == "reciprocal" else args[1] if len(args) > 1 else None
