@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -38,6 +38,7 @@ __all__ = [
     "KIND_HINTS",
     "MASKED_ROW_HINT",
     "OP_DOMAIN_HINTS",
+    "CulpritFacts",
     "canonical_op",
     "consequence_hint",
     "coverage_hint",
@@ -159,11 +160,12 @@ def op_domain_advice(op: str, details: Mapping[str, Any]) -> str | None:
                 f"{were}: a NaN made upstream reached the loss, not a missing sigmoid; fix "
                 f"it where it was made (the step's first non-finite module or op), and {logits}"
             )
-        if low is not None and high is not None and arg == "input":
-            return f"inputs from {low:.4g} to {high:.4g} are outside [0, 1], so no sigmoid made them: {logits}"
-        if low is not None and high is not None:
-            return f"targets from {low:.4g} to {high:.4g} are outside [0, 1]: BCE takes probabilities as targets"
-        return base
+        if low is None or high is None:
+            return base
+        bad = f"the bad {arg}s (from {low:.4g} to {high:.4g}) are outside [0, 1]"
+        if arg == "input":
+            return f"{bad}, so no sigmoid made them: {logits}"
+        return f"{bad}: BCE takes probabilities as targets"
     what = _DOMAIN_VALUE.get(op)
     if what is None or low is None or high is None or not rule:
         return base
@@ -293,8 +295,9 @@ _SPELLINGS: Mapping[str, str] = MappingProxyType(
 
 
 @dataclass(frozen=True)
-class _Facts:
-    """What a replay measured at a forward culprit (``details["replay"]``), read leniently (older events lack some)."""
+class CulpritFacts:
+    """What a replay measured at a forward culprit (``details["replay"]``), read leniently (older events lack some):
+    what each advice of :data:`FORWARD_OP_HINTS` is worded from."""
 
     op: str
     dtype: str
@@ -306,10 +309,10 @@ class _Facts:
     raw: Mapping[str, Any]
 
     @classmethod
-    def of(cls, replay: Mapping[str, Any]) -> _Facts:
+    def of(cls, replay: Mapping[str, Any]) -> CulpritFacts:
         dtype = replay.get("dtype")
         return cls(
-            op=str(replay.get("op")),
+            op=canonical_op(str(replay.get("op"))),
             dtype=dtype if isinstance(dtype, str) else "float32",
             peak=_number(replay.get("max_abs_in")),
             low=_number(replay.get("min_in")),
@@ -331,7 +334,7 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def _exp_hint(f: _Facts) -> str:
+def _exp_hint(f: CulpritFacts) -> str:
     """exp, expm1, exp2, sinh, cosh: the exponent went past the log of the dtype's largest value."""
     limit = math.log2(f.largest) if f.op == "exp2" else math.log(f.largest)
     top = f.high if f.high is not None else f.peak
@@ -344,7 +347,7 @@ def _exp_hint(f: _Facts) -> str:
     )
 
 
-def _pow_hint(f: _Facts) -> str:
+def _pow_hint(f: CulpritFacts) -> str:
     if f.made == "nan" and f.low is not None and f.low < 0:
         return (
             f"a negative base ({f.low:.4g}) to a fractional power is NaN: raise the magnitude and keep the sign "
@@ -359,7 +362,7 @@ def _pow_hint(f: _Facts) -> str:
     )
 
 
-def _log_hint(f: _Facts) -> str:
+def _log_hint(f: CulpritFacts) -> str:
     floor = -1.0 if f.op == "log1p" else 0.0
     edge = "-1" if f.op == "log1p" else "0"
     if f.made == "nan" or (f.low is not None and f.low < floor):
@@ -395,7 +398,7 @@ def _divisor(code: Any) -> str | None:
     return next((words for name, words in _DIVISORS if re.search(rf"\b{name}\(", tail)), None)
 
 
-def _div_hint(f: _Facts) -> str:
+def _div_hint(f: CulpritFacts) -> str:
     zero = f.raw.get("zero_divisor")
     name = "a division" if f.op == "div" else f"`{f.op}`"
     by = _divisor(f.raw.get("code")) if f.op == "div" else None
@@ -413,7 +416,7 @@ def _div_hint(f: _Facts) -> str:
     )
 
 
-def _sqrt_hint(f: _Facts) -> str:
+def _sqrt_hint(f: CulpritFacts) -> str:
     if f.made == "nan" or (f.low is not None and f.low < 0):
         low = f" ({f.low:.3g})" if f.low is not None and f.low < 0 else ""
         return (
@@ -428,7 +431,7 @@ def _sqrt_hint(f: _Facts) -> str:
     )
 
 
-def _spread_hint(f: _Facts) -> str:
+def _spread_hint(f: CulpritFacts) -> str:
     count, correction = _number(f.raw.get("reduced_over")), _number(f.raw.get("correction"))
     if count is not None and correction is not None and count <= correction:
         values = f"{count:g} value" + ("" if count == 1 else "s")
@@ -444,7 +447,7 @@ def _spread_hint(f: _Facts) -> str:
     )
 
 
-def _arc_hint(f: _Facts) -> str:
+def _arc_hint(f: CulpritFacts) -> str:
     beyond = [v for v in (f.low, f.high) if v is not None and abs(v) > 1]
     if beyond:
         what = f"the input of `{f.op}` reached {max(beyond, key=abs):.9g}, outside [-1, 1]"
@@ -458,11 +461,11 @@ def _arc_hint(f: _Facts) -> str:
     )
 
 
-def _softmax_hint(f: _Facts) -> str | None:
+def _softmax_hint(f: CulpritFacts) -> str | None:
     return MASKED_ROW_HINT if f.inf_in or f.op == "scaled_dot_product_attention" else None
 
 
-def _ctc_hint(f: _Facts) -> str:
+def _ctc_hint(f: CulpritFacts) -> str:
     short, needed, frames = (_number(f.raw.get(k)) for k in ("short_samples", "frames_needed", "frames"))
     if short is not None and needed is not None and frames is not None:
         samples = f"{short:g} sample" + (" has" if short == 1 else "s have")
@@ -479,7 +482,7 @@ def _ctc_hint(f: _Facts) -> str:
     )
 
 
-def _kl_hint(f: _Facts) -> str:
+def _kl_hint(f: CulpritFacts) -> str:
     if f.inf_in:
         return (
             "the input of `kl_div` holds -inf (the log of a probability of 0: log(softmax(x)) underflows, or a -inf "
@@ -497,7 +500,7 @@ def _kl_hint(f: _Facts) -> str:
     )
 
 
-def _class_loss_hint(f: _Facts) -> str | None:
+def _class_loss_hint(f: CulpritFacts) -> str | None:
     counted, ignored = f.raw.get("labels_counted"), f.raw.get("ignore_index")
     if counted == 0:
         value = f" ({ignored})" if isinstance(ignored, int) else ""
@@ -511,7 +514,7 @@ def _class_loss_hint(f: _Facts) -> str | None:
     return None
 
 
-FORWARD_OP_HINTS: Mapping[str, Callable[[_Facts], str | None]] = MappingProxyType(
+FORWARD_OP_HINTS: Mapping[str, Callable[[CulpritFacts], str | None]] = MappingProxyType(
     {
         **dict.fromkeys(("exp", "expm1", "exp2", "sinh", "cosh"), _exp_hint),
         "pow": _pow_hint,
@@ -556,8 +559,7 @@ def forward_op_hint(replay: Mapping[str, Any]) -> str | None:
     """
     if replay.get("stage") != "forward" or not isinstance(replay.get("op"), str):
         return None
-    facts = _Facts.of(replay)
-    facts = replace(facts, op=canonical_op(facts.op))
+    facts = CulpritFacts.of(replay)
     advise = FORWARD_OP_HINTS.get(facts.op)
     return (advise(facts) if advise is not None else None) or overflow_hint(replay)
 
