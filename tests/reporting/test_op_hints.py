@@ -110,6 +110,11 @@ def div_by_empty_mask(net: Net, x: torch.Tensor, y: torch.Tensor, t: torch.Tenso
     return _regress(net, x - mean, y)
 
 
+def div_by_zero_std(net: Net, x: torch.Tensor, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    h = (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True)  # FAULT: div_by_zero_std
+    return _regress(net, h, y)
+
+
 def div_in_the_loss(net: Net, x: torch.Tensor, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     pred, scale = net.fc(x).sum(-1), x[:, 0].abs().min()  # a scale read from the batch
     return F.mse_loss(pred / scale, y)  # FAULT: div_in_the_loss
@@ -125,6 +130,12 @@ def sqrt_distance_backward(net: Net, x: torch.Tensor, y: torch.Tensor, t: torch.
     a, b = net.fc(x[0::2]), net.fc(x[1::2])  # two views of each pair
     distance = (a - b).pow(2).sum(-1).sqrt()  # FAULT: sqrt_distance_backward
     return distance.mean()
+
+
+def pow_fractional_backward(net: Net, x: torch.Tensor, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    a, b = net.fc(x[0::2]), net.fc(x[1::2])
+    spread = (a - b).abs().pow(0.5)  # FAULT: pow_fractional_backward
+    return spread.mean()
 
 
 def rsqrt_of_zero(net: Net, x: torch.Tensor, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -341,7 +352,7 @@ class Row:
 
 
 OUT, LOSS, GRAD, DOMAIN = "nonfinite_output", "nonfinite_loss", "nonfinite_grad", "op_domain"
-GENERIC = ("zero std", "look in this module")  # the one advice every op used to get
+GENERIC = ("look in this module", "add an eps or clamp")  # the one advice every op used to get
 FRAMES_NEEDED = 2 * (FRAMES + 1) - 1  # a target of FRAMES + 1 equal labels: one frame each, a blank between
 ROWS = [
     Row(exp_overflow, OUT, "exp", ("the exponent reached 1146", f"float32 above {EXP_LIMIT}", "clamp", "log space",
@@ -361,12 +372,16 @@ ROWS = [
         Data(low=-0.5, high=1.0, x=_fill(-1.0))),
     Row(div_by_empty_mask, OUT, "div", ("a sum of 0 (an empty mask", "(0/0)", "eps"), Data(low=0.1, high=1.0, x=_fill(-1.0, col=None)),
         never=GENERIC),
+    Row(div_by_zero_std, OUT, "div", ("a zero std (a constant row", "eps"), Data(x=_fill(0.3, col=None)),
+        never=GENERIC),
     Row(div_in_the_loss, LOSS, "div", ("a divisor held 0", "eps"), Data(x=_fill(0.0)),
         never=("BCEWithLogitsLoss", "numerically stable form")),
     Row(sqrt_of_rounding, OUT, "sqrt", ("negative value", "rounding", "clamp before the root"),
         Data(x=_fill(0.1, col=None)), never=GENERIC),
     Row(sqrt_distance_backward, GRAD, "SqrtBackward0", ("distance", "eps inside the root", "torch.sqrt(x + eps)"),
         Data(x=lambda x: x[1].copy_(x[0])), never=("x.var(",)),
+    Row(pow_fractional_backward, GRAD, "PowBackward0", ("p < 1", "infinite gradient at x = 0", "eps"),
+        Data(x=lambda x: x[1].copy_(x[0]))),
     Row(rsqrt_of_zero, OUT, "rsqrt", ("`rsqrt` of 0 is Inf", "rsqrt(v + eps)"), Data(x=_fill(0.0, col=None)),
         never=GENERIC),
     Row(std_of_one_sample, OUT, "std", ("over 1 value", "correction=0", "drop_last=True"),
