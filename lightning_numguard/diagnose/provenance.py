@@ -202,7 +202,7 @@ class Provenance(TorchDispatchMode):
                 if clear:
                     self.tags[kind].pop(key, None)
                 continue
-            origin = self._origin_of_write(func, name, kind, args, kwargs)
+            origin = self._origin_of_write(func, name, kind, args, kwargs, t)
             if origin is not None:
                 if origin.seq == self._seq and origin.source == "op":
                     origin.facts.setdefault("dtype", str(t.dtype).replace("torch.", ""))
@@ -214,7 +214,9 @@ class Provenance(TorchDispatchMode):
                 ):
                     self.first_nan = origin
 
-    def _origin_of_write(self, func: Any, name: str, kind: str, args: Any, kwargs: Any) -> Origin | None:
+    def _origin_of_write(
+        self, func: Any, name: str, kind: str, args: Any, kwargs: Any, out: torch.Tensor
+    ) -> Origin | None:
         if _from_distributed():
             return None  # torch.distributed's own copies and collectives (FSDP2's all-gathers): not the model's
         if str(getattr(func, "namespace", "")) in _COLLECTIVES:
@@ -256,7 +258,9 @@ class Provenance(TorchDispatchMode):
             real = [o for o in inf_from if o.source != "constant"]
             origin.from_inf = min(real, key=lambda o: o.seq) if real else Origin("constant", deliberate=True)
             origin.facts["inf_in"] = True
-        origin.facts.update(_overflow_facts(inputs, scalars))
+        origin.facts.update(_input_facts(inputs, scalars))
+        origin.facts.update(_op_facts(name, args, kwargs, out))
+        origin.facts["made"] = kind
         return origin
 
     def _module(self) -> str | None:
@@ -278,15 +282,76 @@ def _from_distributed() -> bool:
     return found is not None and _DISTRIBUTED in str(found.f_code.co_filename).replace("\\", "/")
 
 
-def _overflow_facts(inputs: list[torch.Tensor], scalars: list[float]) -> dict[str, Any]:
-    """The inputs' largest finite ``|x|`` (an overflow from finite values shows it near the dtype's limit)."""
-    peaks = [abs(v) for v in scalars if math.isfinite(v)]
+def _input_facts(inputs: list[torch.Tensor], scalars: list[float]) -> dict[str, Any]:
+    """What the op read: the largest finite ``|x|`` (an overflow from finite values shows it near the dtype's limit),
+    and the smallest and largest finite values (``log`` of a negative, ``acos`` of 1.0000001, an exponent of 1146)."""
+    values = [v for v in scalars if math.isfinite(v)]
+    peaks, lows, highs = [abs(v) for v in values], list(values), list(values)
     with torch.no_grad():
         for t in inputs:
-            values = local(t)
-            if values.is_floating_point() and values.numel():
-                peaks.append(float(values.detach().abs().nan_to_num(0.0, 0.0, 0.0).max()))
-    return {"max_abs_in": max(peaks)} if peaks else {}
+            x = local(t).detach()
+            if not x.is_floating_point() or not x.numel():
+                continue
+            finite = x[torch.isfinite(x)]
+            if finite.numel():
+                low, high = (float(v) for v in torch.stack(torch.aminmax(finite)).tolist())  # one host read
+                lows.append(low)
+                highs.append(high)
+                peaks.append(max(abs(low), abs(high)))
+            else:
+                peaks.append(0.0)
+    facts: dict[str, Any] = {"max_abs_in": max(peaks)} if peaks else {}
+    if lows:
+        facts.update(min_in=min(lows), max_in=max(highs))
+    return facts
+
+
+def _op_facts(name: str, args: Any, kwargs: Any, out: torch.Tensor) -> dict[str, Any]:
+    """What the advice for a few ops needs beyond the values read: whether a divisor held 0, how many values a
+    ``std``/``var`` reduced, which CTC targets need more frames than their input has, how many labels a
+    ``nll_loss`` counted. Read on the host, at the op that made a non-finite value during the replay only; a call
+    whose arguments are not as expected gives none (the advice is then worded without them)."""
+    try:
+        return _measure(name, args, kwargs, out)
+    except Exception:  # a fact is an extra: the diagnosis never fails over one
+        return {}
+
+
+def _measure(name: str, args: Any, kwargs: Any, out: torch.Tensor) -> dict[str, Any]:
+    with torch.no_grad():
+        if name in ("div", "div_", "true_divide", "reciprocal", "remainder", "fmod"):
+            divisor = args[0] if name == "reciprocal" else args[1] if len(args) > 1 else None
+            if isinstance(divisor, torch.Tensor):
+                return {"zero_divisor": bool((local(divisor) == 0).any())}
+            return {"zero_divisor": divisor == 0} if isinstance(divisor, (int, float)) else {}
+        if name in ("std", "var", "std_mean", "var_mean") and args and isinstance(args[0], torch.Tensor):
+            correction = kwargs.get("correction", 1)
+            reduced = args[0].numel() // max(out.numel(), 1)
+            return {"reduced_over": int(reduced), "correction": float(1 if correction is None else correction)}
+        if name == "_ctc_loss" and len(args) >= 4:
+            return _ctc_facts(*args[1:4])
+        if name in ("nll_loss_forward", "nll_loss2d_forward") and len(args) >= 5 and isinstance(args[1], torch.Tensor):
+            target, ignore_index = local(args[1]), int(args[4])
+            return {"labels_counted": int((target != ignore_index).sum()), "ignore_index": ignore_index}
+    return {}
+
+
+def _ctc_facts(targets: Any, input_lengths: Any, target_lengths: Any) -> dict[str, Any]:
+    """The samples whose target needs more input frames than they have: one frame per label, and a blank between
+    two equal labels in a row (CTC's loss is ``-log(0) = inf`` for them)."""
+    frames = torch.as_tensor(input_lengths).reshape(-1).tolist()
+    lengths = torch.as_tensor(target_lengths).reshape(-1).tolist()
+    labels = local(targets) if isinstance(targets, torch.Tensor) else torch.as_tensor(targets)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    short: list[tuple[int, int]] = []
+    for i, (have, length) in enumerate(zip(frames, lengths)):
+        row = labels[i, :length] if labels.dim() == 2 else labels[starts[i] : starts[i] + length]
+        needed = int(length) + int((row[1:] == row[:-1]).sum()) if length > 1 else int(length)
+        if needed > have:
+            short.append((needed, int(have)))
+    if not short:
+        return {}
+    return {"short_samples": len(short), "frames_needed": short[0][0], "frames": short[0][1]}
 
 
 def culprit_of(bad: Iterable[Origin | None]) -> Origin | None:

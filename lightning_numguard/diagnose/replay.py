@@ -42,10 +42,28 @@ from lightning_numguard.dtensor import local
 from lightning_numguard.state.snapshot import rng_state, set_rng_state
 from lightning_numguard.tree import tensor_leaves, tensors
 
-__all__ = ["Replay", "first_bad_node", "loss_of", "op_name", "replay"]
+__all__ = ["CULPRIT_FACTS", "Replay", "first_bad_node", "loss_of", "op_name", "replay"]
 
 log = logging.getLogger(__name__)
 
+#: What the replay measured at the culprit op that the events carry (the hints read them: ``reporting/hints``).
+CULPRIT_FACTS = (
+    "dtype",
+    "max_abs_in",
+    "min_in",
+    "max_in",
+    "inf_in",
+    "literal",
+    "made",
+    "zero_divisor",
+    "reduced_over",
+    "correction",
+    "short_samples",
+    "frames_needed",
+    "frames",
+    "labels_counted",
+    "ignore_index",
+)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)')
 
 
@@ -83,6 +101,20 @@ class Replay:
     inf_in: bool | None = None
     #: the culprit wrote a literal NaN/Inf (``x[i] = nan``)
     literal: bool | None = None
+    #: more of what was measured at the culprit (:data:`CULPRIT_FACTS`): the smallest and largest finite values it
+    #: read, what it made (NaN or Inf), a zero divisor, the values a ``std`` reduced and its correction, the CTC
+    #: samples short of frames, the labels a loss counted
+    min_in: float | None = None
+    max_in: float | None = None
+    made: str | None = None
+    zero_divisor: bool | None = None
+    reduced_over: int | None = None
+    correction: float | None = None
+    short_samples: int | None = None
+    frames_needed: int | None = None
+    frames: int | None = None
+    labels_counted: int | None = None
+    ignore_index: int | None = None
     #: the replay itself raised (it never propagates)
     error: str | None = None
     #: op name -> the user's line of each call, in call order (the op guard's findings take their line from it)
@@ -305,7 +337,7 @@ def _describe(origin: Origin, result: dict[str, Any]) -> None:
         if origin.site is not None:
             result.update(site(*origin.site))
             result["forward_trace"] = f"{result['file']}:{result['line']}: {result.get('code', '')}"
-        result.update({k: v for k, v in origin.facts.items() if k in ("dtype", "max_abs_in", "inf_in", "literal")})
+        result.update({k: v for k, v in origin.facts.items() if k in CULPRIT_FACTS})
         result["forward_op"], result["forward_op_module"] = origin.op, origin.module
     elif origin.source == "rank":
         result.update(stage="inputs", from_another_rank=True)

@@ -5,7 +5,11 @@ Live warnings (:func:`~lightning_numguard.reporting.messages.incident_message`) 
 one event gets the same advice wherever it is shown.
 
 - :data:`KIND_HINTS` / :func:`kind_hint`: one sentence per incident kind;
-- :data:`OP_DOMAIN_HINTS` / :func:`op_domain_hint`: one per op the op guard validates;
+- :data:`OP_DOMAIN_HINTS` / :func:`op_domain_hint`: one per op the op guard validates, with the offending values
+  the guard measured (:func:`op_domain_advice`);
+- :data:`FORWARD_OP_HINTS` / :func:`forward_op_hint`: one per forward op that a replay names as the culprit
+  (``exp``, ``log``, ``div``, ``std``, ``ctc_loss``, ...), chosen by the op and worded from what the replay measured
+  there (the exponent's value, the divisor's zero, the values a ``std`` reduced, the CTC frames);
 - :func:`op_hint`: one per autograd node (``SqrtBackward0``) that a replay or anomaly mode names;
 - :data:`COVERAGE_PROBLEMS` / :func:`coverage_problem`: the problem and the hint per coverage
   code of :mod:`lightning_numguard.detect.coverage`;
@@ -18,7 +22,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -28,18 +33,23 @@ from lightning_numguard.diagnose.findings import AFTER_FORWARD
 __all__ = [
     "COVERAGE_PROBLEMS",
     "FILL_VALUES",
+    "FORWARD_OP_HINTS",
     "INPUTS_ALREADY_BAD_HINT",
     "KIND_HINTS",
     "MASKED_ROW_HINT",
     "OP_DOMAIN_HINTS",
+    "CulpritFacts",
+    "canonical_op",
     "consequence_hint",
     "coverage_hint",
     "coverage_problem",
     "event_hint",
     "fill_value_hint",
     "fill_value_name",
+    "forward_op_hint",
     "kind_hint",
     "masked_row_hint",
+    "op_domain_advice",
     "op_domain_hint",
     "op_hint",
     "overflow_hint",
@@ -114,6 +124,52 @@ OP_DOMAIN_HINTS: dict[str, str] = {
 def op_domain_hint(op: str) -> str | None:
     """The fix for a guarded op whose inputs were outside its domain; ``None`` for an op without one."""
     return OP_DOMAIN_HINTS.get(op)
+
+
+#: The guarded ops whose advice names the offending value, and what that value is.
+_DOMAIN_VALUE: Mapping[str, str] = MappingProxyType(
+    {"embedding": "a token id", "embedding_bag": "a token id", "nll_loss": "a target", "cross_entropy": "a target"}
+)
+
+
+def op_domain_advice(op: str, details: Mapping[str, Any]) -> str | None:
+    """:func:`op_domain_hint`, led by what the op guard measured (``details``: ``rule``, ``count``, ``nan_count``,
+    ``min``, ``max``, as :meth:`OpGuard.describe <lightning_numguard.detect.opguard.OpGuard.describe>` gives them).
+
+    A ``binary_cross_entropy`` input whose bad values are all NaN is an upstream NaN, not a missing sigmoid; values
+    outside ``[0, 1]`` are no sigmoid's output; a token id or a class target past its bound is named with the bound.
+
+    Example:
+        >>> op_domain_advice("binary_cross_entropy", {"rule": "input in [0, 1]", "count": 4, "nan_count": 4})[:40]
+        'all 4 bad inputs were NaN: a NaN made up'
+    """
+    base = op_domain_hint(op)
+    if base is None:
+        return None
+    count, nans = _number(details.get("count")), _number(details.get("nan_count")) or 0.0
+    low, high = _number(details.get("min")), _number(details.get("max"))
+    rule = str(details.get("rule") or "")
+    if not count:
+        return base
+    if op == "binary_cross_entropy":
+        arg = "target" if rule.startswith("target") else "input"
+        logits = "use BCEWithLogitsLoss on the raw logits (it applies the sigmoid itself and is safe under autocast)"
+        if nans == count:
+            were = f"the bad {arg} was NaN" if count == 1 else f"all {count:g} bad {arg}s were NaN"
+            return (
+                f"{were}: a NaN made upstream reached the loss, not a missing sigmoid; fix "
+                f"it where it was made (the step's first non-finite module or op), and {logits}"
+            )
+        if low is None or high is None:
+            return base
+        bad = f"the bad {arg}s (from {low:.4g} to {high:.4g}) are outside [0, 1]"
+        if arg == "input":
+            return f"{bad}, so no sigmoid made them: {logits}"
+        return f"{bad}: BCE takes probabilities as targets"
+    what = _DOMAIN_VALUE.get(op)
+    if what is None or low is None or high is None or not rule:
+        return base
+    return f"{what} of {low if low < 0 else high:g} breaks `{rule}`: {base}"
 
 
 # --------------------------------------------------------------------------- overflow from finite values
@@ -198,37 +254,348 @@ def masked_row_hint(replay: Mapping[str, Any]) -> str | None:
     return None
 
 
+# --------------------------------------------------------------------------- forward ops, worded from what was measured
+
+#: The largest finite value of each floating dtype, by the name the events spell (hints never import torch).
+_DTYPE_MAX: Mapping[str, float] = MappingProxyType(
+    {
+        "float16": _FLOAT16_MAX,
+        "bfloat16": 3.3895313892515355e38,
+        "float32": 3.4028234663852886e38,
+        "float64": 1.7976931348623157e308,
+    }
+)
+
+#: Other spellings of the ops below: aten names (a replay without the torch-level call), aliases, in-place forms.
+_SPELLINGS: Mapping[str, str] = MappingProxyType(
+    {
+        "arccos": "acos",
+        "arcsin": "asin",
+        "arctanh": "atanh",
+        "true_divide": "div",
+        "divide": "div",
+        "special_expm1": "expm1",
+        "special_exp2": "exp2",
+        "special_log1p": "log1p",
+        "float_power": "pow",
+        "square": "pow",
+        "std_mean": "std",
+        "var_mean": "var",
+        "_softmax": "softmax",
+        "_log_softmax": "log_softmax",
+        "special_softmax": "softmax",
+        "special_log_softmax": "log_softmax",
+        "_ctc_loss": "ctc_loss",
+        "nll_loss_forward": "nll_loss",
+        "nll_loss2d_forward": "nll_loss",
+        "nll_loss2d": "nll_loss",
+        "nll_loss_nd": "nll_loss",
+    }
+)
+
+
+@dataclass(frozen=True)
+class CulpritFacts:
+    """What a replay measured at a forward culprit (``details["replay"]``), read leniently (older events lack some):
+    what each advice of :data:`FORWARD_OP_HINTS` is worded from."""
+
+    op: str
+    dtype: str
+    peak: float | None  # the largest finite |x| the op read
+    low: float | None  # the smallest finite value it read
+    high: float | None  # the largest finite value it read
+    inf_in: bool  # an input held ±Inf
+    made: str | None  # "nan" or "inf": what the op made
+    raw: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, replay: Mapping[str, Any]) -> CulpritFacts:
+        dtype = replay.get("dtype")
+        return cls(
+            op=canonical_op(str(replay.get("op"))),
+            dtype=dtype if isinstance(dtype, str) else "float32",
+            peak=_number(replay.get("max_abs_in")),
+            low=_number(replay.get("min_in")),
+            high=_number(replay.get("max_in")),
+            inf_in=bool(replay.get("inf_in")),
+            made=replay.get("made") if replay.get("made") in ("nan", "inf") else None,
+            raw=replay,
+        )
+
+    @property
+    def largest(self) -> float:
+        return _DTYPE_MAX.get(self.dtype, _DTYPE_MAX["float32"])
+
+
+def _number(value: Any) -> float | None:
+    """A finite number read back from an event, else ``None``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _exp_hint(f: CulpritFacts) -> str:
+    """exp, expm1, exp2, sinh, cosh: the exponent went past the log of the dtype's largest value."""
+    limit = math.log2(f.largest) if f.op == "exp2" else math.log(f.largest)
+    top = f.high if f.high is not None else f.peak
+    said = f"the exponent reached {top:.6g}; " if top is not None else ""
+    return (
+        f"{said}{f.op} overflows {f.dtype} above {limit:.3g}: clamp the exponent first "
+        f"(x.clamp(max={math.floor(limit)})), or compute in log space: torch.logsumexp instead of "
+        "exp(x).sum().log(), F.softmax / F.log_softmax instead of exp(x) / exp(x).sum(), F.softplus(x) for "
+        "log(1 + exp(x)), and keep a scale as its log"
+    )
+
+
+def _pow_hint(f: CulpritFacts) -> str:
+    if f.made == "nan" and f.low is not None and f.low < 0:
+        return (
+            f"a negative base ({f.low:.4g}) to a fractional power is NaN: raise the magnitude and keep the sign "
+            "(x.abs() ** p * x.sign()), clamp the base to >= 0 first, or keep the base positive by construction "
+            "(softplus, exp)"
+        )
+    read = f" (inputs up to |x| = {f.peak:.4g})" if f.peak is not None else ""
+    return (
+        f"`pow` overflowed {f.dtype}, whose largest value is {f.largest:.4g}{read}: clamp the base or the exponent, "
+        "or compute in log space (p * log(x) rather than log(x ** p), exp only at the end); a base of 0 to a negative "
+        "power is Inf too: add an eps to the base"
+    )
+
+
+def _log_hint(f: CulpritFacts) -> str:
+    floor = -1.0 if f.op == "log1p" else 0.0
+    edge = "-1" if f.op == "log1p" else "0"
+    if f.made == "nan" or (f.low is not None and f.low < floor):
+        low = f" (its smallest input was {f.low:.4g})" if f.low is not None and f.low < floor else ""
+        what = f"`{f.op}` of a value below {edge} is NaN{low}"
+    else:
+        exact = " (an input was exactly 0)" if f.low == floor and floor == 0 else ""
+        what = f"`{f.op}` of {edge} is -inf{exact}"
+    clamp = "x.clamp_min(-1 + eps)" if f.op == "log1p" else "x.clamp_min(eps)"
+    return (
+        f"{what}: clamp first, torch.{f.op}({clamp}); for the log of probabilities use F.log_softmax (log(softmax(x)) "
+        "underflows to log(0)) or BCEWithLogitsLoss; for x * log(x) terms (an entropy) use torch.xlogy(x, x), "
+        "which is 0 at x = 0"
+    )
+
+
+#: What a divisor is, read from the call's line after its ``/`` (``x.std(...)``, ``mask.sum(...)``), and its zero.
+_DIVISORS = (
+    ("std", "a zero std (a constant row: all its values equal)"),
+    ("var", "a zero variance (a constant row)"),
+    ("norm", "a zero norm (an all-zero vector)"),
+    ("sum", "a sum of 0 (an empty mask or group)"),
+    ("count_nonzero", "a count of 0 (an empty mask or group)"),
+    ("sqrt", "a root of 0"),
+)
+
+
+def _divisor(code: Any) -> str | None:
+    """The divisor of the first ``/`` on the user's line, when it is a known statistic (``x.std(...)``)."""
+    if not isinstance(code, str) or not re.search(r"(?<!/)/(?![/=])", code):
+        return None
+    tail = re.split(r"(?<!/)/(?![/=])", code, maxsplit=1)[1]
+    return next((words for name, words in _DIVISORS if re.search(rf"\b{name}\(", tail)), None)
+
+
+def _div_hint(f: CulpritFacts) -> str:
+    zero = f.raw.get("zero_divisor")
+    name = "a division" if f.op == "div" else f"`{f.op}`"
+    by = _divisor(f.raw.get("code")) if f.op == "div" else None
+    if zero:
+        what = f"{name} by {by}" if by else f"{name} by 0 (a divisor held 0)"
+        what += "; the numerator was 0 too (0/0)" if f.made == "nan" else ""
+    elif zero is False and f.peak is not None:
+        what = f"{name} overflowed {f.dtype} (no divisor was 0, but one was close to it; largest |x| read {f.peak:.3g})"
+    else:
+        what = f"{name} by {by or 0} or by a value close to it"
+    return (
+        f"{what}: add an eps where it divides, x / (d + eps) or x / d.clamp_min(eps) (a constant row's std is 0, a "
+        "zero vector's norm is 0), or find the mask or filter that left the denominator 0 (an empty group, a count "
+        "of 0, a row with nothing selected) and leave those rows out"
+    )
+
+
+def _sqrt_hint(f: CulpritFacts) -> str:
+    if f.made == "nan" or (f.low is not None and f.low < 0):
+        low = f" ({f.low:.3g})" if f.low is not None and f.low < 0 else ""
+        return (
+            f"`{f.op}` of a negative value{low} is NaN: a quantity that is >= 0 in exact arithmetic went below 0 by "
+            "rounding (E[x^2] - E[x]^2, a difference of squared norms): clamp before the root, "
+            f"torch.{f.op}(v.clamp_min(0) + eps), or compute it the stable way (x.var(unbiased=False), "
+            "torch.linalg.vector_norm, torch.cdist)"
+        )
+    return (
+        f"`{f.op}` of 0 is Inf (a variance or mean square of 0: a constant or all-zero row): add an eps inside, "
+        f"torch.{f.op}(v + eps), as LayerNorm and RMSNorm do"
+    )
+
+
+def _spread_hint(f: CulpritFacts) -> str:
+    count, correction = _number(f.raw.get("reduced_over")), _number(f.raw.get("correction"))
+    if count is not None and correction is not None and count <= correction:
+        values = f"{count:g} value" + ("" if count == 1 else "s")
+        return (
+            f"`{f.op}` over {values} with correction={correction:g} divides by N - correction = "
+            f"{count - correction:g}: a batch of one sample (the last, smaller batch of an epoch) or a dimension of "
+            "size 1; pass correction=0 (unbiased=False), or drop the short batch with DataLoader(drop_last=True)"
+        )
+    read = f" (largest |x| {f.peak:.3g})" if f.peak is not None else ""
+    return (
+        f"`{f.op}` overflowed {f.dtype} squaring its inputs{read}: scale them down first; and a constant row's std is "
+        "0, so add an eps wherever it divides"
+    )
+
+
+def _arc_hint(f: CulpritFacts) -> str:
+    beyond = [v for v in (f.low, f.high) if v is not None and abs(v) > 1]
+    if beyond:
+        what = f"the input of `{f.op}` reached {max(beyond, key=abs):.9g}, outside [-1, 1]"
+    elif f.op == "atanh":
+        what = "`atanh` of ±1 is ±Inf"
+    else:
+        what = f"the input of `{f.op}` was outside [-1, 1]"
+    return (
+        f"{what} (often a cosine or a correlation computed by hand, which rounds past ±1): clamp to ±(1 - eps) first, "
+        "x.clamp(-1 + 1e-6, 1 - 1e-6) (eps 1e-3 in float16)"
+    )
+
+
+def _softmax_hint(f: CulpritFacts) -> str | None:
+    return MASKED_ROW_HINT if f.inf_in or f.op == "scaled_dot_product_attention" else None
+
+
+def _ctc_hint(f: CulpritFacts) -> str:
+    short, needed, frames = (_number(f.raw.get(k)) for k in ("short_samples", "frames_needed", "frames"))
+    if short is not None and needed is not None and frames is not None:
+        samples = f"{short:g} sample" + (" has" if short == 1 else "s have")
+        what = (
+            f"{samples} a target that needs more input frames than it has (one needs {needed:g}, it has {frames:g}: "
+            "one frame per label and a blank between two equal labels in a row)"
+        )
+    else:
+        what = "a target needs more input frames than its sample has (one per label, a blank between repeated labels)"
+    return (
+        f"{what}, and the CTC loss of such a sample is -log(0) = Inf: pass zero_infinity=True "
+        "(nn.CTCLoss(zero_infinity=True)), or drop samples whose targets are longer than their input frames (or "
+        "downsample the input less)"
+    )
+
+
+def _kl_hint(f: CulpritFacts) -> str:
+    if f.inf_in:
+        return (
+            "the input of `kl_div` holds -inf (the log of a probability of 0: log(softmax(x)) underflows, or a -inf "
+            "mask): compute it with F.log_softmax, which stays finite, and mask with a finite value; pass "
+            "log_target=True when the target is log-probabilities too"
+        )
+    if f.low is not None and f.low < 0:
+        return (
+            f"the target of `kl_div` holds negative values (down to {f.low:.4g}): log-probabilities read as "
+            "probabilities, whose log is NaN; pass log_target=True, or give the target as probabilities"
+        )
+    return (
+        "`kl_div` takes its input as log-probabilities (F.log_softmax, not log(softmax(x)), whose log(0) is -inf) and "
+        "its target as probabilities, or as log-probabilities with log_target=True"
+    )
+
+
+def _class_loss_hint(f: CulpritFacts) -> str | None:
+    counted, ignored = f.raw.get("labels_counted"), f.raw.get("ignore_index")
+    if counted == 0:
+        value = f" ({ignored})" if isinstance(ignored, int) else ""
+        return (
+            f"every label of the batch was ignore_index{value}, so the mean over 0 labels is 0/0 = NaN: leave out "
+            "batches with no labelled position (a fully padded batch), or use reduction='sum' and divide by "
+            "max(number of labels, 1)"
+        )
+    if isinstance(counted, int):
+        return "the class weights of every counted label are 0, so the weighted mean is 0/0: give each class a weight"
+    return None
+
+
+FORWARD_OP_HINTS: Mapping[str, Callable[[CulpritFacts], str | None]] = MappingProxyType(
+    {
+        **dict.fromkeys(("exp", "expm1", "exp2", "sinh", "cosh"), _exp_hint),
+        "pow": _pow_hint,
+        **dict.fromkeys(("log", "log2", "log10", "log1p"), _log_hint),
+        **dict.fromkeys(("div", "reciprocal", "remainder", "fmod"), _div_hint),
+        **dict.fromkeys(("sqrt", "rsqrt"), _sqrt_hint),
+        **dict.fromkeys(("std", "var"), _spread_hint),
+        **dict.fromkeys(("acos", "asin", "atanh"), _arc_hint),
+        **dict.fromkeys(_MASKED_ROW_OPS, _softmax_hint),
+        "ctc_loss": _ctc_hint,
+        "kl_div": _kl_hint,
+        **dict.fromkeys(("cross_entropy", "nll_loss"), _class_loss_hint),
+    }
+)
+"""The advice per forward op a replay names as the culprit (by :func:`canonical_op`), worded from what it measured.
+
+An op whose advice has nothing to say for the facts measured (a ``softmax`` without a ±Inf input), and any op not
+here (``linear``, ``matmul``, ...), gets :func:`overflow_hint` when its inputs explain an overflow, else its kind's
+hint.
+"""
+
+
+def canonical_op(op: str) -> str:
+    """The name :data:`FORWARD_OP_HINTS` knows ``op`` by: ``exp_`` -> ``exp``, ``arccos`` -> ``acos``,
+    ``_log_softmax`` -> ``log_softmax``, ``nll_loss_forward`` -> ``nll_loss``."""
+    name = op[:-1] if op.endswith("_") and not op.startswith("_") else op
+    return _SPELLINGS.get(name, name)
+
+
+def forward_op_hint(replay: Mapping[str, Any]) -> str | None:
+    """The advice for the forward op a replay named as the culprit (``stage="forward"``), else ``None``.
+
+    Chosen by the op (:data:`FORWARD_OP_HINTS`) and worded from what the replay measured there: the dtype, the
+    smallest, largest and largest-magnitude values read, whether an input held ±Inf, what the op made (NaN or Inf),
+    and for a few ops a zero divisor, the values a ``std`` reduced, the CTC frames, the labels counted. An op
+    without an entry, or whose entry has nothing to say, gets :func:`overflow_hint` (float16 overflow, inputs
+    grown huge) or ``None``.
+
+    Example:
+        >>> forward_op_hint({"stage": "forward", "op": "exp", "dtype": "float32", "max_in": 1146.0})[:60]
+        'the exponent reached 1146; exp overflows float32 above 88.7:'
+    """
+    if replay.get("stage") != "forward" or not isinstance(replay.get("op"), str):
+        return None
+    facts = CulpritFacts.of(replay)
+    advise = FORWARD_OP_HINTS.get(facts.op)
+    return (advise(facts) if advise is not None else None) or overflow_hint(replay)
+
+
 # --------------------------------------------------------------------------- autograd nodes
 
+_ARC_GRADIENT = (
+    "the gradient of acos, asin and atanh is infinite at ±1 (a cosine of two parallel vectors is exactly 1): clamp "
+    "the input to ±(1 - eps) first, x.clamp(-1 + 1e-6, 1 - 1e-6)."
+)
 _AUTOGRAD_HINTS: Mapping[str, str] = MappingProxyType(
     {
         "SqrtBackward": (
-            "sqrt's gradient 1/(2*sqrt(x)) is infinite at x = 0 (the std of a constant channel, the "
-            "norm of a zero vector): put an eps inside the root, "
-            "torch.sqrt(x.var(dim, unbiased=False, keepdim=True) + eps)."
+            "sqrt's gradient 1/(2*sqrt(x)) is infinite at x = 0 (a distance between two equal points, the norm of a "
+            "zero vector, the std of a constant row): put an eps inside the root, torch.sqrt(x + eps), or use "
+            "torch.linalg.vector_norm / torch.cdist, whose gradient at 0 is 0."
         ),
-        "RsqrtBackward": "rsqrt(x) blows up at x = 0: use torch.rsqrt(x + eps).",
+        "RsqrtBackward": "rsqrt(x) and its gradient blow up at x = 0: use torch.rsqrt(x + eps).",
         "DivBackward": (
             "division by zero or a near-zero denominator (a std or norm of 0 in a normalisation): "
             "add an eps to the denominator, (x - mean) / (std + 1e-8)."
         ),
         "LogBackward": (
-            "log(0) is -inf and its gradient 1/x infinite: clamp first, torch.log(x.clamp_min(eps)), "
+            "log's gradient 1/x is infinite at 0: clamp first, torch.log(x.clamp_min(eps)), "
             "or use the stable fused form (log_softmax, BCEWithLogitsLoss, logsumexp)."
         ),
         "PowBackward": (
             "x ** p with p < 1 has an infinite gradient at x = 0 (and a negative base with a "
             "fractional exponent is NaN): add an eps to the base or clamp it, or use "
-            "torch.linalg.vector_norm for norms."
+            "torch.linalg.vector_norm for norms (its gradient at 0 is 0)."
         ),
-        "ExpBackward": "exp overflowed: subtract the max first (logsumexp) or clamp the exponent.",
-        **dict.fromkeys(
-            ("AcosBackward", "AsinBackward"),
-            "acos'/asin' gradient is infinite at +-1: clamp the input to (-1 + eps, 1 - eps).",
-        ),
+        "ExpBackward": "exp's gradient exp(x) overflowed: subtract the max first (logsumexp) or clamp the exponent.",
+        **dict.fromkeys(("AcosBackward", "AsinBackward", "AtanhBackward"), _ARC_GRADIENT),
         **dict.fromkeys(
             ("NormBackward", "LinalgVectorNormBackward"),
-            "the gradient of a norm at a zero vector is 0/0: add an eps, or use a squared norm.",
+            "a norm's gradient at a zero vector is 0/0 for some orders: add an eps, or use a squared norm.",
         ),
     }
 )
@@ -333,9 +700,10 @@ def event_hint(kind: str, details: Mapping[str, Any]) -> str:
     """The advice for one event: what a live message ends with and what ``numguard explain`` shows.
 
     The most specific hint known: a finding that follows the step's root cause (``details["after"]``)
-    points at it; a fill value, a guarded op, a replayed forward op (a fully masked row, an overflow
-    from finite inputs, inputs already bad), a replayed autograd op or a coverage problem gets its own
-    hint; anything else the hint of its kind.
+    points at it; a fill value, a guarded op (with the values it refused), a replayed forward op (its
+    entry in :data:`FORWARD_OP_HINTS`, worded from what the replay measured; an overflow from finite
+    inputs; a literal; inputs already bad), a replayed autograd op or a coverage problem gets its own
+    hint; anything else (an op with no entry) the hint of its kind.
 
     Args:
         kind: the event's kind.
@@ -356,11 +724,11 @@ def event_hint(kind: str, details: Mapping[str, Any]) -> str:
         specific = fill and fill_value_hint(fill)
     elif kind == "op_domain":
         op, upstream = details.get("op"), details.get("upstream")
-        own = details.get("hint") or (op_domain_hint(op) if isinstance(op, str) else None)
+        own = details.get("hint") or (op_domain_advice(op, details) if isinstance(op, str) else None)
         below = f"the input is already non-finite upstream: first non-finite module was `{upstream}`"
         specific = "; ".join(str(part) for part in (own, upstream and below) if part)
     elif kind in ("nonfinite_output", "nonfinite_loss") and replay:
-        specific = masked_row_hint(replay) or overflow_hint(replay) or (replay.get("literal") and LITERAL_HINT)
+        specific = (replay.get("literal") and LITERAL_HINT) or forward_op_hint(replay)
         if specific is None and replay.get("stage") == "inputs" and not replay.get("op"):
             checked = "inputs" in (details.get("checked") or ())
             specific = INPUTS_ALREADY_BAD_HINT if checked else _INPUTS_UNCHECKED_HINT

@@ -14,7 +14,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lightning_numguard.reporting.anomaly import ForwardCall, ForwardTraces, backward_only, guard_reading
+from lightning_numguard.reporting.anomaly import (
+    ForwardCall,
+    ForwardTraces,
+    NodeReading,
+    backward_only,
+    guard_reading,
+    read_node,
+)
 from lightning_numguard.reporting.catalogue import ASSERTION, CATALOGUE, DEVICE_ASSERT_OPS, Pattern
 from lightning_numguard.reporting.hints import kind_hint, op_hint
 
@@ -59,9 +66,18 @@ class Match:
         return self.pattern.name
 
     @property
+    def reading(self) -> NodeReading | None:
+        """For anomaly mode, which node made the value (:func:`~lightning_numguard.reporting.anomaly.read_node`)."""
+        return read_node(self.groups["op"], self.forward) if self._anomaly else None
+
+    @property
     def cause(self) -> str:
         """The likely cause, with the matched details (op, parameter, ...) filled in."""
         cause = _fill(self.pattern.cause, self.groups)
+        reading = self.reading
+        if reading is not None and reading.relayed:
+            made = f"made by {reading.maker}" if reading.maker else "made after it in the forward pass"
+            return f"{cause} It only turned into NaN an Inf {made} (anomaly mode checks for NaN only)."
         if self.groups.get("seen_in") == "traceback":
             return (
                 "The device-side assert's traceback ends in this call, and its CUDA kernel asserts on bad inputs "
@@ -72,16 +88,23 @@ class Match:
     @property
     def fix(self) -> str:
         """The fix, with an op-specific hint when the match names a known op."""
-        fix = _fill(self.pattern.fix, self.groups)
-        call = self.forward
-        if call is not None and backward_only(self.groups.get("op", "")):
+        call, reading = self.forward, self.reading
+        node = reading.maker if reading is not None and reading.relayed else self.groups.get("op")
+        fix = _fill(self.pattern.fix, {**self.groups, "op": node} if node else self.groups)
+        if call is not None and reading is not None and reading.relayed and node is None:
+            fix = (
+                f"Look after `{call.op}` at {call.file}:{call.line} for a sqrt, rsqrt or acos/asin/atanh at the edge "
+                "of its domain (0, ±1), whose gradient is infinite there: add an eps inside the root, or clamp to "
+                "±(1 - eps); NumGuardCallback names the node and its line."
+            )
+        elif call is not None and (backward_only(self.groups.get("op", "")) or node != self.groups.get("op")):
             fix = fix.replace(_ABOVE, f"(its forward call: {call.file}:{call.line})")
         elif call is not None:
             fix = (
                 f"The values reaching `{call.op}` at {call.file}:{call.line} were already NaN in the forward pass: "
                 "the op that first made them (this call or one upstream) is the fault, and the guard names it."
             )
-        specific = op_hint(self.groups["op"]) if "op" in self.groups else None
+        specific = op_hint(node) if node else None
         return fix if specific is None else f"{specific} {fix}"
 
     @property
@@ -114,6 +137,7 @@ class Match:
             "hint_kind": self.guard_kind,
             "guard": self.guard,
             "forward": None if self.forward is None else asdict(self.forward),
+            "made_by": None if self.reading is None else self.reading.maker,
             "follow_on": self.pattern.follow_on,
         }
 

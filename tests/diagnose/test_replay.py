@@ -66,3 +66,13 @@ def test_the_replay_restores_the_rng_it_was_given_and_the_one_it_found():
     replay(model, lambda: (drawn.append(torch.rand(1)), model(x).sum())[1], rng)
     assert torch.equal(drawn[0], drawn[1])  # both passes start from the same RNG state
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_every_fact_measured_at_the_culprit_is_a_field_of_the_replays_record():
+    """A fact the replay measures but its record has no field for would be dropped from the events silently."""
+    from dataclasses import fields
+
+    from lightning_numguard.diagnose.replay import CULPRIT_FACTS, Replay
+
+    assert set(CULPRIT_FACTS) <= {f.name for f in fields(Replay)}
+    assert Replay.of({"stage": "forward", "made": "inf", "unknown": 1}).details() == {"stage": "forward", "made": "inf"}
