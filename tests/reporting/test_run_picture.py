@@ -84,7 +84,7 @@ def test_every_event_step_is_a_point_of_the_series_besides_lightnings_steps(tb_r
     grad = dict((e.step, e.value) for e in ea.Scalars("numguard/grad_norm"))
     assert grad[SPIKE] > 20 * max(v for s, v in grad.items() if s != SPIKE)  # the spike is on the curve
     threshold = {e.value for e in ea.Scalars("numguard/spike_threshold")}
-    assert threshold == {guard.spike_sigma}  # the z-score that makes a spike
+    assert threshold == {guard.spikes.sigma}  # the z-score that makes a spike
 
 
 def test_counters_are_written_when_they_move_not_as_copies(tb_run: Any) -> None:
@@ -108,7 +108,7 @@ def test_the_picture_is_one_image_on_tensorboard(tb_run: Any) -> None:
 def test_the_trace_holds_every_step_read_beside_events_jsonl(tb_run: Any) -> None:
     guard, _, tmp = tb_run
     trace = read_trace(tmp / "ng" / TRACE_FILENAME)
-    assert trace.sigma == guard.spike_sigma
+    assert trace.sigma == guard.spikes.sigma
     rows = {row[0]: row[1:] for row in trace.rows()}
     assert sorted(rows) == list(range(STEPS))
     assert rows[SPIKE][1] > 100 * rows[SPIKE - 1][1]  # the gradient norm of the spike step

@@ -109,9 +109,9 @@ def test_yaml_null_and_nested_values(tmp_path: Path) -> None:
     assert cb.action == "warn"
     assert cb.max_abs_input is None
     assert cb.dirpath == str(tmp_path / "ng")
-    assert cb.ignore_modules == ["head*"]
+    assert cb.watch.ignore == ["head*"]
     assert cb.check_optimizer_coverage == "off"
-    assert cb.replay is False
+    assert cb.recovery.replay is False
 
 
 def test_command_line_append_and_override(tmp_path: Path) -> None:
@@ -287,7 +287,7 @@ def test_a_value_refused_by_its_type_is_refused_by_init_too() -> None:
 def test_values_parsed_through_the_constrained_types_are_plain_numbers(tmp_path: Path) -> None:
     cfg = _write_config(tmp_path, "{snapshot_every_n_steps: 7, max_rollbacks: 0, lr_backoff: 0.5, watch_depth: 2}")
     (cb,) = _guards(_cli(["--config", str(cfg)]).trainer)
-    values = (cb.snapshot_every_n_steps, cb.max_rollbacks, cb.lr_backoff, cb.watch_depth)
+    values = (cb.snapshot_every_n_steps, cb.max_rollbacks, cb.lr_backoff, cb.watch.depth)
     assert values == (7, 0, 0.5, 2)
     assert [type(v) for v in values] == [int, int, float, int]  # plain: picklable, YAML- and state-friendly
 

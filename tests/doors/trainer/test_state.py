@@ -26,15 +26,15 @@ pytestmark = [
 ]
 SETTINGS: dict[str, Any] = dict(
     action="rollback",
-    retry_transient=True,  # a persistent bad batch fails its retry and is quarantined at once
-    replay=False,
+    # a persistent bad batch fails its retry and is quarantined at once
+    recovery={"retry_transient": True, "replay": False},
     snapshot_every_n_steps=2,
     lr_backoff=0.5,
 )
 
 
 def _settings(cb: NumGuardCallback) -> dict[str, Any]:
-    return {name: getattr(cb, name) for name in (*SETTINGS, "check", "max_abs_input", "dirpath")}
+    return cb.arguments()
 
 
 @pytest.fixture(scope="module")
