@@ -52,7 +52,7 @@ TARGETS = (
     "lightning_numguard.detect.watch:OutputWatch.keep",
     "lightning_numguard.state.recovery:Recovery.at_read",
     "lightning_numguard.state.recovery:Recovery.carry_out",
-    "lightning_numguard.state.recovery:Recovery.skip_on_device",
+    "lightning_numguard.engine.deferred:DeviceSkip.arm",
     "lightning_numguard.state.snapshots:Snapshots.take",
     "lightning_numguard.doors.trainer.logged:LoggedValues.mark",
     "lightning_numguard.detect.spike_guard:SpikeGuard.extras",

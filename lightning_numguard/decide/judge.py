@@ -12,7 +12,7 @@ The table in ``tests/decide/test_judge.py`` is the specification.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_numguard.decide.policy import decide
@@ -83,6 +83,7 @@ class Decision:
         restore: the last verified snapshot is put back (a rollback, or a halt before it saves).
         new_rollback: a new rollback: its skip window, learning-rate back-off, retry and ``last_finite.ckpt``.
         quarantine: quarantine the batch now, for this reason (``None``: not now).
+        on_device: read late: the device already skipped the step (nothing of its forward pass to undo on the host).
     """
 
     action: str = "none"
@@ -94,6 +95,7 @@ class Decision:
     restore: bool = False
     new_rollback: bool = False
     quarantine: str | None = None
+    on_device: bool = False
 
     @property
     def skips(self) -> bool:
@@ -102,6 +104,13 @@ class Decision:
 
 
 def judge(action: str, facts: Facts, budget: Budget, *, quarantine: bool = True, retry: bool = False) -> Decision:
+    """The :class:`Decision` for a step, given the configured ``action`` and what its read found (see
+    :func:`_judge`); read late, the decision says the device already skipped the step."""
+    decision = _judge(action, facts, budget, quarantine=quarantine, retry=retry)
+    return replace(decision, on_device=True) if facts.late else decision
+
+
+def _judge(action: str, facts: Facts, budget: Budget, *, quarantine: bool = True, retry: bool = False) -> Decision:
     """The :class:`Decision` for a step, given the configured ``action`` and what its read found.
 
     Args:

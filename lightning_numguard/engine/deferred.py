@@ -3,9 +3,9 @@
 The step's flag vector is packed and all-reduced on the device exactly as in the default mode
 (:meth:`StepRead.pack <lightning_numguard.engine.read.StepRead.pack>`), then
 
-* the optimizer step is skipped **on the device** when any flag is set (``Recovery.skip_on_device``:
-  ``found_inf`` armed on the fused optimizer, as ``torch.amp.GradScaler`` does, and the buffers the bad
-  forward pass changed put back with ``torch.where``);
+* the optimizer step is skipped **on the device** when any flag is set (:class:`DeviceSkip`: ``found_inf`` armed
+  on the fused optimizer, as ``torch.amp.GradScaler`` does, and the buffers the bad forward pass changed put back
+  with ``torch.where``);
 * the vector is copied to host memory without blocking (:class:`~lightning_numguard.engine.pending.PendingFlags`)
   and read at the *next* optimizer step, when the copy has long landed;
 * that late read goes through the same pipeline as the default mode's read
@@ -28,19 +28,28 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_numguard.decide.judge import Decision
 from lightning_numguard.detect import checks, flags, registry
 from lightning_numguard.diagnose.builder import StateLook, StepView
 from lightning_numguard.diagnose.findings import AFTER_FORWARD, Finding, merge
 from lightning_numguard.engine import group
 from lightning_numguard.engine.loop import Loop
-from lightning_numguard.engine.pending import PendingFlags, supports_device_skip
+from lightning_numguard.engine.pending import (
+    LateSnapshots,
+    PendingFlags,
+    arm_device_skip,
+    disarm_device_skip,
+    supports_device_skip,
+)
 from lightning_numguard.engine.pipeline import StepPipeline
 from lightning_numguard.engine.read import Reading
 from lightning_numguard.engine.record import StepRecord
 from lightning_numguard.engine.schedule import ReadSchedule
 from lightning_numguard.errors import NumGuardConfigError
+from lightning_numguard.state.snapshot import Snapshot
+from lightning_numguard.state.snapshots import LateCandidates, Snapshots
 
-__all__ = ["Deferred", "LateView"]
+__all__ = ["Candidates", "Deferred", "DeviceSkip", "LateView"]
 
 
 @dataclass
@@ -123,6 +132,95 @@ def _norms_placeholder(norms: tuple[list[str], torch.Tensor] | None, rank: int) 
     return Finding(kind, [where], dict(details), rank, site=site)
 
 
+class DeviceSkip:
+    """The device-side skip of the deferred read: a flagged step's optimizer step made a no-op on the device, the
+    buffers its forward pass changed put back there, and the LR schedule kept to put back a step skipped late."""
+
+    def __init__(self) -> None:
+        self._armed: list[torch.optim.Optimizer] = []  # optimizers whose next step may be skipped
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live buffer, its start copy)
+        self._schedules: dict[int, tuple[list[dict[str, Any]], list[list[float]]]] = {}  # per step
+
+    def start(self, loop: Loop, start: dict[str, torch.Tensor]) -> None:
+        """Fit start: the buffers whose start-of-step copies a skip puts back."""
+        self._buffers = [(b, start[n]) for n, b in loop.module.named_buffers() if n in start]
+
+    def arm(self, loop: Loop, step: int, optimizer: Any, bad: torch.Tensor) -> None:
+        """Make the coming optimizer step a no-op where ``bad`` (0-d, on the device); put back the buffers the bad
+        forward pass changed with ``torch.where``; keep the LR schedule to put back a late skip (no sync)."""
+        arm_device_skip(optimizer, bad)
+        self._armed.append(optimizer)
+        for live, start in self._buffers:
+            live.copy_(torch.where(bad, start, live))
+        schedulers = loop.schedulers
+        if schedulers:  # host-side and tiny
+            lrs = [[g["lr"] for g in o.param_groups] for o in loop.optimizers]
+            self._schedules[step] = ([s.state_dict() for s in schedulers], lrs)
+
+    def in_flight(self, optimizer: Any, device: torch.device) -> None:
+        """The step in flight started from a state a late rollback replaces: skipped on the device too."""
+        arm_device_skip(optimizer, torch.ones((), device=device))
+        if optimizer not in self._armed:
+            self._armed.append(optimizer)
+
+    def disarm(self) -> None:
+        """Remove ``found_inf`` once the optimizer has used it."""
+        for optimizer in self._armed:
+            disarm_device_skip(optimizer)
+        self._armed.clear()
+
+    def schedule_back(self, loop: Loop, step: int, skipped: bool) -> None:
+        """Step ``step`` was read: when it was skipped for what it held, the LR schedule goes back to how that
+        step found it (not after a forced skip: after a late rollback, the snapshot's schedule stands)."""
+        schedule = self._schedules.pop(step, None)
+        for old in [s for s in self._schedules if s < step]:
+            del self._schedules[old]
+        if not skipped or schedule is None:
+            return
+        for scheduler, state in zip(loop.schedulers, schedule[0]):
+            scheduler.load_state_dict(state)
+        for opt, lrs in zip(loop.optimizers, schedule[1]):
+            for param_group, lr in zip(opt.param_groups, lrs):
+                param_group["lr"] = lr
+
+
+class Candidates:
+    """The deferred read's snapshot candidates: the state at the start of a due step, captured then and made the
+    verified snapshot once that step's flags read clean, dropped when they read bad (:class:`LateSnapshots`)."""
+
+    def __init__(self, snapshots: Snapshots) -> None:
+        self.snapshots = snapshots
+        self.late: LateSnapshots[Snapshot] = LateSnapshots()
+
+    def start(self) -> None:
+        """Fit start: the fit-start snapshot is the first verified one."""
+        first = self.snapshots.snapshot
+        if first is not None:
+            self.late.add(first.step, first)
+            self.late.verified(first.step)
+
+    def add(self, loop: Loop, rec: StepRecord) -> None:
+        """Capture the state at ``rec``'s start (into the spare snapshot's storage; no collective)."""
+        self.late.add(rec.step, self.snapshots.candidate(loop, rec))
+
+    def judged(self, step: int, decision: Decision) -> None:
+        """Step ``step`` read: a clean step verifies the candidates up to it; a bad one drops those taken at or
+        after it (they hold its damage)."""
+        if decision.keep_start:
+            before = self.late.last
+            self.late.verified(step)
+            last = self.late.last
+            if last is not None and last is not before:  # what checkpoints, a rollback and a halt fall back to
+                self.snapshots.promote(last[1], spare=before[1] if before is not None else None)
+        elif decision.drop_start:
+            self.late.discard_from(step)
+
+    @property
+    def view(self) -> LateCandidates:
+        """The candidates not verified yet and the last verified one (read-only)."""
+        return LateCandidates(tuple(self.late.candidates), self.late.last)
+
+
 class Deferred(ReadSchedule):
     """The deferred read schedule of one fit: flags pushed without blocking, read and judged one step late."""
 
@@ -133,6 +231,12 @@ class Deferred(ReadSchedule):
         # per step: the watch's and op guard's records, and the NORMS slot's totals by part
         self.kept: dict[int, tuple[Any, list[Any], Any]] = {}
         self.carry: StepRecord | None = None  # a late decision, carried out at the end of the batch in flight
+        self.skip = DeviceSkip()
+        self.candidates = Candidates(pipeline.snapshots)
+
+    @property
+    def late_candidates(self) -> LateCandidates:
+        return self.candidates.view
 
     def at_train_start(self, loop: Loop) -> None:
         """Refuse what a device-side skip cannot serve; the fit-start state becomes the first verified snapshot."""
@@ -152,7 +256,8 @@ class Deferred(ReadSchedule):
                 f"{type(optimizer).__name__} ignores unless it is fused: create it with `fused=True` "
                 f"(e.g. torch.optim.AdamW(params, fused=True)), or use sync_mode='every_step'"
             )
-        self.pipeline.recovery.start_late(loop, self.pipeline.reader.start_buffer_map)
+        self.skip.start(loop, self.pipeline.reader.start_buffer_map)
+        self.candidates.start()
 
     def at_optimizer_step(self, loop: Loop, optimizer: Any) -> None:
         """Pack and reduce the flags, arm the device skip, push the flags, judge the previous step's."""
@@ -168,20 +273,20 @@ class Deferred(ReadSchedule):
                 bad = bad | p.spike.device_flag(packed[n:])
             if rec.skip_forced:
                 bad = torch.ones((), dtype=torch.bool, device=packed.device)
-            p.recovery.skip_on_device(loop, rec.step, optimizer, bad)
+            self.skip.arm(loop, rec.step, optimizer, bad)
         self.records[rec.step] = rec
         self.kept[rec.step] = (*p.recorder.keep(), p.reader.norm_parts)
         late = self.pending.push(packed, rec.step)
         restored = late is not None and self._late(loop, *late, optimizer=optimizer)
         if due and not restored:  # the state at this step's start, verified when this step's flags read clean
-            p.snapshots.add_candidate(loop, rec)
+            self.candidates.add(loop, rec)
 
     def after_step(self, loop: Loop) -> None:
         """Batch end: remove ``found_inf``; carry out a late decision taken during this batch."""
-        self.pipeline.recovery.disarm()
+        self.skip.disarm()
         carry, self.carry = self.carry, None
         if carry is not None:
-            self.pipeline.finish(loop, carry, late=True)
+            self.pipeline.finish(loop, carry)
 
     def at_train_end(self, loop: Loop) -> None:
         """Read what is still pending (the last step's flags): one read per fit."""
@@ -204,9 +309,10 @@ class Deferred(ReadSchedule):
         reading = Reading(flags.decode(values[:n], loop.world_size), {}, values[n:])
         forced = rec.skip_forced or reading.flags.seen(flags.QUARANTINE)
         decision = p.judge(loop, LateView(rec, reading, kept_watch=kept[0], kept_ops=kept[1], norms=kept[2]), due=False)
-        p.recovery.at_late_read(loop, step, decision, forced)
+        self.candidates.judged(step, decision)
+        self.skip.schedule_back(loop, step, decision.skips and not forced)
         if decision.restore and optimizer is not None:  # the step in flight started from the state to replace
-            p.recovery.skip_in_flight(optimizer, loop.device)
+            self.skip.in_flight(optimizer, loop.device)
             p.recorder.force_skip("it started from the state a late rollback replaced")
         if decision.action != "none" or rec.events:
             self.carry = rec

@@ -52,7 +52,7 @@ class GuardState:
     def snapshots(self) -> SnapshotsView:
         """A read-only view of the fit's verified-finite snapshots (``snapshot``, ``async_on``, ``spare``,
         ``pending``, ``late``); only the guard changes them."""
-        return SnapshotsView(self._pipeline.snapshots)
+        return SnapshotsView(self._pipeline.snapshots, self._flow.schedule.late_candidates)
 
     @property
     def snapshot_step(self) -> int | None:

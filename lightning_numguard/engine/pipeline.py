@@ -156,7 +156,7 @@ class StepPipeline:
             log.info("numguard (deferred) step %s, read at step %s: %s", rec.step, loop.step, decision.action)
         return decision
 
-    def finish(self, loop: Loop, rec: StepRecord, late: bool = False) -> Outcome | None:
+    def finish(self, loop: Loop, rec: StepRecord) -> Outcome | None:
         """Batch end: carry out the step's decision and record its events with what was done (counted first: the
         ``last_finite.ckpt`` of a rollback or halt counts its incident). Returns the outcome (``None``: clean)."""
         decision = rec.decision
@@ -166,7 +166,7 @@ class StepPipeline:
             self.ledger.record(loop, rec.events)
         else:  # counted first: the last_finite.ckpt a rollback writes holds the fit's counters, this step's included
             self.ledger.count_events(rec.events)
-        outcome = self.recovery.carry_out(loop, rec, late)
+        outcome = self.recovery.carry_out(loop, rec)
         if decision.action == "halt":  # written before: the fit's record of them says what was done
             self.ledger.complete(rec.events, outcome)
         else:

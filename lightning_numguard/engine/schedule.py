@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.pipeline import StepPipeline
+from lightning_numguard.state.snapshots import LateCandidates
 
 __all__ = ["EveryStep", "ReadSchedule"]
 
@@ -24,6 +25,11 @@ class ReadSchedule:
 
     def __init__(self, pipeline: StepPipeline) -> None:
         self.pipeline = pipeline
+
+    @property
+    def late_candidates(self) -> LateCandidates:
+        """The snapshot candidates a late read keeps until verified (none when the flags are read at the step)."""
+        return LateCandidates((), None)
 
     def at_train_start(self, loop: Loop) -> None:
         """Once per fit, after the checkpoint's state is restored: refuse what the schedule cannot serve."""

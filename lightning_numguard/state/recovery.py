@@ -20,7 +20,6 @@ from lightning_numguard.detect import checks
 from lightning_numguard.dtensor import local
 from lightning_numguard.engine import group as _distributed
 from lightning_numguard.engine.loop import Loop
-from lightning_numguard.engine.pending import arm_device_skip, disarm_device_skip
 from lightning_numguard.engine.read import StepRead
 from lightning_numguard.engine.record import StepRecord
 from lightning_numguard.state import gather as _sharded
@@ -69,9 +68,6 @@ class Recovery:
         self.quarantine = Quarantine()
         self.skip_remaining = 0
         self.bad_rank = -1  # the lowest rank whose state the last checkpoint swap or end-of-fit check found bad
-        self._armed: list[torch.optim.Optimizer] = []  # read late: optimizers whose next step may be skipped
-        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # read late: (live buffer, its start copy)
-        self._schedules: dict[int, tuple[list[dict[str, Any]], list[list[float]]]] = {}  # read late, per step
         self.restores = Restores()  # the updates each restore discards, and the rollbacks that repeat
 
     @property
@@ -185,33 +181,18 @@ class Recovery:
         """A skipped step's optimizer step becomes a no-op: no momentum, weight decay or step count moves."""
         optimizer.zero_grad(set_to_none=True)
 
-    def at_late_read(self, loop: Loop, step: int, decision: Decision, forced: bool = False) -> None:
-        """Read one step late: verify or drop the candidates; the LR schedule of a step skipped for what it held is
-        put back (not a ``forced`` skip's: after a late rollback, the snapshot's schedule stands)."""
-        if decision.keep_start:
-            self.snapshots.verify(step)
-        elif decision.drop_start:
-            self.snapshots.drop_from(step)
-        schedule = self._schedules.pop(step, None)
-        for old in [s for s in self._schedules if s < step]:
-            del self._schedules[old]
-        if decision.skips and not forced and schedule is not None:  # the schedule as the bad step found it
-            for scheduler, state in zip(loop.schedulers, schedule[0]):
-                scheduler.load_state_dict(state)
-            for opt, lrs in zip(loop.optimizers, schedule[1]):
-                for group, lr in zip(opt.param_groups, lrs):
-                    group["lr"] = lr
-
-    def carry_out(self, loop: Loop, rec: StepRecord, late: bool) -> Outcome:
+    def carry_out(self, loop: Loop, rec: StepRecord) -> Outcome:
         """Batch end: what the decision leaves to be done once the optimizer step is over. Returns what was done
-        (the ledger records the step's events with it)."""
+        (the ledger records the step's events with it). A step the device already skipped (``decision.on_device``,
+        read late) has nothing of its forward pass to undo, and no batch at hand to retry."""
         decision = rec.decision
         assert decision is not None
+        on_device = decision.on_device
         restore, lrs, retry, quarantined = None, None, None, False
-        if decision.skips and not late:  # what the discarded step logged must not reach monitors or loggers
+        if decision.skips and not on_device:  # what the discarded step logged must not reach monitors or loggers
             loop.discard_logged()
         if decision.action == "skip":
-            if not late:  # read late, the device put the buffers back itself
+            if not on_device:  # the device put the buffers back itself
                 self.undo_forward(loop, rec)
             if decision.quarantine:
                 quarantined = self.quarantine_batch(loop, rec, decision.quarantine)
@@ -223,7 +204,7 @@ class Recovery:
             self.restores.repeats.restored(learning_rate(loop))
             if decision.new_rollback:
                 lrs = self.after_rollback(loop)
-                if self.retry_transient and not late:
+                if self.retry_transient and not on_device:
                     retry, quarantined = self._retry(loop, rec)
                     put_schedule(loop, kept)
                 elif decision.quarantine:
@@ -236,37 +217,6 @@ class Recovery:
             self.restores.skipped.add(rec.step)
         now = self.snapshot.step if self.snapshot is not None else None
         return Outcome(decision.action, restore, now, lrs, retry, quarantined)
-
-    # ------------------------------------------------------------------ read late: the device-side skip
-
-    def start_late(self, loop: Loop, start: dict[str, torch.Tensor]) -> None:
-        """Fit start, read late: the buffers put back on the device, the fit-start snapshot verified."""
-        self._buffers = [(b, start[n]) for n, b in loop.module.named_buffers() if n in start]
-        self.snapshots.start_late()
-
-    def skip_on_device(self, loop: Loop, step: int, optimizer: Any, bad: torch.Tensor) -> None:
-        """Make the coming optimizer step a no-op where ``bad`` (0-d, on the device); the buffers the bad forward
-        pass changed are put back with ``torch.where``; the LR schedule is kept to put back a late skip (no sync)."""
-        arm_device_skip(optimizer, bad)
-        self._armed.append(optimizer)
-        for live, start in self._buffers:
-            live.copy_(torch.where(bad, start, live))
-        schedulers = loop.schedulers
-        if schedulers:  # host-side and tiny
-            lrs = [[g["lr"] for g in o.param_groups] for o in loop.optimizers]
-            self._schedules[step] = ([s.state_dict() for s in schedulers], lrs)
-
-    def skip_in_flight(self, optimizer: Any, device: torch.device) -> None:
-        """The step in flight started from a state a late rollback replaces: skipped on the device too."""
-        arm_device_skip(optimizer, torch.ones((), device=device))
-        if optimizer not in self._armed:
-            self._armed.append(optimizer)
-
-    def disarm(self) -> None:
-        """Remove ``found_inf`` once the optimizer has used it."""
-        for optimizer in self._armed:
-            disarm_device_skip(optimizer)
-        self._armed.clear()
 
     # ------------------------------------------------------------------ actions
 

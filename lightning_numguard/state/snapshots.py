@@ -1,11 +1,11 @@
-"""The verified-finite snapshots of a fit: taken, copied asynchronously, kept late, gathered and put back.
+"""The verified-finite snapshots of a fit: taken, copied asynchronously, gathered and put back.
 
 :class:`Snapshots` is the one holder of the state a rollback returns to. Read at the step
 (``sync_mode="every_step"``), the state at a step's start becomes the snapshot once that step's read verified
 it (:meth:`~Snapshots.take`, or the asynchronous candidate of :meth:`~Snapshots.start`). Read one step late
-(``sync_mode="deferred"``), a candidate is captured at the step's start (:meth:`~Snapshots.add_candidate`) and
-becomes the snapshot when the read of that step comes back clean (:meth:`~Snapshots.verify`), or is dropped
-(:meth:`~Snapshots.drop_from`).
+(``sync_mode="deferred"``), the deferred schedule keeps its own candidates
+(:class:`~lightning_numguard.engine.deferred.Candidates`: :meth:`~Snapshots.candidate` captures one,
+:meth:`~Snapshots.promote` makes a verified one the snapshot).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, Literal, NamedTuple
 
 from lightning_numguard.engine.loop import Loop
-from lightning_numguard.engine.pending import LateSnapshots
 from lightning_numguard.engine.record import StepRecord
 from lightning_numguard.state import gather as _sharded
 from lightning_numguard.state.snapshot import (
@@ -26,10 +25,10 @@ from lightning_numguard.state.snapshot import (
     start_capture,
 )
 
-__all__ = ["LateView", "Snapshots", "SnapshotsView"]
+__all__ = ["LateCandidates", "Snapshots", "SnapshotsView"]
 
 
-class LateView(NamedTuple):
+class LateCandidates(NamedTuple):
     """The deferred read's snapshots: ``candidates`` not verified yet (``(step, Snapshot)``, oldest first) and
     ``last``, the last verified one (what a late rollback restores), or ``None``."""
 
@@ -42,11 +41,13 @@ class SnapshotsView:
     verbs (take, restore, verify...), and no attribute can be set through it. The snapshots it shows are the
     guard's own storage: read them, do not write into their tensors."""
 
-    __slots__ = ("_of",)
+    __slots__ = ("_late", "_of")
     _of: Snapshots
+    _late: LateCandidates
 
-    def __init__(self, of: Snapshots) -> None:
+    def __init__(self, of: Snapshots, late: LateCandidates | None = None) -> None:
         object.__setattr__(self, "_of", of)
+        object.__setattr__(self, "_late", late if late is not None else LateCandidates((), None))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"NumGuardCallback.snapshots is read-only (cannot set {name!r})")
@@ -72,9 +73,9 @@ class SnapshotsView:
         return self._of.pending
 
     @property
-    def late(self) -> LateView:
+    def late(self) -> LateCandidates:
         """``sync_mode="deferred"``: the candidates not verified yet and the last verified snapshot."""
-        return LateView(tuple(self._of.late.candidates), self._of.late.last)
+        return self._late
 
 
 class Snapshots:
@@ -98,7 +99,6 @@ class Snapshots:
         self.async_on = False  # resolved at train start
         self.spare: Snapshot | None = None  # the storage the next candidate is copied into
         self.pending: PendingCapture | None = None  # the asynchronous candidate in flight (batch start to read)
-        self.late: LateSnapshots[Snapshot] = LateSnapshots()  # read late: candidates until their step reads clean
         self.last_step = -(10**9)
         self.stateful: dict[str, Stateful] = {}
 
@@ -161,33 +161,21 @@ class Snapshots:
         self.snapshot = self._capture(loop, rec, reuse=self.snapshot)
         self.last_step = self.snapshot.step
 
-    # ------------------------------------------------------------------ read one step late
+    # ------------------------------------------------------------------ candidates a late read verifies
 
-    def add_candidate(self, loop: Loop, rec: StepRecord) -> None:
-        """Capture the state at ``rec``'s start as a candidate, verified when that step reads clean (no collective)."""
-        self.late.add(rec.step, self._capture(loop, rec, reuse=self.spare))
+    def candidate(self, loop: Loop, rec: StepRecord) -> Snapshot:
+        """The state at ``rec``'s start, captured into the spare's storage (no collective): a candidate that
+        :meth:`promote` makes the snapshot once verified."""
+        taken = self._capture(loop, rec, reuse=self.spare)
         self.spare = None
         self.last_step = rec.step
+        return taken
 
-    def verify(self, step: int) -> None:
-        """Step ``step`` read clean: candidates up to it become the snapshot; the one they replace is the spare."""
-        before = self.late.last
-        self.late.verified(step)
-        last = self.late.last
-        if last is not None and last is not before:
-            if before is not None:
-                self.spare = before[1]
-            self.snapshot = last[1]  # what checkpoints, a rollback and a halt fall back to: verified only
-
-    def drop_from(self, step: int) -> None:
-        """Step ``step`` was bad: the candidates taken at or after it hold its damage."""
-        self.late.discard_from(step)
-
-    def start_late(self) -> None:
-        """Fit start, read late: the fit-start snapshot is the first verified one."""
-        if self.snapshot is not None:
-            self.late.add(self.snapshot.step, self.snapshot)
-            self.late.verified(self.snapshot.step)
+    def promote(self, snapshot: Snapshot, spare: Snapshot | None) -> None:
+        """A verified candidate becomes the snapshot; ``spare``, the one it replaces, is reused for the next."""
+        if spare is not None:
+            self.spare = spare
+        self.snapshot = snapshot
 
     # ------------------------------------------------------------------ putting back
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_numguard.decide.judge import Budget, Decision, Facts, judge
 from lightning_numguard.diagnose.findings import Finding
+from lightning_numguard.engine.deferred import Candidates
 from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.record import StepRecord
 from lightning_numguard.reporting.ledger import Ledger
@@ -118,7 +119,7 @@ def test_recovery_carries_out_each_decision(caplog, action, facts, restored, buf
     _train_step(model, host)  # the step went ahead (its weights and BatchNorm statistics moved)
     moved = _weights(model)
     with caplog.at_level(logging.WARNING):
-        recovery.carry_out(host, rec, late=False)
+        recovery.carry_out(host, rec)
     now = model.state_dict()
     assert torch.equal(now["lin.weight"], at_snapshot["lin.weight"]) == restored
     assert torch.equal(now["lin.weight"], moved["lin.weight"]) == (not restored)
@@ -133,7 +134,7 @@ def test_recovery_carries_out_each_decision(caplog, action, facts, restored, buf
 def test_a_rollback_backs_the_learning_rate_off_and_says_so():
     model, host, recovery = _parts(lr_backoff=0.5)
     rec = _record(model, judge("rollback", BAD, Budget(True, 0, 3)))
-    outcome = recovery.carry_out(host, rec, late=False)
+    outcome = recovery.carry_out(host, rec)
     assert host.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05)
     assert outcome.lr_after_backoff == [pytest.approx(0.05)]
     assert outcome.restore is not None and outcome.restore.snapshot_step == 3 and outcome.steps_lost == 0
@@ -146,7 +147,7 @@ def test_a_rollback_backs_the_learning_rate_off_and_says_so():
 def test_a_batch_that_failed_twice_is_quarantined_by_the_decision():
     model, host, recovery = _parts()
     rec = _record(model, judge("rollback", Facts(incident=True, failures=2), Budget(True, 0, 3)))
-    outcome = recovery.carry_out(host, rec, late=False)
+    outcome = recovery.carry_out(host, rec)
     assert [q["batch_idx"] for q in recovery.quarantine.entries] == [5]
     assert outcome.quarantined is True and outcome.said_in(rec.events[0])["details"]["quarantined"] is True
 
@@ -172,15 +173,16 @@ def test_before_the_optimizer_step(decision, grads_dropped, snapshot_step):
 
 def test_read_late_the_candidates_are_verified_or_dropped():
     model, host, recovery = _parts()
-    recovery.snapshots.start_late()
+    candidates = Candidates(recovery.snapshots)
+    candidates.start()
     first = recovery.snapshot
     for step in (4, 5):
         host.global_step = step
-        recovery.snapshots.add_candidate(host, StepRecord(epoch=0, batch_idx=step, step=step))
-    recovery.at_late_read(host, 4, Decision(keep_start=True))
+        candidates.add(host, StepRecord(epoch=0, batch_idx=step, step=step))
+    candidates.judged(4, Decision(keep_start=True))
     assert recovery.snapshot.step == 4 and recovery.snapshot is not first
-    recovery.at_late_read(host, 5, judge("rollback", Facts(incident=True, late=True), Budget(True, 0, 3)))
-    assert recovery.snapshot.step == 4 and not recovery.snapshots.late.candidates
+    candidates.judged(5, judge("rollback", Facts(incident=True, late=True), Budget(True, 0, 3)))
+    assert recovery.snapshot.step == 4 and not candidates.view.candidates
 
 
 def test_the_ledger_owns_the_counters():

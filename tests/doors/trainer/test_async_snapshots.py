@@ -63,7 +63,7 @@ def test_the_snapshots_are_shown_through_a_read_only_view(tmp_path):
     trainer(tmp_path, [guard], max_steps=2).fit(FaultModel(), loader(FaultData()))
     view = guard.snapshots
     assert view.snapshot is not None and view.snapshot.step == 1 and view.late.candidates == ()
-    for name in ("restore", "take", "verify", "drop_from", "add_candidate"):
+    for name in ("restore", "take", "promote", "candidate"):
         assert not hasattr(view, name), name
     with pytest.raises(AttributeError, match="read-only"):
         view.snapshot = None  # type: ignore[misc]
