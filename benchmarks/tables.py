@@ -114,38 +114,44 @@ def verdicts(result: dict[str, Any]) -> list[Verdict]:
                     )
                 )
     if "micro" in result:
-        m = result["micro"]
-        for name, g in m["grad_check"].items():
-            out.append(
-                Verdict(
-                    f"{name}: gradient check vs the AdamW step",
-                    grad_check_ratio(g),
-                    GRAD_CHECK_TARGET,
-                    "×",
-                    "perf_counter (micro)",
-                )
+        out += _micro_verdicts(result["micro"])
+    return out
+
+
+def _micro_verdicts(m: dict[str, Any]) -> list[Verdict]:
+    """The micro-benchmarks' targets: the gradient check, the op guard, the snapshots."""
+    out: list[Verdict] = []
+    for name, g in m["grad_check"].items():
+        out.append(
+            Verdict(
+                f"{name}: gradient check vs the AdamW step",
+                grad_check_ratio(g),
+                GRAD_CHECK_TARGET,
+                "×",
+                "perf_counter (micro)",
             )
-        for name, d in m.get("opguard", {}).items():
-            paired = float(d["ratio_to_forward"]["forward_opguard"])
-            calls = f"{d['guarded_calls_per_forward']} guarded call(s) per forward"
-            if "in_situ_ratio" in d:  # judged on the guard's own time; the paired whole-forward ratios for reference
-                cpu = d["cpu_ratio_to_forward"]["forward_opguard"]
-                value, clock = float(d["in_situ_ratio"]), "thread CPU time of the guard's own work, in situ (micro)"
-                note = f"{calls}; two whole forwards paired, not judged: wall {paired:.3f}×, thread CPU {cpu:.3f}×"
-            else:
-                value, clock, note = paired, "perf_counter (micro)", calls
-            what = f"{name}: forward with the op guard vs without it"
-            out.append(Verdict(what, value, OPGUARD_TARGET, "×", clock, note))
-        for name, s in m["snapshot"].items():
-            out.append(
-                Verdict(
-                    f"{name}: snapshot amortised at every {SNAPSHOT_TARGET_INTERVAL} steps, of a step",
-                    snapshot_pct(s),
-                    SNAPSHOT_TARGET_PCT,
-                    "%",
-                    f"perf_counter (micro) / {s.get('step_ms_source', 'step clock')}",
-                )
+        )
+    for name, d in m.get("opguard", {}).items():
+        paired = float(d["ratio_to_forward"]["forward_opguard"])
+        calls = f"{d['guarded_calls_per_forward']} guarded call(s) per forward"
+        if "in_situ_ratio" in d:  # judged on the guard's own time; the paired whole-forward ratios for reference
+            cpu = d["cpu_ratio_to_forward"]["forward_opguard"]
+            value, clock = float(d["in_situ_ratio"]), "thread CPU time of the guard's own work, in situ (micro)"
+            note = f"{calls}; two whole forwards paired, not judged: wall {paired:.3f}×, thread CPU {cpu:.3f}×"
+        else:
+            value, clock, note = paired, "perf_counter (micro)", calls
+        what = f"{name}: forward with the op guard vs without it"
+        out.append(Verdict(what, value, OPGUARD_TARGET, "×", clock, note))
+    for name, s in m["snapshot"].items():
+        out.append(
+            Verdict(
+                f"{name}: snapshot amortised at every {SNAPSHOT_TARGET_INTERVAL} steps, of a step",
+                snapshot_pct(s),
+                SNAPSHOT_TARGET_PCT,
+                "%",
+                f"perf_counter (micro) / {s.get('step_ms_source', 'step clock')}",
             )
+        )
     return out
 
 

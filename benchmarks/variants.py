@@ -25,6 +25,7 @@ Variants:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,34 +74,28 @@ class NaiveIsFinite(Callback):
 def make_variant(name: str, tmp: Path) -> tuple[dict[str, Any], list[Callback]]:
     """``(extra Trainer kwargs, callbacks)`` for variant ``name``; fresh objects every call."""
     ng = str(tmp / "numguard")
+    guard: dict[str, Callable[[], Any]] = {
+        "numguard_default": lambda: NumGuardCallback(dirpath=ng),
+        "numguard_no_spike": lambda: NumGuardCallback(dirpath=ng, spikes={"window": 0, "overflow_headroom": None}),
+        "numguard_spike_skip": lambda: NumGuardCallback(dirpath=ng, spike_action="skip"),
+        "numguard_all": lambda: NumGuardCallback(dirpath=ng, check=list(ALL_CHECKS)),
+        "numguard_snapshot_every_step": lambda: NumGuardCallback(dirpath=ng, snapshot_every_n_steps=1),
+        "numguard_deferred": lambda: NumGuardCallback(dirpath=ng, sync_mode="deferred"),
+        "numguard_all_no_outputs": lambda: NumGuardCallback(
+            dirpath=ng, check=[c for c in ALL_CHECKS if c != "outputs"]
+        ),
+        "numguard_no_ops": lambda: NumGuardCallback(dirpath=ng, check=[c for c in DEFAULT_CHECKS if c != "ops"]),
+        "spike_detection": lambda: SpikeDetection(mode="min", exclude_batches_path=str(tmp / "spike")),
+        "naive_isfinite": NaiveIsFinite,
+        "floor_default": FloorGuard,
+        "floor_all": lambda: FloorGuard(every=True),
+    }
     if name == "baseline":
         return {}, []
-    if name == "numguard_default":
-        return {}, [NumGuardCallback(dirpath=ng)]
-    if name == "numguard_no_spike":
-        return {}, [NumGuardCallback(dirpath=ng, spikes={"window": 0, "overflow_headroom": None})]
-    if name == "numguard_spike_skip":
-        return {}, [NumGuardCallback(dirpath=ng, spike_action="skip")]
-    if name == "numguard_all":
-        return {}, [NumGuardCallback(dirpath=ng, check=list(ALL_CHECKS))]
-    if name == "numguard_snapshot_every_step":
-        return {}, [NumGuardCallback(dirpath=ng, snapshot_every_n_steps=1)]
-    if name == "numguard_deferred":
-        return {}, [NumGuardCallback(dirpath=ng, sync_mode="deferred")]
-    if name == "numguard_all_no_outputs":
-        return {}, [NumGuardCallback(dirpath=ng, check=[c for c in ALL_CHECKS if c != "outputs"])]
-    if name == "numguard_no_ops":
-        return {}, [NumGuardCallback(dirpath=ng, check=[c for c in DEFAULT_CHECKS if c != "ops"])]
     if name == "detect_anomaly":
         return {"detect_anomaly": True}, []
-    if name == "spike_detection":
-        return {}, [SpikeDetection(mode="min", exclude_batches_path=str(tmp / "spike"))]
-    if name == "naive_isfinite":
-        return {}, [NaiveIsFinite()]
-    if name == "floor_default":
-        return {}, [FloorGuard()]
-    if name == "floor_all":
-        return {}, [FloorGuard(every=True)]
+    if name in guard:
+        return {}, [guard[name]()]
     raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
 
 

@@ -1,7 +1,7 @@
-"""Keep PyTorch Lightning training runs alive through NaN and Inf.
+"""Keep PyTorch training runs alive through NaN and Inf.
 
-The public surface is ``__all__``. ``NumGuardCallback`` is imported on first access, so that
-``lightning_numguard.core`` (torch and the standard library only) can be used without Lightning.
+The public surface is ``__all__``. ``NumGuardCallback`` is imported on first access, so that the engine (torch and
+the standard library only) can be used without Lightning.
 """
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_numguard.__about__ import __version__
+from lightning_numguard.config.arguments import GuardConfig
+from lightning_numguard.config.groups import RecoveryConfig, SnapshotConfig, SpikeConfig, WatchConfig
 from lightning_numguard.detect.registry import Check, CheckStep
+from lightning_numguard.diagnose.findings import Finding
 from lightning_numguard.errors import NonFiniteError, NumGuardConfigError, NumGuardError, NumGuardWarning
 
 if TYPE_CHECKING:
@@ -18,11 +21,17 @@ if TYPE_CHECKING:
 __all__ = [
     "Check",
     "CheckStep",
+    "Finding",
+    "GuardConfig",
     "NonFiniteError",
     "NumGuardCallback",
     "NumGuardConfigError",
     "NumGuardError",
     "NumGuardWarning",
+    "RecoveryConfig",
+    "SnapshotConfig",
+    "SpikeConfig",
+    "WatchConfig",
     "__version__",
 ]
 

@@ -144,23 +144,8 @@ def _events(axes: Any, events: Sequence[Mapping[str, Any]]) -> None:
     """The markers, the incident lines, the rollback spans and the culprit labels."""
     top = axes[0]
     where = top.get_xaxis_transform()  # x in steps, y in axes fraction
-    by_category: dict[str, set[int]] = {c: set() for c in MARKERS}
-    labelled: set[str] = set()
-    spans: set[tuple[int, int]] = set()
-    for e in events:
-        step = int(e["step"])
-        for category in _category(e):
-            by_category[category].add(step)
-        if e.get("action") == "rollback":
-            start = (e.get("details") or {}).get("snapshot_step")
-            if isinstance(start, int) and start <= step:
-                spans.add((start, step))
-        if "incident" in _category(e) and len(labelled) < MAX_LABELS and _culprit(e) not in labelled:
-            labelled.add(_culprit(e))
-            top.annotate(
-                _culprit(e), (step, 0.93), xycoords=where, xytext=(4, -12), textcoords="offset points",
-                fontsize=7, color="tab:red", clip_on=True,
-            )  # fmt: skip
+    by_category, spans = _marks(events)
+    _label_culprits(top, where, events)
     for ax in axes:
         for step in sorted(by_category["incident"] | by_category["halt"]):
             ax.axvline(step, color="tab:red", alpha=0.35, lw=1.0)
@@ -175,6 +160,34 @@ def _events(axes: Any, events: Sequence[Mapping[str, Any]]) -> None:
     if not axes[0].lines and events:  # no trace: the events' steps set the range
         steps = [int(e["step"]) for e in events]
         top.set_xlim(min(steps) - 1, max(steps) + 1)
+
+
+def _marks(events: Sequence[Mapping[str, Any]]) -> tuple[dict[str, set[int]], set[tuple[int, int]]]:
+    """The steps of each marker category, and the spans the rollbacks gave up (snapshot step to the bad step)."""
+    by_category: dict[str, set[int]] = {c: set() for c in MARKERS}
+    spans: set[tuple[int, int]] = set()
+    for e in events:
+        step = int(e["step"])
+        for category in _category(e):
+            by_category[category].add(step)
+        start = (e.get("details") or {}).get("snapshot_step")
+        if e.get("action") == "rollback" and isinstance(start, int) and start <= step:
+            spans.add((start, step))
+    return by_category, spans
+
+
+def _label_culprits(top: Any, where: Any, events: Sequence[Mapping[str, Any]]) -> None:
+    """The culprit of each incident, at most :data:`MAX_LABELS` of them, each named once."""
+    labelled: set[str] = set()
+    for e in events:
+        culprit = _culprit(e)
+        if "incident" not in _category(e) or len(labelled) >= MAX_LABELS or culprit in labelled:
+            continue
+        labelled.add(culprit)
+        top.annotate(
+            culprit, (int(e["step"]), 0.93), xycoords=where, xytext=(4, -12), textcoords="offset points",
+            fontsize=7, color="tab:red", clip_on=True,
+        )  # fmt: skip
 
 
 def _events_file(path: Path) -> Path:

@@ -198,7 +198,7 @@ def test_halt_raises_false_stops_gracefully_and_loggers_see_which(tmp_path):
     with guard_warns(guard_warning("batch['x']", 3)), pytest.raises(NonFiniteError, match="at step 3"):
         fit(tmp_path / "raises", "input", "halt", logger=Finalised(tmp_path / "raises"), log_every_n_steps=1)
     assert Finalised.status == ["failed"]
-    with pytest.raises(NumGuardConfigError, match="halt_raises"):
+    with pytest.raises(NumGuardConfigError, match=r"recovery\.halt_raises"):
         NumGuardCallback(recovery={"halt_raises": "yes"})  # type: ignore[arg-type]
 
 
@@ -271,8 +271,8 @@ def test_at_most_one_host_sync_per_training_step(tmp_path, snapshot_async):
         ),
         ({"snapshot_every_n_steps": 0}, r"`snapshot_every_n_steps` must be an integer >= 1, got 0"),
         ({"snapshot_every_n_steps": 2.5}, r"`snapshot_every_n_steps` must be an integer >= 1, got 2.5"),
-        ({"snapshot_device": "gpu"}, r"`snapshot_device` must be one of \['host', 'device'\], got 'gpu'"),
-        ({"snapshot_sharding": "on"}, r"`snapshot_sharding` must be one of \['auto', 'off'\], got 'on'"),
+        ({"snapshot": {"device": "gpu"}}, r"`snapshot.device` must be one of \['host', 'device'\], got 'gpu'"),
+        ({"snapshot": {"sharding": "on"}}, r"`snapshot.sharding` must be one of \['auto', 'off'\], got 'on'"),
         ({"max_rollbacks": -1}, r"`max_rollbacks` must be an integer >= 0, got -1"),
         (
             {"skip_batches_after_rollback": True},
@@ -280,11 +280,11 @@ def test_at_most_one_host_sync_per_training_step(tmp_path, snapshot_async):
         ),
         ({"lr_backoff": 0.0}, r"`lr_backoff` must be a number in \(0, 1\], got 0.0"),
         ({"lr_backoff": 1.5}, r"`lr_backoff` must be a number in \(0, 1\], got 1.5"),
-        ({"retry_transient": "yes"}, r"`retry_transient` must be True or False, got 'yes'"),
-        ({"quarantine": 1}, r"`quarantine` must be True or False, got 1"),
-        ({"replay": None}, r"`replay` must be True or False, got None"),
-        ({"watch_modules": "encoder.*"}, r"`watch_modules` must be a list of glob patterns"),
-        ({"ignore_modules": [1]}, r"`ignore_modules` must be a list of glob patterns"),
+        ({"recovery": {"retry_transient": "yes"}}, r"`recovery.retry_transient` must be True or False, got 'yes'"),
+        ({"recovery": {"quarantine": 1}}, r"`recovery.quarantine` must be True or False, got 1"),
+        ({"recovery": {"replay": None}}, r"`recovery.replay` must be True or False, got None"),
+        ({"watch": {"modules": "encoder.*"}}, r"`watch.modules` must be a list of glob patterns"),
+        ({"watch": {"ignore": [1]}}, r"`watch.ignore` must be a list of glob patterns"),
         ({"dirpath": 3}, r"`dirpath` must be a path or None, got 3"),
     ],
 )

@@ -71,7 +71,7 @@ def test_the_snapshots_are_shown_through_a_read_only_view(tmp_path):
 
 
 def test_snapshot_async_is_validated_and_off_by_default_on_the_cpu(tmp_path):
-    with pytest.raises(NumGuardConfigError, match="snapshot_async"):
+    with pytest.raises(NumGuardConfigError, match=r"snapshot\.asynchronous"):
         NumGuardCallback(snapshot={"asynchronous": "yes"})  # type: ignore[arg-type]
     guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), snapshot_every_n_steps=1)
     trainer(tmp_path, [guard], max_steps=2).fit(FaultModel(), loader(FaultData()))

@@ -192,9 +192,12 @@ def test_bad_type_fails_at_parse_time(
 @pytest.mark.parametrize(
     ("init_args", "match"),
     [
-        ("{sync_mode: deferred, retry_transient: true}", r"`retry_transient=True` re-runs a batch .* one or the other"),
+        (
+            "{sync_mode: deferred, retry_transient: true}",
+            r"`recovery.retry_transient=True` re-runs a batch .* one or the other",
+        ),
         # a limit that spans two arguments: no one argument's type can carry it (issue 27)
-        ("{spike_warmup: 500}", r"`spike_warmup` must be None or an integer in \[1, spike_window=128\], got 500"),
+        ("{spike_warmup: 500}", r"`spikes.warmup` must be None or an integer in \[1, spikes.window=128\], got 500"),
     ],
 )
 def test_bad_value_of_right_type_fails_at_instantiation(tmp_path: Path, init_args: str, match: str) -> None:

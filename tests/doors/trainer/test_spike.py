@@ -308,13 +308,19 @@ def test_a_float16_block_near_its_limit_is_reported_once_with_its_headroom(tmp_p
     ("kwargs", "match"),
     [
         ({"spike_action": "halt"}, r"`spike_action` must be one of \['warn', 'skip', 'rollback'\], got 'halt'"),
-        ({"spike_sigma": 0}, r"`spike_sigma` must be a positive number, got 0"),
-        ({"spike_sigma": float("inf")}, r"`spike_sigma` must be a positive number, got inf"),
-        ({"spike_window": -1}, r"`spike_window` must be an integer >= 0, got -1"),
-        ({"spike_action": "skip", "spike_window": 0}, r"needs spike statistics: `spike_window` must be"),
-        ({"spike_warmup": 200}, r"`spike_warmup` must be None or an integer in \[1, spike_window=128\], got 200"),
-        ({"spike_rollback_after": -2}, r"`spike_rollback_after` must be an integer >= 0, got -2"),
-        ({"overflow_headroom": 0.5}, r"`overflow_headroom` must be a number >= 1 or None \(off\), got 0.5"),
+        ({"spikes": {"sigma": 0}}, r"`spikes.sigma` must be a positive number, got 0"),
+        ({"spikes": {"sigma": float("inf")}}, r"`spikes.sigma` must be a positive number, got inf"),
+        ({"spikes": {"window": -1}}, r"`spikes.window` must be an integer >= 0, got -1"),
+        ({"spike_action": "skip", "spikes": {"window": 0}}, r"needs spike statistics: `spikes.window` must be"),
+        (
+            {"spikes": {"warmup": 200}},
+            r"`spikes.warmup` must be None or an integer in \[1, spikes.window=128\], got 200",
+        ),
+        ({"spikes": {"rollback_after": -2}}, r"`spikes.rollback_after` must be an integer >= 0, got -2"),
+        (
+            {"spikes": {"overflow_headroom": 0.5}},
+            r"`spikes.overflow_headroom` must be a number >= 1 or None \(off\), got 0.5",
+        ),
         ({"action": "warn", "spike_action": "skip"}, r"use action='skip' or 'rollback' with it"),
     ],
 )

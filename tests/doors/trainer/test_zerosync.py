@@ -112,7 +112,7 @@ def test_deferred_mode_refuses_a_foreach_optimizer_as_the_readme_says(tmp_path):
 
 
 def test_deferred_mode_and_retry_transient_are_refused_together():
-    with pytest.raises(NumGuardConfigError, match="retry_transient"):
+    with pytest.raises(NumGuardConfigError, match=r"recovery\.retry_transient"):
         NumGuardCallback(sync_mode="deferred", recovery={"retry_transient": True})
     with pytest.raises(NumGuardConfigError, match="`sync_mode` must be one of"):
         NumGuardCallback(sync_mode="never")  # type: ignore[arg-type]
