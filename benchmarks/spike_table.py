@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import math
 import time
 from collections.abc import Callable
@@ -40,13 +39,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_numguard import NumGuardCallback
+from lightning_numguard import SpikeConfig
 from lightning_numguard.config.validate import DEFAULT_SPIKE_WARMUP
 from lightning_numguard.detect.spike_guard import SpikeGuard
 
 VOCAB, SEQ = 128, 16
-_DEFAULTS = inspect.signature(NumGuardCallback.__init__).parameters
-WINDOW, SIGMA = _DEFAULTS["spike_window"].default, _DEFAULTS["spike_sigma"].default  # the callback's defaults
+WINDOW, SIGMA = SpikeConfig().window, SpikeConfig().sigma  # the callback's defaults
 FAULT_AT = 300
 AFTER = 8  # steps recorded from the fault on
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reference.md"

@@ -264,6 +264,6 @@ def spike_window(guard: Any) -> Any:
     state = guard.state_dict()["spike"]
     if not state.get("window"):
         return None
-    window = SpikeWindow(window=guard.spikes.window, warmup=guard.spikes.warmup, sigma=guard.spikes.sigma)
+    window = SpikeWindow(window=guard.spikes.window, warmup=guard.spikes.judged_after, sigma=guard.spikes.sigma)
     window.load_state_dict(state["window"])
     return window

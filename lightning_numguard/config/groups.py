@@ -158,9 +158,14 @@ class SpikeConfig:
         )
         _set(self, "sigma", sigma)
         _set(self, "window", int(self.window))
-        _set(self, "warmup", warmup)
+        _set(self, "warmup", None if self.warmup is None else warmup)  # as given: ``judged_after`` resolves it
         _set(self, "rollback_after", int(self.rollback_after))
         _set(self, "overflow_headroom", headroom)
+
+    @property
+    def judged_after(self) -> int:
+        """The values the window needs before it judges (``warmup``, or its default for this ``window``)."""
+        return validate.spike_group(self.sigma, self.window, self.warmup, self.rollback_after, None)[1]
 
 
 @documented

@@ -84,7 +84,7 @@ class GuardState:
             raise NumGuardError(
                 f"NumGuard: the guard's state in this checkpoint has version {version!r}; this release reads version "
                 f"{STATE_VERSION}. Resume with the release that wrote it (or upgrade lightning-numguard), or resume "
-                "without the guard's state (for a Trainer: remove checkpoint['callbacks'] entries for "
+                "without the guard's state (for a Trainer: by removing checkpoint['callbacks'] entries for "
                 "NumGuardCallback); the checkpoint's weights are unaffected."
             )
         parsers = {
@@ -100,7 +100,7 @@ class GuardState:
             except (AttributeError, TypeError, ValueError) as err:
                 raise NumGuardError(
                     f"NumGuard: the guard's state in this checkpoint is malformed at {key!r} ({err}); the "
-                    "checkpoint's weights are unaffected: resume without the guard's state (for a Trainer: remove "
+                    "checkpoint's weights are unaffected: resume without the guard's state (for a Trainer: by removing "
                     "checkpoint['callbacks'] entries for NumGuardCallback), or from another checkpoint."
                 ) from None
         try:

@@ -70,8 +70,7 @@ class StepPipeline:
         recovery = Recovery(
             dirpath, snapshots, s.skip_batches_after_rollback, s.lr_backoff, r.retry_transient, r.quarantine
         )
-        assert k.warmup is not None  # resolved where the group is built
-        spike = SpikeGuard(s.spike_action, k.sigma, k.window, k.warmup, k.rollback_after, k.overflow_headroom)
+        spike = SpikeGuard(s.spike_action, k.sigma, k.window, k.judged_after, k.rollback_after, k.overflow_headroom)
         recorder, reader = _instruments(s, spike, conventions)
         return cls(
             s, recorder, reader, snapshots, recovery, Ledger(reporter), spike, conventions, AmpCounters(), reporter

@@ -41,7 +41,13 @@ class SpikeModel(FaultModel):
 
 
 def _guard(tmp_path: Path, **kw: Any) -> NumGuardCallback:
-    kw = {"action": "skip", "spike_action": "warn", "spike_window": 8, "spike_warmup": 4, "replay": False, **kw}
+    kw = {
+        "action": "skip",
+        "spike_action": "warn",
+        "spikes": {"window": 8, "warmup": 4},
+        "recovery": {"replay": False},
+        **kw,
+    }
     return NumGuardCallback(dirpath=str(tmp_path / "ng"), **kw)
 
 

@@ -309,7 +309,7 @@ def spike_main(out: Path, fault_rank: int, action: str) -> None:
     for mode in ("every_step", "deferred", "extra_every_step", "extra_deferred"):
         pl.seed_everything(0, verbose=False)
         # extra_*: no spike action; the check of one's own (loss above 100) sees the outlier instead
-        spikes: dict[str, Any] = {"spike_action": "skip", "spike_window": 16, "spike_warmup": 8}
+        spikes: dict[str, Any] = {"spike_action": "skip", "spikes": {"window": 16, "warmup": 8}}
         guard = NumGuardCallback(
             action=action,
             dirpath=str(out / f"ng_{mode}"),

@@ -209,9 +209,9 @@ def run(out: Path, layout: str, name: str) -> None:
     if scenario not in ("plain", "omit", "fused"):
         extra: dict[str, Any] = {}
         if scenario == "retry":
-            extra = {"retry_transient": True, "lr_backoff": 0.5, "skip_batches_after_rollback": 1}
+            extra = {"recovery": {"retry_transient": True}, "lr_backoff": 0.5, "skip_batches_after_rollback": 1}
         if scenario == "async":
-            extra = {"snapshot_async": True}
+            extra = {"snapshot": {"asynchronous": True}}
         if scenario.startswith("deferred"):
             extra = {"sync_mode": "deferred"}
         guard = NumGuardCallback(

@@ -188,7 +188,12 @@ def test_halt_raises_false_stops_gracefully_and_loggers_see_which(tmp_path):
     with guard_warns(guard_warning("batch['x']", 3)):
         logger = Finalised(tmp_path)
         guard, _, t = fit(
-            tmp_path, "input", "halt", guard_kwargs={"halt_raises": False}, logger=logger, log_every_n_steps=1
+            tmp_path,
+            "input",
+            "halt",
+            guard_kwargs={"recovery": {"halt_raises": False}},
+            logger=logger,
+            log_every_n_steps=1,
         )
     assert t.should_stop and t.global_step == 4 and t.state.status == "finished"
     assert Finalised.status[-1] == "success"

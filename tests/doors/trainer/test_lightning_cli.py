@@ -249,10 +249,10 @@ def test_fit_subcommand_boring_model_clean_run(tmp_path: Path) -> None:
         ("{max_rollbacks: -1}", "max_rollbacks", "NonNegativeInt", "-1"),
         ("{skip_batches_after_rollback: -2}", "skip_batches_after_rollback", "NonNegativeInt", "-2"),
         ("{lr_backoff: 2.0}", "lr_backoff", "float in (0, 1]", "2.0"),
-        ("{watch_depth: 0}", "watch_depth", "PositiveInt", "0"),
+        ("{watch: {depth: 0}}", "watch.depth", "PositiveInt", "0"),
         ("{max_abs_input: -1.0}", "max_abs_input", "PositiveFloat", "-1.0"),
-        ("{overflow_headroom: 0.5}", "overflow_headroom", "float >= 1", "0.5"),
-        ("{spike_warmup: 0}", "spike_warmup", "PositiveInt", "0"),
+        ("{spikes: {overflow_headroom: 0.5}}", "spikes.overflow_headroom", "float >= 1", "0.5"),
+        ("{spikes: {warmup: 0}}", "spikes.warmup", "PositiveInt", "0"),
         ("{check: [inputs, bogus]}", "check", "'optimizer_state'", "bogus"),
         ("{action: explode}", "action", "'warn', 'skip', 'rollback', 'halt'", "explode"),
     ],
@@ -288,7 +288,7 @@ def test_a_value_refused_by_its_type_is_refused_by_init_too() -> None:
 
 
 def test_values_parsed_through_the_constrained_types_are_plain_numbers(tmp_path: Path) -> None:
-    cfg = _write_config(tmp_path, "{snapshot_every_n_steps: 7, max_rollbacks: 0, lr_backoff: 0.5, watch_depth: 2}")
+    cfg = _write_config(tmp_path, "{snapshot_every_n_steps: 7, max_rollbacks: 0, lr_backoff: 0.5, watch: {depth: 2}}")
     (cb,) = _guards(_cli(["--config", str(cfg)]).trainer)
     values = (cb.snapshot_every_n_steps, cb.max_rollbacks, cb.lr_backoff, cb.watch.depth)
     assert values == (7, 0, 0.5, 2)
@@ -296,14 +296,16 @@ def test_values_parsed_through_the_constrained_types_are_plain_numbers(tmp_path:
 
 
 def test_help_is_plain_text(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """No reStructuredText markup (double backticks) in ``--help``; no deprecated alias either."""
+    """No reStructuredText markup (double backticks) in ``--help``; a deprecated name says where it moved."""
     monkeypatch.setenv("COLUMNS", "100")
     with pytest.raises(SystemExit):
         _cli(["--trainer.callbacks.help", CLASS_PATH])
     out = capsys.readouterr().out
     assert "--trainer.callbacks.action" in out  # control
     assert "``" not in out
-    assert "--trainer.callbacks.warn " not in out and "deprecated" not in out
+    assert "--trainer.callbacks.warn " not in out
+    moved = [n for n, a in NumGuardCallback.__arguments__.items() if a.moved_to]
+    assert len(moved) == _norm(out).count("deprecated, accepted and mapped") == 15, moved
 
 
 def test_the_package_imports_and_validates_without_jsonargparse() -> None:

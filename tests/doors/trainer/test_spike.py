@@ -365,5 +365,5 @@ def test_with_spike_statistics_off_the_read_carries_nothing_else(tmp_path):
     assert "numguard/incidents" in ea.Tags()["scalars"]  # the counters' series is written, the statistics are not
     assert not spike_tags.intersection(ea.Tags()["scalars"])
     # no extras packed, no norm computed: counted at the dispatcher, the spike statistics launch nothing
-    off = count_ops("mlp", {"spike_window": 0, "overflow_headroom": None}, last=FIRST + 4)
+    off = count_ops("mlp", {"spikes": {"window": 0, "overflow_headroom": None}}, last=FIRST + 4)
     assert sum(off.by_check.values()) > 0 and off.by_check["spikes"] == 0, dict(off.by_check)
