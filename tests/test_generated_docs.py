@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import event_fields, readme_table
+from benchmarks import arguments_table, event_fields, readme_table
 from lightning_numguard.detect.registry import kinds_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +33,10 @@ GENERATORS: dict[tuple[str, str], tuple[Callable[[], str], str]] = {
     ("docs/reference.md", "EVENT FIELDS"): (
         event_fields.table,
         "python -m benchmarks.event_fields --write docs/reference.md",
+    ),
+    ("docs/reference.md", "ARGUMENTS"): (
+        arguments_table.table,
+        "python -m benchmarks.arguments_table --write docs/reference.md",
     ),
     ("README.md", "EVENT KINDS"): (kinds_table, "python -m benchmarks.kinds_table --write README.md"),
     ("README.md", "BENCHMARK TABLE"): (

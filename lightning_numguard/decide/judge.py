@@ -117,9 +117,9 @@ def _judge(action: str, facts: Facts, budget: Budget, *, quarantine: bool = True
         action: ``NumGuardCallback(action=...)``.
         facts: what the read found.
         budget: what recovery has left.
-        quarantine: ``NumGuardCallback(quarantine=...)``: a batch position failing twice is quarantined.
-        retry: ``NumGuardCallback(retry_transient=...)``: a rollback re-runs the batch, whose outcome decides
-            the quarantine instead.
+        quarantine: ``recovery.quarantine``: a batch position failing twice is quarantined.
+        retry: ``recovery.retry_transient``: a rollback re-runs the batch, whose outcome decides the quarantine
+            instead.
 
     Example:
         >>> d = judge("skip", Facts(incident=True, state_bad=True), Budget(True, 0, 3))

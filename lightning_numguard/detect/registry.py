@@ -238,7 +238,7 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "overflow headroom",
         "overflow_risk",
-        "a watched block's output within `overflow_headroom` (8x) of its dtype's largest value, or a collapsing "
+        "a watched block's output within `spikes.overflow_headroom` (8x) of its dtype's largest value, or a collapsing "
         "fp16 loss scale (advisory, once per block, never counted or acted on)",
         "run that block in float32, scale it down, or train in bf16",
         "run this block in float32 (wrap it in torch.autocast(device_type, enabled=False) and cast its input with "

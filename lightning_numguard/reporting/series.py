@@ -38,7 +38,7 @@ __all__ = ["THRESHOLD_TAG", "RunSeries"]
 
 log = logging.getLogger(__name__)
 
-#: The z-score above which a value is a spike, beside the z-scores (``spike_sigma``).
+#: The z-score above which a value is a spike, beside the z-scores (``spikes.sigma``).
 THRESHOLD_TAG = "numguard/spike_threshold"
 
 

@@ -1,4 +1,5 @@
-"""``retry_transient``: re-run a bad batch once from the restored state, only to *decide* transient or persistent.
+"""``recovery.retry_transient``: re-run a bad batch once from the restored state, only to *decide* transient or
+persistent.
 
 The retry never trains: it runs the step's forward pass and its backward as the step did, through the loop's
 quiet re-run (:meth:`Loop.rerun <lightning_numguard.engine.loop.Loop.rerun>`: under the loop's autocast, so a fault
