@@ -6,7 +6,7 @@ Runs as written (from the repository's root)::
     python examples/lightning_cli.py fit --config examples/lightning_cli.yaml --trainer.max_steps 6   # fast
 
 The YAML lists ``lightning_numguard.NumGuardCallback`` under ``trainer.callbacks`` with its arguments; LightningCLI
-checks each against its type while parsing (``snapshot_every_n_steps: -3`` or ``overflow_headroom: 0.5`` is
+checks each against its type while parsing (``snapshot_every_n_steps: -3`` or ``spikes: {overflow_headroom: 0.5}`` is
 refused before anything is built, naming the argument). ``python examples/lightning_cli.py fit --help`` lists
 every argument of the guard with its documentation. The model makes its loss NaN at ``bad_step``.
 """
