@@ -2,7 +2,9 @@
 
 ``KINDS`` and ``ADVISORY_KINDS`` (:mod:`~lightning_numguard.reporting.events`), the hint of every kind
 (:data:`~lightning_numguard.reporting.hints.KIND_HINTS`) and the README's table of event kinds
-(``python -m benchmarks.kinds_table --write README.md``) are derived from :data:`CHECKS`; nothing else lists them.
+(``python -m benchmarks.kinds_table --write README.md``) are derived from :data:`CHECKS`; the one other table keyed
+by kind is the built-in kinds' sentences (:data:`~lightning_numguard.reporting.messages.SENTENCES`, which a test holds
+to :data:`CHECKS`).
 
 The order of :data:`CHECKS` is the causal order of a step: the order findings of one step are recorded in, so the
 first is the root cause (a check whose kind is reported later in the step comes later here).
