@@ -73,10 +73,7 @@ _REST = r"""    Raises:
     all-reduce, so every rank takes the same decision in the same step; files and loggers are
     written by global rank 0; ``trainer.save_checkpoint`` is called on every rank.
 
-    Example::
-
-        from pytorch_lightning import Trainer
-        from lightning_numguard import NumGuardCallback
+    Example (with ``Trainer`` from ``pytorch_lightning`` and ``NumGuardCallback`` from ``lightning_numguard``)::
 
         trainer = Trainer(callbacks=[NumGuardCallback(action="rollback", lr_backoff=0.5)])
     """
