@@ -71,7 +71,7 @@ def test_the_class_is_a_lightning_callback_with_the_shared_state_key() -> None:
     assert issubclass(NumGuardCallback, L.Callback)
     assert issubclass(NumGuardCallback, lightning_numguard.NumGuardCallback)  # one implementation
     assert NumGuardCallback().state_key == lightning_numguard.NumGuardCallback().state_key == "NumGuardCallback"
-    assert "``NumGuardCallback`` from ``lightning_numguard.lightning``" in (NumGuardCallback.__doc__ or "")
+    assert "`NumGuardCallback` from `lightning_numguard.lightning`" in (NumGuardCallback.__doc__ or "")
     assert not issubclass(lightning_numguard.NumGuardCallback, L.Callback)  # hence the second import path
 
 

@@ -34,8 +34,8 @@ __all__ = ["NumGuardCallback"]
 class NumGuardCallback(_numguard.NumGuardCallback, _LightningCallback):  # type: ignore[misc]
     # The docstring (the contract and LightningCLI's --help) is the implementation's, with this import path.
     __doc__ = (_numguard.NumGuardCallback.__doc__ or "").replace(
-        "``Trainer`` from ``pytorch_lightning`` and ``NumGuardCallback`` from ``lightning_numguard``",
-        "``Trainer`` from ``lightning.pytorch`` and ``NumGuardCallback`` from ``lightning_numguard.lightning``",
+        "`Trainer` from `pytorch_lightning` and `NumGuardCallback` from `lightning_numguard`",
+        "`Trainer` from `lightning.pytorch` and `NumGuardCallback` from `lightning_numguard.lightning`",
     )
 
 
