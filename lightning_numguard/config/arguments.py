@@ -18,7 +18,7 @@ from lightning_numguard.config import validate
 from lightning_numguard.config.argtypes import Backoff, NonNegativeInt, PositiveFloat, PositiveInt
 from lightning_numguard.config.declare import Declared, argument, moved
 from lightning_numguard.config.groups import RecoveryConfig, SnapshotConfig, SpikeConfig, WatchConfig
-from lightning_numguard.config.validate import DEFAULT_CHECKS, Action, CheckSite
+from lightning_numguard.config.validate import DEFAULT_SITES, Action, CheckSite
 from lightning_numguard.detect.registry import Check
 from lightning_numguard.errors import NumGuardConfigError
 from lightning_numguard.reporting.events import acting
@@ -120,7 +120,7 @@ class GuardConfig(Declared):
         "named first; they are also verified before every snapshot and checkpoint) and ``optimizer_state`` "
         "(verified before every snapshot; add it to catch a poisoned Adam moment before the step it would ruin)",
         check=_checks,
-        factory=lambda: list(DEFAULT_CHECKS),
+        factory=lambda: list(DEFAULT_SITES),
     )
     max_abs_input: PositiveFloat | None = argument(
         default=1e18,

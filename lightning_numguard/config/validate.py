@@ -13,9 +13,9 @@ from lightning_numguard.reporting.events import SPIKE_ACTIONS, Action
 
 __all__ = [
     "ACTIONS",
-    "CHECKS",
-    "DEFAULT_CHECKS",
+    "DEFAULT_SITES",
     "DEFAULT_SPIKE_WARMUP",
+    "SITES",
     "Action",
     "CheckSite",
     "checks",
@@ -34,8 +34,10 @@ __all__ = [
 
 CheckSite = Literal["inputs", "outputs", "ops", "loss", "grads", "buffers", "params", "optimizer_state"]
 ACTIONS: tuple[str, ...] = get_args(Action)
-CHECKS: tuple[str, ...] = get_args(CheckSite)
-DEFAULT_CHECKS: tuple[CheckSite, ...] = ("inputs", "outputs", "ops", "loss", "grads", "buffers")
+#: the sites ``check=[...]`` names (what each checks, its slot in the packed read and its event kinds:
+#: :data:`lightning_numguard.detect.registry.SITES`)
+SITES: tuple[str, ...] = get_args(CheckSite)
+DEFAULT_SITES: tuple[CheckSite, ...] = ("inputs", "outputs", "ops", "loss", "grads", "buffers")
 #: ``spike_warmup=None``: the window judges once it holds this many values (or half of a shorter window).
 DEFAULT_SPIKE_WARMUP = 16
 
@@ -63,9 +65,9 @@ def flag_or_none(name: str, value: Any) -> bool | None:
 
 def checks(value: Any) -> list[str]:
     if isinstance(value, str) or not all(isinstance(c, str) for c in value):
-        raise NumGuardConfigError(f"`check` must be a list of strings from {list(CHECKS)}, got {value!r}")
+        raise NumGuardConfigError(f"`check` must be a list of strings from {list(SITES)}, got {value!r}")
     for c in value:
-        choice("check", c, CHECKS)
+        choice("check", c, SITES)
     return list(dict.fromkeys(value))
 
 

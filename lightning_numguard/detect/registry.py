@@ -35,6 +35,7 @@ __all__ = [
     "CHECKS",
     "CHECK_BY_KIND",
     "HOOKS",
+    "SITES",
     "Check",
     "CheckStep",
     "advisory_kinds",
@@ -295,6 +296,29 @@ CHECKS: tuple[Check, ...] = (
 
 #: The built-in checks by kind.
 CHECK_BY_KIND: Mapping[str, Check] = {c.kind: c for c in CHECKS}
+
+
+@dataclass(frozen=True)
+class Site:
+    """One site of ``check=[...]``: the slot of the packed read its values fold into (``detect/flags.SLOTS``) and the
+    event kinds its findings carry."""
+
+    slot: str
+    kinds: tuple[str, ...]
+
+
+#: The one map between the three names of what a step checks: a *site* is what ``check=[...]`` names, a *slot* is
+#: where its values go in the step's one packed read, a *kind* is what its events are called.
+SITES: Mapping[str, Site] = {
+    "inputs": Site("input", ("nonfinite_input", "suspicious_input")),
+    "outputs": Site("output", ("nonfinite_output", "overflow_risk")),
+    "ops": Site("op", ("op_domain",)),
+    "loss": Site("loss", ("nonfinite_loss",)),
+    "grads": Site("norms", ("nonfinite_grad",)),
+    "buffers": Site("norms", ("nonfinite_param",)),
+    "params": Site("norms", ("nonfinite_param",)),
+    "optimizer_state": Site("norms", ("nonfinite_param",)),
+}
 #: The checks passed to ``NumGuardCallback(extra_checks=...)`` in this process, by kind (:func:`register`).
 _REGISTERED: dict[str, Check] = {}
 

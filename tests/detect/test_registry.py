@@ -40,3 +40,17 @@ def test_every_declared_kind_has_its_own_sentence() -> None:
 
     assert set(SENTENCES) == set(events.KINDS)
     assert incident_message("toy_kind", ["x"], {}, 3, 0) == "toy_kind in `x` at step 3 on rank 0"
+
+
+def test_the_map_of_sites_slots_and_kinds_covers_every_site_and_names_only_what_exists():
+    """``check=[...]`` names sites, the packed read has slots, events have kinds: one map between them."""
+    from lightning_numguard.config.validate import SITES as SITE_NAMES
+    from lightning_numguard.detect import flags
+
+    assert set(registry.SITES) == set(SITE_NAMES)
+    for site in registry.SITES.values():
+        assert site.slot in flags.SLOTS
+        assert set(site.kinds) <= set(events.KINDS)
+    assert {k for s in registry.SITES.values() for k in s.kinds} | {"optimizer_coverage"} >= {
+        k for k in events.KINDS if not k.endswith("_spike")
+    }

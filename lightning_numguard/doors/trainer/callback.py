@@ -32,14 +32,13 @@ from lightning_numguard import _compat
 from lightning_numguard.config.argtypes import plain_args
 from lightning_numguard.config.arguments import GuardConfig
 from lightning_numguard.config.doc import DOC
-from lightning_numguard.config.validate import CHECKS, DEFAULT_CHECKS
 from lightning_numguard.doors.trainer.loop import TrainerLoop
 from lightning_numguard.doors.trainer.nofiles import files_folder
 from lightning_numguard.doors.trainer.strategies import check_strategy
 from lightning_numguard.engine.flow import StepFlow
 from lightning_numguard.engine.guard import GuardState
 
-__all__ = ["CHECKS", "DEFAULT_CHECKS", "NumGuardCallback"]
+__all__ = ["NumGuardCallback"]
 
 log = logging.getLogger(__name__)
 
