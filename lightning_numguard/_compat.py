@@ -130,13 +130,14 @@ def callbacks_of_fabric_being_built() -> list[Any] | None:
     return list(found.f_locals["callbacks"]) if found is not None else None
 
 
-def fabric_setup_optimizers(fabric: Any) -> list[Any] | None:
+def fabric_setup_optimizers(fabric: Any, module: Any) -> list[Any] | None:
     """The optimizers ``fabric.setup(module, *optimizers)`` set up, seen from the ``on_after_setup`` it calls.
 
     Fabric calls ``on_after_setup(fabric=, module=)`` from inside ``Fabric.setup`` once it wrapped the optimizers,
     and hands the callbacks the module only; no public attribute of the Fabric holds them. They are the local
-    ``optimizers`` (a list of ``_FabricOptimizer``) of that calling ``setup`` frame of ``fabric``. Missing: ``None``,
-    and the guard learns the optimizers at ``fabric.setup_optimizers`` or, failing that, at their first step.
+    ``optimizers`` (a list of ``_FabricOptimizer``) of that calling ``setup`` frame of ``fabric``; for a
+    ``LightningModule`` Fabric also keeps them as ``module._fabric_optimizers``. Missing both: ``None``, and the
+    guard learns the optimizers at ``fabric.setup_optimizers``, or says at the first training step that it has none.
     """
 
     def is_setup(frame: FrameType) -> bool:
@@ -144,6 +145,8 @@ def fabric_setup_optimizers(fabric: Any) -> list[Any] | None:
 
     found = first_frame(caller_frame(0), is_setup)
     optimizers = found.f_locals.get("optimizers") if found is not None else None
+    if not isinstance(optimizers, (list, tuple)):
+        optimizers = getattr(module, "_fabric_optimizers", None)
     return list(optimizers) if isinstance(optimizers, (list, tuple)) else None
 
 
