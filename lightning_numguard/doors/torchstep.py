@@ -217,6 +217,8 @@ class TorchStep:
         self.embeddings = EmbeddingChecks(loop.module) if "ops" in flow.settings.check else None
         self._handles: list[Any] = []
         self._step_handles: list[Any] = []
+        #: what the door undoes when the fit ends, however it ends (its own wrappers)
+        self.on_detach: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ hooks
 
@@ -291,6 +293,9 @@ class TorchStep:
         for top in self.loop.tops:
             if _GUARDED.get(top) is self:
                 del _GUARDED[top]
+        for undo in self.on_detach:
+            undo()
+        self.on_detach = []
         self.flow.close()
 
     # ------------------------------------------------------------------ the moments
@@ -327,14 +332,14 @@ class TorchStep:
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """The loss of the micro-batch in progress, before its backward pass."""
-        if self.loop.quiet or self.flow.pipeline.recorder.record is None or self.decided:
+        if self.finished or self.loop.quiet or self.flow.pipeline.recorder.record is None or self.decided:
             return
         self.flow.before_backward(loss)
 
     def decide(self) -> None:
         """The step's one read and its judgement, over every optimizer at once (once per step); a skipped step's
         gradients are dropped here, before the loop reads them (clipping, the optimizers)."""
-        if self.loop.quiet or self.decided or self.flow.pipeline.recorder.record is None:
+        if self.finished or self.loop.quiet or self.decided or self.flow.pipeline.recorder.record is None:
             return
         optimizers = self.loop.optimizer_list
         if not optimizers:
@@ -346,7 +351,7 @@ class TorchStep:
 
     def end_step(self, counted: bool = True) -> None:
         """The step is over (``counted``: an optimizer stepped): carry its decision out."""
-        if self.loop.quiet or self.flow.pipeline.recorder.record is None:
+        if self.finished or self.loop.quiet or self.flow.pipeline.recorder.record is None:
             return
         if counted:
             self.loop.steps += 1

@@ -125,6 +125,7 @@ class NumGuard(GuardConfig, GuardState):
         step.attach()
         self._flow, self._step = flow, step
         self._wrap(fabric, step)
+        step.on_detach.append(self._unwrap)  # a halt ends the fit too
         found = _compat.fabric_setup_optimizers(fabric, inner) or []
         step.watch([_torch_optimizer(o) for o in found])
 

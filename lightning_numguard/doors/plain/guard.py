@@ -116,6 +116,7 @@ class AttachedGuard(GuardConfig, GuardState):
             raise
         self._flow, self._step = flow, step
         backward.install(step)
+        step.on_detach.append(lambda: backward.uninstall(step))  # a halt ends the guard too
 
     # ------------------------------------------------------------------ the handle
 
@@ -128,13 +129,8 @@ class AttachedGuard(GuardConfig, GuardState):
         """End the guard (idempotent): the last step's update is checked, the summary logged, every hook removed.
 
         ``exception``: what ended the loop, if it did not end well (the last update is then left unchecked)."""
-        step = self._step
-        if step is None:
-            return
-        try:
-            step.finish(exception)
-        finally:
-            backward.uninstall(step)
+        if self._step is not None:
+            self._step.finish(exception)
 
     def __enter__(self) -> AttachedGuard:
         return self
