@@ -2,36 +2,49 @@
 ``litgpt_parts.py``, unchanged; the guard, when there is one, comes from ``NUMGUARD``/``NUMGUARD_CONFIG`` alone.
 
 Usage: python litgpt_script.py OUT_DIR RUN[,RUN...]  where RUN is NAME:ENV:FAULTS, e.g. ``clean:0:`` (no guard),
-``guarded:1:`` (NUMGUARD=1), ``faults:1:nan4,tok5`` (NaN weight after the optimizer's 4th step, a token id past the
-vocabulary in batch 5). Each run writes OUT_DIR/NAME.json: how it ended, the final weights' digest, the dynamo
-graph count, the guard's events (read from events.jsonl), and the final weights (OUT_DIR/NAME.pt).
+``guarded:1:`` (NUMGUARD=1), ``config:yaml:`` (NUMGUARD_CONFIG=OUT_DIR/numguard.yaml), ``faults:1:nan4+tok5`` (a NaN
+weight left by the optimizer after its 4th step, a token id past the vocabulary in batch 5). Each run writes
+OUT_DIR/NAME.json (how it ended, the dynamo graph count and the reasons of its recompiles, the guard's events read
+from every events.jsonl under the run's folder, whether the final weights are finite) and OUT_DIR/NAME.pt (the final
+weights, from LitGPT's own final checkpoint).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import traceback
 from pathlib import Path
 
+import torch
+import torch._dynamo
+import torch._logging
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 
 def run(out: Path, name: str, env: str, faults: list[str]) -> None:
-    import torch._dynamo
     from litgpt.args import EvalArgs, TrainArgs
     from litgpt.pretrain import setup
 
     from tests.doors.fabric import litgpt_parts as parts
 
     os.environ.pop("NUMGUARD", None)
-    if env != "0":
+    os.environ.pop("NUMGUARD_CONFIG", None)
+    if env == "yaml":
+        os.environ["NUMGUARD_CONFIG"] = str(out / "numguard.yaml")
+    elif env != "0":
         os.environ["NUMGUARD"] = env
     nan_after = next((int(f[3:]) for f in faults if f.startswith("nan")), 0)
     bad_batch = next((int(f[3:]) for f in faults if f.startswith("tok")), None)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    recompiles: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: recompiles.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(handler)
     run_dir = out / name
     sys.argv[1:] = ["tiny-gpt"]  # LitGPT's final checkpoint re-parses the command line as its own CLI
     result: dict = {"name": name}
@@ -67,6 +80,8 @@ def run(out: Path, name: str, env: str, faults: list[str]) -> None:
     except BaseException as err:
         result["raised"] = f"{type(err).__name__}: {err}"[:600]
         result["trace"] = traceback.format_exc()[-3000:]
+    logging.getLogger("torch._dynamo.guards.__recompiles").removeHandler(handler)
+    result["recompiles"] = recompiles
     result["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     result["graph_breaks"] = dict(torch._dynamo.utils.counters["graph_break"])
     ckpt = run_dir / "final" / "lit_model.pth"
@@ -81,6 +96,7 @@ def run(out: Path, name: str, env: str, faults: list[str]) -> None:
 
 
 def main() -> None:
+    torch._logging.set_logs(recompiles=True)
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     for spec in sys.argv[2].split(","):
