@@ -31,10 +31,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric import Fabric
 
-from lightning_numguard import NonFiniteError, attach  # noqa: E402
-from lightning_numguard.fabric import NumGuard  # noqa: E402
+from lightning_numguard import NonFiniteError, attach
+from lightning_numguard.fabric import NumGuard
 
 
 class Net(nn.Module):
