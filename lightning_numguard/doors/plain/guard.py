@@ -68,8 +68,7 @@ def attach(
         guard.close()
     """
     guard = AttachedGuard(**args)
-    guard._attach(_models(models), _optimizers(optimizers))
-    return guard
+    return guard.attach_to(models, optimizers)
 
 
 class AttachedGuard(GuardConfig, GuardState):
@@ -99,7 +98,19 @@ class AttachedGuard(GuardConfig, GuardState):
         self._flow = StepFlow(self.config)
         self._step: TorchStep | None = None
 
-    def _attach(self, models: dict[str, nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+    def attach_to(
+        self,
+        models: nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module],
+        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    ) -> AttachedGuard:
+        """Hook ``models`` and ``optimizers`` (what :func:`attach` does with a new guard); returns the guard.
+
+        Raises:
+            NumGuardConfigError: as :func:`attach`, and when this guard is attached already.
+        """
+        if self._step is not None:
+            raise NumGuardConfigError("NumGuard: this guard is attached already; attach() a new one for another loop.")
+        models, optimizers = _models(models), _optimizers(optimizers)
         tops = list(models.values())
         if len(tops) == 1:
             module = inner_module(tops[0])
@@ -117,6 +128,7 @@ class AttachedGuard(GuardConfig, GuardState):
         self._flow, self._step = flow, step
         backward.install(step)
         step.on_detach.append(lambda: backward.uninstall(step))  # a halt ends the guard too
+        return self
 
     # ------------------------------------------------------------------ the handle
 
