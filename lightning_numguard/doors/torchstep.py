@@ -38,6 +38,7 @@ from torch import nn
 
 from lightning_numguard import _compat
 from lightning_numguard.doors.embeddings import EmbeddingChecks
+from lightning_numguard.dtensor import has_dtensor
 from lightning_numguard.engine.flow import StepFlow
 from lightning_numguard.engine.loop import Loop
 from lightning_numguard.errors import NumGuardConfigError
@@ -226,8 +227,15 @@ class TorchStep:
         """The top modules' forward hooks and the embeddings' index checks (before any compiled call).
 
         Raises:
-            NumGuardConfigError: another open guard guards one of the modules already.
+            NumGuardConfigError: another open guard guards one of the modules already, or its parameters are
+                sharded.
         """
+        if has_dtensor(self.loop.module.parameters()):
+            raise NumGuardConfigError(
+                f"NumGuard: {self.door} got a model whose parameters are DTensor shards (FSDP2, tensor parallel): "
+                "this door guards one device and DDP; sharded training is guarded through the Trainer door "
+                "(ModelParallelStrategy), see docs/strategies.md."
+            )
         for top in self.loop.tops:
             other = _GUARDED.get(top)
             if other is not None and other is not self and not other.finished:

@@ -274,3 +274,25 @@ def test_bad_input_is_named() -> None:
     first.close()
     attach(net, optimizer).close()  # free again once closed
     assert torch.Tensor.backward is ORIGINAL_BACKWARD
+
+
+def test_sharded_parameters_are_refused_at_attach(tmp_path: Path) -> None:
+    """These doors guard one device and DDP: DTensor shards (FSDP2's ``fully_shard``, here on a one-process gloo group)
+    are refused at attach, naming the door that guards them."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        net = Net()
+        fully_shard(net)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        with pytest.raises(NumGuardConfigError, match=r"attach\(\) got a model whose parameters are DTensor shards"):
+            attach(net, optimizer, dirpath=str(tmp_path))
+    finally:
+        dist.destroy_process_group()
