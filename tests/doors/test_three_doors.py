@@ -89,3 +89,33 @@ def test_the_same_fault_gives_the_same_events_through_every_door(fault: str, tmp
         assert op is None or first.get("op") == op, (door, first)
         assert all(e["step"] == 2 for e in events), (door, events)  # one bad step, recovered
         assert (tmp_path / door / "events.jsonl").is_file()
+
+
+@pytest.mark.parametrize("door", ["fabric", "plain"])
+def test_a_clean_step_costs_one_host_read_through_the_torch_doors(door: str, tmp_path: Path) -> None:
+    """The doors add no host read of their own: a clean step is the engine's one packed read, nothing more (the
+    first step also verifies the fit's first snapshot)."""
+    from instruments.syncs import SyncCounter
+
+    torch.manual_seed(0)
+    model = tm.TableModel("none")
+    optimizer = tm.make_optimizer(model, "none")
+    fabric = None
+    if door == "fabric":
+        from lightning.fabric import Fabric
+
+        guard: Any = NumGuard(dirpath=str(tmp_path), **ARGS)
+        fabric = Fabric(accelerator="cpu", devices=1, callbacks=[guard])
+        model, optimizer = fabric.setup(model, optimizer)
+    else:
+        guard = attach(model, optimizer, dirpath=str(tmp_path), **ARGS)
+    with SyncCounter(copies_from_cpu=True) as counter:
+        for batch in tm.loader("none"):
+            with counter.step():
+                loss = model(**batch)
+                fabric.backward(loss) if fabric is not None else loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    guard.close()
+    assert guard.events == []
+    assert counter.step_caused[1:] == [1] * (tm.STEPS - 1), dict(counter.sites)
