@@ -279,8 +279,8 @@ class TorchStep:
             if foreign:
                 raise NumGuardConfigError(
                     f"NumGuard: {self.door}: the {type(opt).__name__} holds {len(foreign)} parameter(s) of no guarded "
-                    f"module (its module has {len(known)}): guard every model whose parameters it steps (pass them "
-                    "all, e.g. attach([net_g, net_d], optimizer)), or build it over the guarded model's parameters."
+                    f"module (the guarded model has {len(known)}): guard every model whose parameters it steps (pass "
+                    "them all, e.g. attach([net_g, net_d], optimizer)), or build it over the guarded model's weights."
                 )
             _WATCHED[opt] = self
             self.loop.optimizer_list.append(opt)

@@ -114,7 +114,8 @@ class NumGuard(GuardConfig, GuardState):
             if module in step.loop.tops:
                 return
             if step.started or getattr(step.loop, "fabric", None) is fabric:
-                log.info("numguard guards the first model set up with this Fabric; %s is not guarded", type(module))
+                name = type(inner_module(module)).__name__
+                log.info("numguard guards the first model set up with this Fabric; this %s is not guarded", name)
                 return
         if step is not None:
             self.close()
