@@ -19,19 +19,21 @@ FACTORY = "lightning_numguard.doors.fabric.attach:fabric_callbacks"
 GROUPS = ("lightning.fabric.callbacks_factory", "lightning_fabric.callbacks_factory")
 
 
-def installed() -> bool:
-    return all(any(ep.value == FACTORY for ep in entry_points(group=group)) for group in GROUPS)
+def missing() -> list[str]:
+    """The groups whose factory the installed metadata does not register (registered twice, it would run twice)."""
+    return [g for g in GROUPS if not any(ep.value == FACTORY for ep in entry_points(group=g))]
 
 
 def subprocess_env(tmp_path: Path) -> dict[str, str]:
     """The environment of a subprocess that builds a ``Fabric``: this checkout first on ``PYTHONPATH``, the entry
     points registered, the guard's variables unset, one CPU thread."""
     path = [str(ROOT)]
-    if not installed():
+    groups = missing()
+    if groups:
         dist = tmp_path / "ep" / "numguard_fabric_test-0.dist-info"
         dist.mkdir(parents=True, exist_ok=True)
         dist.joinpath("METADATA").write_text("Metadata-Version: 2.1\nName: numguard-fabric-test\nVersion: 0\n")
-        dist.joinpath("entry_points.txt").write_text("".join(f"[{g}]\nnumguard = {FACTORY}\n\n" for g in GROUPS))
+        dist.joinpath("entry_points.txt").write_text("".join(f"[{g}]\nnumguard = {FACTORY}\n\n" for g in groups))
         path.append(str(dist.parent))
     env = {k: v for k, v in os.environ.items() if k not in ("NUMGUARD", "NUMGUARD_CONFIG")}
     env = {k: v for k, v in env.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}

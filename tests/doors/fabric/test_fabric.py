@@ -198,7 +198,7 @@ class TokenModel(nn.Module):
         return self.head(self.wte(idx))
 
 
-def _compiled_fit(guard: NumGuard | None) -> tuple[nn.Module, int]:
+def _compiled_fit(guard: NumGuard | None, bad: bool = True) -> tuple[nn.Module, int]:
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -210,7 +210,7 @@ def _compiled_fit(guard: NumGuard | None) -> tuple[nn.Module, int]:
     g = torch.Generator().manual_seed(2)
     for i in range(5):
         idx, target = torch.randint(0, 16, (2, 2, 6), generator=g)
-        if i == 3 and guard is not None:
+        if i == 3 and bad:
             idx[1, 4] = 19  # past the vocabulary: unguarded, the compiled call raises
         loss = F.cross_entropy(model(idx).flatten(0, 1), target.flatten())
         fabric.backward(loss)
@@ -228,5 +228,13 @@ def test_a_token_id_past_the_vocabulary_inside_a_compiled_model_is_refused_and_n
     assert (event["kind"], event["op"], event["module"], event["step"]) == ("op_domain", "embedding", "wte", 3)
     assert event["details"]["rule"] == "index in [0, 16)" and event["details"]["max"] == 19
     assert event["details"]["first_indices"] == [[1, 4]]
-    _, unguarded = _compiled_fit(None)
+    _, unguarded = _compiled_fit(None, bad=False)
     assert graphs == unguarded  # the door's hooks add no graph and no recompile
+
+
+def test_unguarded_both_faults_kill_the_loop() -> None:
+    """Control: the same loops without the guard die of the same faults, as LitGPT's did."""
+    with pytest.raises(RuntimeError, match=r"total norm of order 2\.0 .* is non-finite, so it cannot be clipped"):
+        fit(fabric_of(None), batches(), nan_grad_at=2)
+    with pytest.raises(IndexError, match="index out of range"):
+        _compiled_fit(None)

@@ -4,8 +4,9 @@ One subprocess runs LitGPT 0.5.13's own ``litgpt.pretrain.setup`` three times on
 ``litgpt_parts.py`` (Fabric, ``torch.compile``, AdamW, the cosine LR it sets each step, ``clip_gradients(max_norm=1.0)``
 with ``error_if_nonfinite=True``, 12 iterations on the CPU): without the guard; with ``NUMGUARD_CONFIG`` (clean
 data); with ``NUMGUARD=1`` and both faults of the issue (a NaN left in a weight by the optimizer after its 4th
-step, a token id past the vocabulary in the 6th batch); and each fault alone without the guard, which kills the run
-(the issue's report). The compiled kernels are cached after the first run, so the later ones cost a few seconds.
+step, a token id past the vocabulary in the 6th batch). Unguarded, each fault kills LitGPT's run (the issue's report:
+``clip_gradients`` raises on the non-finite norm, the compiled kernel on the index); ``test_fabric.py`` shows both
+deaths on a loop of the same shape, in-process. The compiled kernels are cached after the first run.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _runs(tmp_path: Path, specs: str) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("litgpt")
-    found = _runs(tmp, "clean:0:,config:yaml:,faults:1:nan4+tok5,nan:0:nan4,tok:0:tok5")
+    found = _runs(tmp, "clean:0:,config:yaml:,faults:1:nan4+tok5")
     found["dir"] = tmp
     return found
 
@@ -98,11 +99,3 @@ def test_the_door_adds_no_graph_break_and_no_recompile(runs: dict[str, Any]) -> 
 @pytest.mark.xfail(strict=True, reason="the output watch's buffers recompile the graph once (detect/watch.py)")
 def test_the_guarded_run_compiles_as_many_graphs_as_the_unguarded_one(runs: dict[str, Any]) -> None:
     assert runs["config"]["graphs"] == runs["clean"]["graphs"]
-
-
-def test_unguarded_both_faults_kill_the_run(runs: dict[str, Any]) -> None:
-    """Control (the issue's report): without the guard the NaN weight dies in ``clip_gradients`` and the token id
-    inside the compiled kernel."""
-    found = runs
-    assert "total norm of order 2.0 for gradients from `parameters` is non-finite" in found["nan"]["raised"]
-    assert "index out of bounds" in found["tok"]["raised"]
