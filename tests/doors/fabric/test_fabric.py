@@ -238,3 +238,13 @@ def test_unguarded_both_faults_kill_the_loop() -> None:
         fit(fabric_of(None), batches(), nan_grad_at=2)
     with pytest.raises(IndexError, match="index out of range"):
         _compiled_fit(None)
+
+
+def test_every_hook_and_wrapped_method_is_removed_at_close(tmp_path: Path) -> None:
+    guard = NumGuard(dirpath=str(tmp_path), emit_warnings=False)
+    fabric = fabric_of(guard)
+    net = fit(fabric, batches(2))
+    assert {"backward", "no_backward_sync", "setup_optimizers"} <= set(vars(fabric))
+    guard.close()
+    assert not {"backward", "no_backward_sync", "setup_optimizers"} & set(vars(fabric))
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules()) == 0

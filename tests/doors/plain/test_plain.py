@@ -296,3 +296,23 @@ def test_sharded_parameters_are_refused_at_attach(tmp_path: Path) -> None:
             attach(net, optimizer, dirpath=str(tmp_path))
     finally:
         dist.destroy_process_group()
+
+
+def _hooks(net: nn.Module, optimizer: Any) -> int:
+    modules = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules())
+    return modules + len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks)
+
+
+def test_every_hook_is_removed_at_close_and_a_second_guard_does_not_stack_them(tmp_path: Path) -> None:
+    net = Net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    counts = []
+    for _ in range(2):
+        with attach(net, optimizer, dirpath=str(tmp_path), emit_warnings=False):
+            counts.append(_hooks(net, optimizer))
+            train(net, optimizer, batches(2))
+        assert _hooks(net, optimizer) == 0
+    assert counts[0] == counts[1] > 0
+    with pytest.raises(RuntimeError, match="boom"), attach(net, optimizer, dirpath=str(tmp_path)):
+        raise RuntimeError("boom")  # the loop's own error: the guard ends with it
+    assert _hooks(net, optimizer) == 0 and torch.Tensor.backward is ORIGINAL_BACKWARD
