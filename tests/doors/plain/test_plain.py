@@ -316,3 +316,29 @@ def test_every_hook_is_removed_at_close_and_a_second_guard_does_not_stack_them(t
     with pytest.raises(RuntimeError, match="boom"), attach(net, optimizer, dirpath=str(tmp_path)):
         raise RuntimeError("boom")  # the loop's own error: the guard ends with it
     assert _hooks(net, optimizer) == 0 and torch.Tensor.backward is ORIGINAL_BACKWARD
+
+
+def test_deferred_reads_skip_a_bad_step_on_the_device_one_step_late(tmp_path: Path) -> None:
+    """``sync_mode="deferred"`` applies to a plain loop (it clips nothing by itself): a fused optimizer's step is
+    skipped on the device, the step's flags read one step later, with no host read per step."""
+    from instruments.syncs import SyncCounter
+
+    torch.manual_seed(0)
+    net = Net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+    args: dict[str, Any] = {"action": "skip", "sync_mode": "deferred", "emit_warnings": False}
+    with attach(net, optimizer, dirpath=str(tmp_path), **args) as guard, SyncCounter(copies_from_cpu=True) as counter:
+        for x, y in batches(8, bad=3):
+            with counter.step():
+                loss = F.mse_loss(net(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    first = guard.events[0]
+    assert (first["kind"], first["step"], first["action"], first["details"]["read_at_step"]) == (
+        "nonfinite_input", 3, "skip", 4,
+    )  # fmt: skip
+    assert guard.counters["skipped_steps"] == 1
+    assert all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    clean = [n for i, n in enumerate(counter.step_caused) if i not in (0, 4)]  # fit start; the late read's findings
+    assert clean == [0] * 6, dict(counter.sites)
