@@ -1,7 +1,7 @@
 """Keep PyTorch training runs alive through NaN and Inf.
 
-The public surface is ``__all__``. ``NumGuardCallback`` is imported on first access, so that the engine (torch and
-the standard library only) can be used without Lightning.
+The public surface is ``__all__``. ``NumGuardCallback`` and ``attach`` are imported on first access, so that
+the engine (torch and the standard library only) can be used without Lightning.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from lightning_numguard.diagnose.findings import Finding
 from lightning_numguard.errors import NonFiniteError, NumGuardConfigError, NumGuardError, NumGuardWarning
 
 if TYPE_CHECKING:
+    from lightning_numguard.doors.plain.guard import attach
     from lightning_numguard.doors.trainer.callback import NumGuardCallback
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "SpikeConfig",
     "WatchConfig",
     "__version__",
+    "attach",
 ]
 
 
@@ -41,6 +43,10 @@ def __getattr__(name: str) -> Any:
         from lightning_numguard.doors.trainer.callback import NumGuardCallback
 
         return NumGuardCallback
+    if name == "attach":
+        from lightning_numguard.doors.plain.guard import attach
+
+        return attach
     raise AttributeError(f"module 'lightning_numguard' has no attribute {name!r}")
 
 

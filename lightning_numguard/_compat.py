@@ -26,13 +26,14 @@ from lightning_numguard.errors import NumGuardError
 
 # fmt: off
 __all__ = [
-    "TorchDispatchMode", "callbacks_of_trainer_being_built", "caller_frame", "calling_owner", "clear_found_inf",
-    "dtensor_local", "first_frame", "foreach_copy_", "foreach_nonfinite_", "foreach_norm_f32",
+    "TorchDispatchMode", "callbacks_of_fabric_being_built", "callbacks_of_trainer_being_built", "caller_frame",
+    "calling_owner", "clear_found_inf", "dtensor_local", "fabric_setup_optimizers", "first_frame", "foreach_copy_",
+    "foreach_nonfinite_", "foreach_norm_f32",
     "lightning_will_stop", "logger_metric_dicts", "logging_step", "logs_due", "metric_counters", "metric_state",
     "nn_bindings",
     "require_accumulation_api", "result_metric_state", "scaler_tensors", "set_found_inf", "set_metric_counters",
     "set_result_metric_state", "should_accumulate", "step_honours_found_inf", "sync_scheduler_last_lr",
-    "to_target_device", "train_results",
+    "to_target_device", "train_results", "uncompiled",
 ]
 # fmt: on
 
@@ -110,6 +111,43 @@ def callbacks_of_trainer_being_built() -> list[Any] | None:
 
     found = first_frame(caller_frame(0), is_connector)
     return list(getattr(found.f_locals["self"].trainer, "callbacks", None) or []) if found is not None else None
+
+
+def callbacks_of_fabric_being_built() -> list[Any] | None:
+    """The callbacks a ``Fabric`` under construction already holds, seen from a callback factory.
+
+    Fabric calls the ``*.callbacks_factory`` entry points with no arguments from its static
+    ``Fabric._configure_callbacks(callbacks)``, after it made ``callbacks`` the user's list and before it extends
+    it with what the factories return; no public API shows that list to a factory. It is found as the local
+    ``callbacks`` of that calling frame. Missing: ``None``, and the zero-code attach adds its guard without
+    looking, as for a ``Trainer``.
+    """
+
+    def is_configure(frame: FrameType) -> bool:
+        return frame.f_code.co_name == "_configure_callbacks" and isinstance(frame.f_locals.get("callbacks"), list)
+
+    found = first_frame(caller_frame(0), is_configure)
+    return list(found.f_locals["callbacks"]) if found is not None else None
+
+
+def fabric_setup_optimizers(fabric: Any, module: Any) -> list[Any] | None:
+    """The optimizers ``fabric.setup(module, *optimizers)`` set up, seen from the ``on_after_setup`` it calls.
+
+    Fabric calls ``on_after_setup(fabric=, module=)`` from inside ``Fabric.setup`` once it wrapped the optimizers,
+    and hands the callbacks the module only; no public attribute of the Fabric holds them. They are the local
+    ``optimizers`` (a list of ``_FabricOptimizer``) of that calling ``setup`` frame of ``fabric``; for a
+    ``LightningModule`` Fabric also keeps them as ``module._fabric_optimizers``. Missing both: ``None``, and the
+    guard learns the optimizers at ``fabric.setup_optimizers``, or says at the first training step that it has none.
+    """
+
+    def is_setup(frame: FrameType) -> bool:
+        return frame.f_code.co_name == "setup" and frame.f_locals.get("self") is fabric
+
+    found = first_frame(caller_frame(0), is_setup)
+    optimizers = found.f_locals.get("optimizers") if found is not None else None
+    if not isinstance(optimizers, (list, tuple)):
+        optimizers = getattr(module, "_fabric_optimizers", None)
+    return list(optimizers) if isinstance(optimizers, (list, tuple)) else None
 
 
 def train_results(trainer: Any) -> dict[str, Any] | None:
@@ -267,6 +305,17 @@ def to_target_device(*args: Any, **kwargs: Any) -> torch.device | None:
     if isinstance(target, (str, int, torch.device)):
         return torch.device(target)
     return None  # a dtype or nothing: the device stays
+
+
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile(module)`` wrapped (``OptimizedModule._orig_mod``), else ``module`` itself.
+
+    The wrapper's submodules are the original's under an ``_orig_mod.`` prefix, and no public attribute names the
+    original: the guard names modules (and hooks them, before the first compiled call, so that the hooks are
+    traced in) on the original. Missing: ``module``, whose names then carry the prefix.
+    """
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else module
 
 
 # The device-side skip: torch's fused optimizers (``_fused_adam``, ``_fused_adamw``, ``_fused_sgd``...) read

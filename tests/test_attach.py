@@ -1,4 +1,4 @@
-"""Zero-code attach through Lightning's ``*.callbacks_factory`` entry points, opt-in from the environment.
+"""Zero-code attach through Lightning's and Fabric's ``*.callbacks_factory`` entry points, opt-in from the environment.
 
 How the entry points are found. Lightning reads them from installed package metadata
 (``importlib.metadata.entry_points(group=...)``) each time a ``Trainer`` is built. Once this package is
@@ -29,10 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {
     "pytorch_lightning.callbacks_factory": "lightning_numguard.doors.trainer.attach:pytorch_lightning_callbacks",
     "lightning.pytorch.callbacks_factory": "lightning_numguard.doors.trainer.attach:lightning_callbacks",
+    "lightning.fabric.callbacks_factory": "lightning_numguard.doors.fabric.attach:fabric_callbacks",
+    "lightning_fabric.callbacks_factory": "lightning_numguard.doors.fabric.attach:fabric_callbacks",
 }
 
-# Run in a fresh interpreter: several Trainers, the environment changed between them (the factory reads it
-# each time a Trainer is built); prints one JSON line per scenario.
+# Run in a fresh interpreter: several Trainers and Fabrics, the environment changed between them (the factories read
+# it each time one is built); prints one JSON line per scenario. The Fabric of each run is the package's own:
+# ``lightning.fabric`` beside ``lightning.pytorch``, the standalone ``lightning_fabric`` beside ``pytorch_lightning``.
 SCRIPT = r"""
 import json, os, sys, warnings
 warnings.simplefilter("ignore")
@@ -41,11 +44,14 @@ from torch.utils.data import DataLoader, TensorDataset
 pkg = sys.argv[1]
 if pkg == "lightning":
     import lightning.pytorch as pl
+    from lightning.fabric import Fabric
     from lightning_numguard.lightning import NumGuardCallback
 else:
     import pytorch_lightning as pl
+    from lightning_fabric import Fabric
     from lightning_numguard import NumGuardCallback
 from lightning_numguard.errors import NumGuardConfigError
+from lightning_numguard.fabric import NumGuard
 from tests.helpers import quiet_trainer
 
 class M(pl.LightningModule):
@@ -69,9 +75,21 @@ def build(env, callbacks=()):
     guards = [c for c in tr.callbacks if isinstance(c, NumGuardCallback)]
     return tr, {"guards": [(type(g).__module__, g.action) for g in guards]}
 
+def build_fabric(env, callbacks=()):
+    for k in ("NUMGUARD", "NUMGUARD_CONFIG"):
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    try:
+        fabric = Fabric(accelerator="cpu", devices=1, callbacks=list(callbacks))
+    except NumGuardConfigError as err:
+        return {"error": str(err)}
+    return {"guards": [g.action for g in fabric._callbacks if isinstance(g, NumGuard)]}
+
 out = {}
 for name, env in json.loads(sys.argv[3]).items():
     tr, out[name] = build(env)
+    out["fabric:" + name] = build_fabric(env)
+out["fabric:user_guard_kept"] = build_fabric({"NUMGUARD": "1"}, [NumGuard(action="warn")])
 tr, out["user_guard_kept"] = build({"NUMGUARD": "1"}, [NumGuardCallback(action="warn")])
 tr, out["fit"] = build({"NUMGUARD": "1"})
 tr.fit(M(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
@@ -81,22 +99,25 @@ print(json.dumps(out))
 """
 
 
-def _installed_registration() -> bool:
-    return all(any(ep.value == value for ep in entry_points(group=group)) for group, value in GROUPS.items())
+def _missing_groups() -> dict[str, str]:
+    """The groups whose factory the installed metadata does not register (registered twice, a factory would run
+    twice)."""
+    return {g: v for g, v in GROUPS.items() if not any(ep.value == v for ep in entry_points(group=g))}
 
 
-def _entry_point_dir(tmp_path: Path) -> Path:
+def _entry_point_dir(tmp_path: Path, groups: dict[str, str]) -> Path:
     dist = tmp_path / "ep" / "numguard_attach_test-0.dist-info"
     dist.mkdir(parents=True)
     dist.joinpath("METADATA").write_text("Metadata-Version: 2.1\nName: numguard-attach-test\nVersion: 0\n")
     dist.joinpath("entry_points.txt").write_text(
-        "".join(f"[{group}]\nnumguard = {value}\n\n" for group, value in GROUPS.items())
+        "".join(f"[{group}]\nnumguard = {value}\n\n" for group, value in groups.items())
     )
     return dist.parent
 
 
 def _run(tmp_path: Path, package: str, scenarios: dict[str, dict[str, str]]) -> dict[str, dict]:
-    path = [str(ROOT)] + ([] if _installed_registration() else [str(_entry_point_dir(tmp_path))])
+    missing = _missing_groups()
+    path = [str(ROOT)] + ([str(_entry_point_dir(tmp_path, missing))] if missing else [])
     env = {k: v for k, v in os.environ.items() if k not in ("NUMGUARD", "NUMGUARD_CONFIG")}
     env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")])
     proc = subprocess.run(
@@ -129,6 +150,11 @@ def test_attach_under_pytorch_lightning(tmp_path: Path) -> None:
     assert out["user_guard_kept"] == {"guards": [[module, "warn"]]}  # no second guard
     assert out["fit"]["guards"] == [[module, "rollback"]]
     assert out["fit"]["events"] == [["nonfinite_loss", 2, "rollback"]]
+    # the standalone lightning_fabric's Fabric, from its own entry-point group
+    assert out["fabric:off"] == {"guards": []} and out["fabric:off_wins"] == {"guards": []}
+    assert out["fabric:on"] == {"guards": ["rollback"]}
+    assert str(bad) in out["fabric:bad_config"]["error"] and "'explode'" in out["fabric:bad_config"]["error"]
+    assert out["fabric:user_guard_kept"] == {"guards": ["warn"]}
 
 
 def test_attach_under_lightning_from_a_config_file(tmp_path: Path) -> None:
@@ -141,6 +167,10 @@ def test_attach_under_lightning_from_a_config_file(tmp_path: Path) -> None:
     assert out["config"] == {"guards": [[module, "skip"]]}
     assert out["user_guard_kept"] == {"guards": [[module, "warn"]]}
     assert out["fit"]["events"] == [["nonfinite_loss", 2, "rollback"]]
+    # lightning.fabric's Fabric (LitGPT's), from its own group: the same YAML file (a LightningCLI entry) configures it
+    assert out["fabric:off"] == {"guards": []}
+    assert out["fabric:config"] == {"guards": ["skip"]}
+    assert out["fabric:user_guard_kept"] == {"guards": ["warn"]}
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,8 @@ RUNS = {
     "deferred_fused_optimizer.py": ["--fast"],
     "hf_finetune.py": ["--fast"],
     "lightning_cli.py": ["fit", "--config", str(EXAMPLES / "lightning_cli.yaml"), "--trainer.max_steps", "6"],
+    "fabric_loop.py": ["--fast"],
+    "plain_loop.py": ["--fast"],
 }
 
 
@@ -79,3 +81,31 @@ def test_lightning_cli_with_the_yaml_file(tmp_path: Path) -> None:
     text = events.read_text(encoding="utf-8")
     assert '"kind": "nonfinite_loss"' in text and '"action": "rollback"' in text and '"step": 3' in text, text
     assert (events.parent / "trace.csv").exists()
+
+
+def test_a_fabric_loop_guarded_by_one_line_survives_both_faults(tmp_path: Path) -> None:
+    out = _run([str(EXAMPLES / "fabric_loop.py"), "--fast", "--dir", "run"], tmp_path)
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert lines == [
+        "step 4 micro-batch 8: nonfinite_grad in ['block.1.weight'] -> rollback",
+        "step 7 micro-batch 14: op_domain in ['embedding'] (wte) -> rollback",
+    ], out
+    assert "'rollbacks': 2" in out and "weights finite: True" in out, out
+
+
+def test_the_seeds_plain_loop_guarded_by_two_lines_goes_on(tmp_path: Path) -> None:
+    out = _run([str(EXAMPLES / "plain_loop.py"), "--fast", "--dir", "run"], tmp_path)
+    assert "step 0: optimizer_coverage in ['netG.sub_mean.weight', 'netG.sub_mean.bias'] -> none" in out, out
+    assert "step 5: nonfinite_input in [\"batch['x']\"] -> rollback" in out, out
+    assert "step 5: op_domain in ['binary_cross_entropy'] -> rollback" in out, out
+    assert "'rollbacks': 1" in out and "weights finite: True" in out, out
+    assert (tmp_path / "run" / "events.jsonl").is_file()
+
+
+def test_the_zero_code_config_file_builds_the_guards() -> None:
+    from lightning_numguard.doors.optin import requested_init_args
+    from lightning_numguard.fabric import NumGuard
+
+    args = requested_init_args({"NUMGUARD_CONFIG": str(EXAMPLES / "numguard.yaml")})
+    assert args is not None and args["action"] == "rollback"
+    assert NumGuard(**args).recovery.quarantine is True

@@ -71,9 +71,14 @@ def test_version_entry_points_and_extras(installed: Distribution) -> None:
             "lightning.pytorch.callbacks_factory",
             "numguard",
         ): "lightning_numguard.doors.trainer.attach:lightning_callbacks",
+        ("lightning.fabric.callbacks_factory", "numguard"): "lightning_numguard.doors.fabric.attach:fabric_callbacks",
+        ("lightning_fabric.callbacks_factory", "numguard"): "lightning_numguard.doors.fabric.attach:fabric_callbacks",
     }
     extras = installed.metadata.get_all("Provides-Extra") or []
-    assert {"cli", "dev", "lightning"} <= set(extras)
+    assert {"cli", "dev", "lightning", "litgpt"} <= set(extras)
+    litgpt = [r for r in installed.requires or [] if "extra == 'litgpt'" in r]
+    assert any(r.startswith("litgpt==0.5.13") for r in litgpt), litgpt
+    assert not any(r.startswith("litgpt") for r in installed.requires or [] if "extra" not in r)  # never a runtime dep
     dev = [r for r in installed.requires or [] if "extra == 'dev'" in r]
     assert any(r.startswith("lightning") for r in dev) and any(r.startswith("rich") for r in dev)
 

@@ -42,4 +42,4 @@ def test_the_benchmark_table_is_generated_from_the_results_file():
 
 
 def test_the_readme_stays_short():
-    assert len(README.splitlines()) < 300
+    assert len(README.splitlines()) < 340  # three front doors: the Trainer, Fabric (LitGPT) and a plain loop

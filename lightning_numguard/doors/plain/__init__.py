@@ -1,0 +1,1 @@
+"""The plain-PyTorch door: ``attach(model, optimizer)`` for a training loop the user wrote."""
