@@ -113,32 +113,33 @@ class Declared:
         _say_moved(type(self).__name__, name, arg.moved_to)
         return getattr(getattr(self, group), part)
 
-    def _declare(self, **values: Any) -> None:
-        """Check, map and store ``values`` (the declared arguments given to ``__init__``)."""
-        arguments = type(self).__arguments__
-        unknown = sorted(set(values) - set(arguments))
-        if unknown:
-            raise TypeError(f"{type(self).__name__}() got unexpected keyword argument(s) {unknown}")
-        given = {name: value for name, value in values.items() if not arguments[name].moved_to or value is not None}
-        moves: dict[str, dict[str, Any]] = {}
-        for name, arg in arguments.items():
-            if arg.moved_to is not None:
-                if name in given:
-                    group, _, part = arg.moved_to.partition(".")
-                    moves.setdefault(group, {})[part] = given[name]
-                    _say_moved(type(self).__name__, name, arg.moved_to)
-                continue
-            value = given[name] if name in given else arg.default_value()
-            if arg.check is not None:
-                value = arg.check(name, value)
-            object.__setattr__(self, name, value)
-        for group, parts in moves.items():  # the old flat names, into their groups
-            current = getattr(self, group)
-            object.__setattr__(self, group, dataclasses.replace(current, **parts))
-
     def arguments(self) -> dict[str, Any]:
         """The declared arguments and their values as built (the moved flat names left out)."""
         return {n: getattr(self, n) for n, a in type(self).__arguments__.items() if a.moved_to is None}
+
+
+def _declare(self: Declared, values: dict[str, Any]) -> None:
+    """Check, map and store ``values`` (the declared arguments given to ``__init__``) on ``self``."""
+    arguments = type(self).__arguments__
+    unknown = sorted(set(values) - set(arguments))
+    if unknown:
+        raise TypeError(f"{type(self).__name__}() got unexpected keyword argument(s) {unknown}")
+    given = {name: value for name, value in values.items() if not arguments[name].moved_to or value is not None}
+    moves: dict[str, dict[str, Any]] = {}
+    for name, arg in arguments.items():
+        if arg.moved_to is not None:
+            if name in given:
+                group, _, part = arg.moved_to.partition(".")
+                moves.setdefault(group, {})[part] = given[name]
+                _say_moved(type(self).__name__, name, arg.moved_to)
+            continue
+        value = given[name] if name in given else arg.default_value()
+        if arg.check is not None:
+            value = arg.check(name, value)
+        object.__setattr__(self, name, value)
+    for group, parts in moves.items():  # the old flat names, into their groups
+        current = getattr(self, group)
+        object.__setattr__(self, group, dataclasses.replace(current, **parts))
 
 
 def _say_moved(owner: str, name: str, to: str) -> None:
@@ -156,7 +157,7 @@ def _init_of(cls: type, declared: dict[str, Argument]) -> Callable[..., None]:
     """A keyword-only ``__init__`` with one parameter per declared argument (its annotation and default)."""
 
     def __init__(self: Any, /, **values: Any) -> None:
-        Declared._declare(self, **values)
+        _declare(self, values)
         post = getattr(self, "__post_init__", None)
         if callable(post):
             post()
