@@ -107,7 +107,9 @@ class StepFlow:
         ``fit``: whether a fit ran); hooks off."""
         if fit:
             ended = type(exception).__name__ if exception is not None else "finished"
-            events, counters = self.pipeline.ledger.events, self.pipeline.ledger.counters
+            ledger = self.pipeline.ledger
+            events, counters = ledger.events, ledger.counters
+            ledger.flush_repeats(loop)  # the actions that repeated the last one told, before the summary
             self.series.at_end(loop, events, ended)
             self.progress.report(loop, events, counters, self.events_path(), ended)
         self.close()

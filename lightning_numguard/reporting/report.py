@@ -147,13 +147,16 @@ class Reporter:
         self._written = (step, (tags if step == last_step else set()) | set(scalars))
 
     def say_once(self, loop: Loop, key: str, message: str) -> None:
-        """A condition that is not an incident (a collapsing fp16 loss scale): a log line and one warning per fit."""
+        """A condition that is not an incident (a collapsing fp16 loss scale): said once per fit, on rank 0: a warning
+        (``emit_warnings``, with an INFO line for log files), else a WARNING log line; never both on the console."""
         if key in self._said:
             return
         self._said.add(key)
-        log.warning("numguard: %s", message)
         if self.warn and loop.is_zero:
+            log.info("numguard: %s", message)
             warn_at_user_code(f"NumGuard: {message}")
+        else:
+            log.log(logging.WARNING if loop.is_zero else logging.INFO, "numguard: %s", message)
 
     def close(self) -> None:
         """Flush and close the event file."""
