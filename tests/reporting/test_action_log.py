@@ -208,3 +208,23 @@ def test_the_repeat_line_names_its_steps() -> None:
     )
     assert steps_words([5, 6, 7, 8, 12, 13, 20]) == "5-8, 12, 13, 20"
     assert steps_words(list(range(0, 40, 2)), limit=3) == "0, 2, 4 and 17 more"
+
+
+def test_the_warm_up_warning_is_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: the same sentence as a WARNING log line and as a warning, after a line saying detection arms."""
+    from lightning_utilities.core import rank_zero
+
+    guard = NumGuardCallback(dirpath=str(tmp_path / "ng"), spike_action="skip", spikes={"warmup": 20})
+    lightning, level = rank_zero.log, rank_zero.log.level  # where the fit-start line goes (the suite quiets it)
+    lightning.addHandler(caplog.handler)
+    lightning.setLevel(logging.INFO)
+    try:
+        with caplog.at_level(logging.INFO), pytest.warns(NumGuardWarning, match="cannot act") as records:
+            trainer(tmp_path, [guard], max_steps=10).fit(FaultModel(), loader(FaultData()))
+    finally:
+        lightning.removeHandler(caplog.handler)
+        lightning.setLevel(level)
+    assert sum("cannot act" in str(r.message) for r in records) == 1
+    loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "spike" in r.getMessage()]
+    assert loud == []
+    assert not any("arms after" in r.getMessage() for r in caplog.records)  # it does not arm in this fit
