@@ -111,7 +111,7 @@ class StepFlow:
             events, counters = ledger.events, ledger.counters
             ledger.flush_repeats(loop)  # the actions that repeated the last one told, before the summary
             self.series.at_end(loop, events, ended)
-            self.progress.report(loop, events, counters, self.events_path(), ended)
+            self.progress.report(loop, events, counters, self.events_path(), ended, ledger.resumed_from())
         self.close()
 
     # ------------------------------------------------------------------ every step

@@ -7,7 +7,8 @@ written into events already built."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_numguard.diagnose.findings import Finding
@@ -37,14 +38,34 @@ class Ledger:
         self.incidents_by_kind: dict[str, int] = {}
         self.rollbacks_this_fit = 0  # what max_rollbacks limits (``counters["rollbacks"]`` carries over a resume)
         self.reporter = reporter
+        self.earlier_events: list[str] = []  # events.jsonl of the runs this fit resumed from (a checkpoint's)
         self._told: tuple[str, str] | None = None  # the action and cause of the last action line
         self._told_root: dict[str, Any] | None = None
         self._again: list[int] = []  # steps that repeated it since
 
-    def load(self, counters: Mapping[str, int], incidents_by_kind: Mapping[str, int]) -> None:
-        """The counters and incident counts of a checkpoint (already validated): a resumed run goes on counting."""
+    def load(
+        self, counters: Mapping[str, int], incidents_by_kind: Mapping[str, int], events_files: Sequence[str] = ()
+    ) -> None:
+        """The counters, incident counts and earlier runs' ``events.jsonl`` of a checkpoint (already validated): a
+        resumed run goes on counting, and its summary points at the events of the run it resumed from."""
         self.counters.update(counters)
         self.incidents_by_kind = dict(incidents_by_kind)
+        self.earlier_events = list(events_files)
+
+    def events_files(self) -> list[str]:
+        """The ``events.jsonl`` of the runs so far, oldest first, this run's last (absolute paths; what a checkpoint
+        carries). This run's is named even before anything is written to it: a later incident may be."""
+        mine = self._own_events()
+        return [f for f in self.earlier_events if f != mine] + ([mine] if mine else [])
+
+    def resumed_from(self) -> str | None:
+        """The ``events.jsonl`` of the run this one resumed from (the last earlier one that is not this run's)."""
+        mine = self._own_events()
+        return next((f for f in reversed(self.earlier_events) if f != mine), None)
+
+    def _own_events(self) -> str | None:
+        path = self.reporter.events_file if self.reporter is not None else None
+        return os.path.abspath(path) if path is not None else None
 
     def count(self, counts: Mapping[str, int]) -> None:
         """Move the counters by a decision's ``counts`` (``incidents`` is counted from recorded events)."""

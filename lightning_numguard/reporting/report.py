@@ -164,6 +164,11 @@ class Reporter:
             self.writer.close()
 
     @property
+    def events_file(self) -> Path | None:
+        """Where this run's ``events.jsonl`` goes (written or not yet), else ``None`` (no file in this run)."""
+        return self.writer.path if self.writer is not None else None
+
+    @property
     def events_path(self) -> Path | None:
         """``events.jsonl`` once something was written to it, else ``None``."""
         if self.writer is None or not self.writer.path.exists():

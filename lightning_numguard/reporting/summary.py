@@ -16,7 +16,7 @@ from typing import Any
 from lightning_numguard.reporting.events import counts_as_incident
 from lightning_numguard.reporting.messages import steps_words
 
-__all__ = ["CauseSummary", "FitSummary", "KindSummary", "rich_table", "summarize", "summary_text"]
+__all__ = ["CauseSummary", "FitSummary", "KindSummary", "rich_table", "summarize", "summary_text", "where_lines"]
 
 _CULPRIT_WIDTH = 48  # a root cause's place, cut beyond this in the text's rows
 
@@ -78,6 +78,8 @@ class FitSummary:
     repairs: int = 0
     incidents_this_fit: int | None = None
     resumed_from: str | None = None
+    resumed_found: bool = True
+    rollbacks_this_fit: int | None = None
 
     @property
     def eventful(self) -> bool:
@@ -93,6 +95,7 @@ def summarize(
     events_path: str | None,
     ended: str = "finished",
     resumed_from: str | None = None,
+    resumed_found: bool = True,
 ) -> FitSummary:
     """Fold a fit's ``events`` (in the order recorded) and the guard's ``counters`` into a :class:`FitSummary`.
 
@@ -105,9 +108,11 @@ def summarize(
         events_path: where ``events.jsonl`` is, or ``None`` when nothing was written.
         ended: how the fit ended (``"finished"``, or the name of the exception that stopped it).
         resumed_from: the ``events.jsonl`` of the run this fit resumed from (``None``: none, or not resumed).
+        resumed_found: whether that file is there (a checkpoint moved to another machine names a path it lacks).
     """
     halted = {int(e.get("step", -1)) for e in events if e.get("action") == "halt"}
     repaired = {int(e.get("step", -1)) for e in events if _at_end(e) and e.get("action") == "rollback"}
+    rolled = {int(e.get("step", -1)) for e in events if not _at_end(e) and e.get("action") == "rollback"}
     return FitSummary(
         kinds=_kinds(events),
         incidents=int(counters.get("incidents", 0)),
@@ -125,6 +130,8 @@ def summarize(
         repairs=len(repaired),
         incidents_this_fit=sum(1 for e in events if counts_as_incident(e)),
         resumed_from=resumed_from,
+        resumed_found=resumed_found,
+        rollbacks_this_fit=len(rolled),
     )
 
 
@@ -185,13 +192,15 @@ def _handled(s: FitSummary) -> str:
     rollbacks = max(0, s.rollbacks - s.repairs)
     skips = max(0, s.skipped_steps - rollbacks - s.halts)
     parts = [_plural(skips, "skipped step")] if skips else []
-    if rollbacks:
-        lost = s.steps_lost_to_rollbacks
+    lost = s.steps_lost_to_rollbacks  # this fit's: said only when every rollback counted is this fit's
+    if rollbacks and (lost or s.rollbacks_this_fit == rollbacks):
         if lost:
             note = f"{_plural(lost, 'step')} lost"
         else:  # every rollback went back to the start of its own bad step
-            note = f"{'each' if rollbacks > 1 else ''} to the start of its bad step: no earlier step lost".lstrip()
+            note = ("each " if rollbacks > 1 else "") + "to the start of its bad step: no earlier step lost"
         parts.append(f"{_plural(rollbacks, 'rollback')} ({note})")
+    elif rollbacks:
+        parts.append(_plural(rollbacks, "rollback"))
     if s.halts:
         parts.append(_plural(s.halts, "halt"))
     if s.repairs:
@@ -215,11 +224,12 @@ def _totals(s: FitSummary) -> str:
     return "; ".join(([handled] if handled else []) + _others(s))
 
 
-def _where_lines(s: FitSummary) -> list[str]:
+def where_lines(s: FitSummary) -> list[str]:
     """Where the events are: this run's file, and the one of the run it resumed from."""
     lines = [f"events: {s.events_path}" if s.events_path else "no events written in this run"]
     if s.resumed_from and s.resumed_from != s.events_path:
-        lines.append(f"events of the run this one resumed from: {s.resumed_from}")
+        missing = "" if s.resumed_found else " (not found here)"
+        lines.append(f"events of the run this one resumed from: {s.resumed_from}{missing}")
     return lines
 
 
@@ -229,7 +239,7 @@ def summary_text(s: FitSummary) -> str:
     if not s.eventful:
         others = _others(s)
         head = f"NumGuard: no incidents in {_plural(s.steps, 'step')}{ended}"
-        return head + (f"; {'; '.join(others)}." if others else ".") + " " + "; ".join(_where_lines(s))
+        return head + (f"; {'; '.join(others)}." if others else ".") + " " + "; ".join(where_lines(s))
     earlier = s.incidents - (s.incidents_this_fit if s.incidents_this_fit is not None else s.incidents)
     before = f" ({earlier} of them before the resume)" if earlier > 0 else ""
     head = f"NumGuard: {_plural(s.incidents, 'incident')}{before} in {_plural(s.steps, 'step')}{ended}"
@@ -243,7 +253,7 @@ def summary_text(s: FitSummary) -> str:
     if s.consequences:
         listed = ", ".join(f"{kind} x{n}" for kind, n in s.consequences)
         lines.append(f"  consequences (the same incidents, not counted): {listed}")
-    lines.extend(f"  {line}" for line in _where_lines(s))
+    lines.extend(f"  {line}" for line in where_lines(s))
     return "\n".join(lines)
 
 
