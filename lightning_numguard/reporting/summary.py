@@ -241,7 +241,9 @@ def summary_text(s: FitSummary) -> str:
         head = f"NumGuard: no incidents in {_plural(s.steps, 'step')}{ended}"
         return head + (f"; {'; '.join(others)}." if others else ".") + " " + "; ".join(where_lines(s))
     earlier = s.incidents - (s.incidents_this_fit if s.incidents_this_fit is not None else s.incidents)
-    before = f" ({earlier} of them before the resume)" if earlier > 0 else ""
+    before = f" ({earlier} of them before the resume)" if 0 < earlier < s.incidents else ""
+    if earlier > 0 and earlier >= s.incidents:
+        before = " (before the resume)" if s.incidents == 1 else " (all before the resume)"
     head = f"NumGuard: {_plural(s.incidents, 'incident')}{before} in {_plural(s.steps, 'step')}{ended}"
     handled = _handled(s)
     head += f", {handled}" if handled else ""

@@ -269,3 +269,21 @@ def test_the_summary_names_a_kind_by_its_first_root_cause_not_a_consequence():
     text = summary_text(s)
     assert "  nonfinite_param in fc.weight  x1   step 5\n" in text and "checkpoint" not in text
     assert "consequences (the same incidents, not counted): nonfinite_param x1, nonfinite_loss x1" in text
+
+
+def test_the_summary_of_a_resumed_run_says_which_incidents_came_before_and_where_they_are() -> None:
+    events = [{"kind": "nonfinite_loss", "step": 12, "where": ["loss"], "action": "skip"}]
+    s = summarize(
+        events, {"incidents": 3, "skipped_steps": 3}, 0, 20, "/b/events.jsonl", resumed_from="/a/events.jsonl"
+    )
+    lines = summary_text(s).splitlines()
+    assert lines[0] == "NumGuard: 3 incidents (2 of them before the resume) in 20 steps, handled by 3 skipped steps."
+    assert lines[-2:] == ["  events: /b/events.jsonl", "  events of the run this one resumed from: /a/events.jsonl"]
+    moved = summarize(
+        [], {"incidents": 1, "skipped_steps": 1}, 0, 20, None, resumed_from="/a/e.jsonl", resumed_found=False
+    )
+    assert summary_text(moved).splitlines() == [
+        "NumGuard: 1 incident (before the resume) in 20 steps, handled by 1 skipped step.",
+        "  no events written in this run",
+        "  events of the run this one resumed from: /a/e.jsonl (not found here)",
+    ]

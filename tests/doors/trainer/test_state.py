@@ -218,7 +218,8 @@ def test_a_resumed_runs_summary_points_at_the_events_of_the_run_it_resumed_from(
     assert guard.events == [] and guard.counters["incidents"] == faulted.cb.counters["incidents"]
     (summary,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("NumGuard: ")]
     incidents = guard.counters["incidents"]
-    assert summary.startswith(f"NumGuard: {incidents} incident{'s' if incidents > 1 else ''} ({incidents} of them ")
+    before = "(before the resume)" if incidents == 1 else "(all before the resume)"
+    assert summary.startswith(f"NumGuard: {incidents} incident{'s' if incidents > 1 else ''} {before} in 8 steps")
     assert summary.splitlines()[-2:] == [
         "  no events written in this run",
         f"  events of the run this one resumed from: {first}",
