@@ -15,6 +15,7 @@ On a GPU the same code runs with ``accelerator="gpu"`` and ``precision="bf16-mix
 from __future__ import annotations
 
 import argparse
+import tempfile
 import warnings
 
 import pytorch_lightning as pl
@@ -45,8 +46,9 @@ class Regression(pl.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast", action="store_true", help="12 steps (the test suite's run)")
-    parser.add_argument("--dir", default="numguard-examples/deferred", help="output folder")
+    parser.add_argument("--dir", default=None, help="output folder (default: a new temporary folder)")
     args = parser.parse_args()
+    folder = args.dir or tempfile.mkdtemp(prefix="numguard-deferred-")  # never the working directory
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4096, 32, generator=g)
@@ -56,7 +58,7 @@ def main() -> None:
         accelerator="cpu",
         max_steps=12 if args.fast else 200,
         callbacks=[guard],
-        default_root_dir=args.dir,
+        default_root_dir=folder,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -69,6 +71,7 @@ def main() -> None:
         late = f", read at step {e['details'].get('read_at_step')}" if e["details"].get("deferred") else ""
         print(f"step {e['step']}: {e['kind']} in {e['where']} -> {e['action']}{late}")
     print(f"counters: {guard.counters}; weights finite: {finite}")
+    print(f"files in: {folder}")
 
 
 if __name__ == "__main__":

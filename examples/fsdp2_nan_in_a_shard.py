@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import warnings
 from datetime import timedelta
 
@@ -66,8 +67,11 @@ class ShardedMLP(pl.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast", action="store_true", help="8 steps (the test suite's run)")
-    parser.add_argument("--dir", default="numguard-examples/fsdp2", help="output folder")
+    parser.add_argument("--dir", default=None, help="output folder (default: a new temporary folder)")
     args = parser.parse_args()
+    # never the working directory; one folder for both processes (Lightning starts the second with this environment)
+    folder = args.dir or os.environ.get("NUMGUARD_EXAMPLE_DIR") or tempfile.mkdtemp(prefix="numguard-fsdp2-")
+    os.environ["NUMGUARD_EXAMPLE_DIR"] = folder
     torch.set_num_threads(1)  # two processes on a laptop's cores
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     guard = NumGuardCallback(action="rollback", snapshot_every_n_steps=2)
@@ -77,7 +81,7 @@ def main() -> None:
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=120)),
         max_steps=8 if args.fast else 40,
         callbacks=[guard],
-        default_root_dir=args.dir,
+        default_root_dir=folder,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -89,6 +93,7 @@ def main() -> None:
         for e in guard.events:
             print(f"step {e['step']} rank {e['rank']}: {e['kind']} in {e['where']} -> {e['action']}")
         print(f"counters: {guard.counters}; finished at step {trainer.global_step}")
+        print(f"files in: {folder}")
     if torch.distributed.is_initialized():  # gloo's threads can outlive the interpreter's finalisation otherwise
         torch.distributed.destroy_process_group()
 

@@ -15,6 +15,7 @@ broken layer would: the guard names the embedding module and rolls back. Runs as
 from __future__ import annotations
 
 import argparse
+import tempfile
 import warnings
 from typing import Any
 
@@ -88,8 +89,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast", action="store_true", help="8 steps (the test suite's run)")
     parser.add_argument("--bad-step", type=int, default=5, help="the step whose embeddings go NaN (-1: none)")
-    parser.add_argument("--dir", default="numguard-examples/hf", help="output folder")
+    parser.add_argument("--dir", default=None, help="output folder (default: a new temporary folder)")
     args = parser.parse_args()
+    folder = args.dir or tempfile.mkdtemp(prefix="numguard-hf-")  # never the working directory
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     steps = 8 if args.fast else 120
     data = DataLoader(Sentences(16 * steps, 100), batch_size=16, collate_fn=collate)
@@ -99,7 +101,7 @@ def main() -> None:
         precision="bf16-mixed",
         max_steps=steps,
         callbacks=[guard],
-        default_root_dir=args.dir,
+        default_root_dir=folder,
         enable_checkpointing=False,
         enable_progress_bar=not args.fast,
         enable_model_summary=False,
@@ -109,6 +111,7 @@ def main() -> None:
     for e in guard.events:
         print(f"step {e['step']}: {e['kind']} in {e['where'][:2]} -> {e['action']}")
     print(f"counters: {guard.counters}")
+    print(f"files in: {folder}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ every argument of the guard with its documentation. The model makes its loss NaN
 
 from __future__ import annotations
 
+import tempfile
+
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
@@ -49,4 +51,10 @@ class Data(pl.LightningDataModule):
 
 
 if __name__ == "__main__":
-    LightningCLI(Model, Data, save_config_callback=None)
+    # logs and the guard's files go to a new temporary folder unless --trainer.default_root_dir names one
+    LightningCLI(
+        Model,
+        Data,
+        save_config_callback=None,
+        trainer_defaults={"default_root_dir": tempfile.mkdtemp(prefix="numguard-cli-")},
+    )

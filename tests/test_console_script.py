@@ -92,7 +92,9 @@ def test_explain_events_file(events_file: Path, capsys: pytest.CaptureFixture[st
     assert "  incidents:  3 in 2 step(s) (steps 4-9)" in out
     assert "First culprit: nonfinite_input at batch['image']" in out
     assert "line 2: not valid JSON" in out
-    assert "Actions taken: warn 1, skip 0, rollback 1, halt 0 (per step; 1 step(s) skipped)" in out  # one per step
+    assert (
+        "Actions taken: warn 1, skip 0, rollback 1, halt 0 (one per step; 1 step update(s) dropped in all)" in out
+    )  # one per step
 
 
 def test_explain_folder(events_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,11 +24,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(args: list[str], tmp_path: Path, timeout: int = 240) -> str:
+def _run(args: list[str], tmp_path: Path, timeout: int = 240, temp: Path | None = None) -> str:
+    """Run an example in ``tmp_path``; ``temp``: the temporary folder its ``tempfile`` calls get (``TMPDIR``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
+    env.pop("NUMGUARD_EXAMPLE_DIR", None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["MASTER_PORT"] = str(_free_port())
     env["OMP_NUM_THREADS"] = "1"
+    if temp is not None:
+        temp.mkdir(parents=True, exist_ok=True)
+        env["TMPDIR"] = str(temp)
     proc = subprocess.run(
         [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -54,16 +59,35 @@ def test_every_example_is_run_here() -> None:
     assert "python examples/fsdp2_nan_in_a_shard.py --fast" in strategies  # the docs point at the recipe
 
 
+def _written_in_a_temporary_folder(out: str, cwd: Path, temp: Path) -> Path:
+    """The folder the example said it wrote to: a new one under ``temp``, and nothing in the working directory."""
+    assert sorted(cwd.iterdir()) == [], sorted(cwd.iterdir())
+    (folder,) = re.findall(r"^files in: (.+)$", out, re.M)
+    assert Path(folder).parent == temp and Path(folder).is_dir(), folder
+    return Path(folder)
+
+
 def test_fsdp2_a_nan_in_one_ranks_shard_is_named_and_rolled_back(tmp_path: Path) -> None:
-    out = _run([str(EXAMPLES / "fsdp2_nan_in_a_shard.py"), *RUNS["fsdp2_nan_in_a_shard.py"], "--dir", "run"], tmp_path)
+    """Without ``--dir``: both processes write into one temporary folder (the rollback's sharded checkpoint), never
+    the working directory (before: an untracked ``numguard-examples/`` in the repository)."""
+    cwd, temp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    out = _run([str(EXAMPLES / "fsdp2_nan_in_a_shard.py"), *RUNS["fsdp2_nan_in_a_shard.py"]], cwd, temp=temp)
     assert "step 3 rank 1: nonfinite_param in ['fc1.weight'] -> rollback" in out, out
     assert re.search(r"counters: \{'incidents': 1, 'skipped_steps': 1, 'rollbacks': 1.*finished at step 8", out), out
+    folder = _written_in_a_temporary_folder(out, cwd, temp)
+    # the second process made no folder of its own (torch may keep its caches there too)
+    assert [p.name for p in temp.iterdir() if p.name.startswith("numguard-")] == [folder.name]
+    assert (folder / "numguard" / "events.jsonl").exists()
 
 
 def test_deferred_mode_with_a_fused_optimizer_skips_the_nan_step_one_step_late(tmp_path: Path) -> None:
-    out = _run([str(EXAMPLES / "deferred_fused_optimizer.py"), "--fast", "--dir", "run"], tmp_path)
+    cwd, temp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    out = _run([str(EXAMPLES / "deferred_fused_optimizer.py"), "--fast"], cwd, temp=temp)
     assert "step 5: nonfinite_loss in ['loss'] -> skip, read at step 6" in out, out
     assert "'skipped_steps': 1" in out and "weights finite: True" in out, out
+    assert (_written_in_a_temporary_folder(out, cwd, temp) / "numguard" / "events.jsonl").exists()
 
 
 def test_hugging_face_bf16_with_padding_masks_reports_only_the_injected_nan(tmp_path: Path) -> None:
@@ -76,8 +100,12 @@ def test_hugging_face_bf16_with_padding_masks_reports_only_the_injected_nan(tmp_
 
 
 def test_lightning_cli_with_the_yaml_file(tmp_path: Path) -> None:
-    _run([str(EXAMPLES / "lightning_cli.py"), *RUNS["lightning_cli.py"], "--trainer.default_root_dir", "run"], tmp_path)
-    (events,) = (tmp_path / "run").rglob("events.jsonl")
+    """The YAML names no folder: logs and events go to a temporary one, never the working directory."""
+    cwd, temp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    _run([str(EXAMPLES / "lightning_cli.py"), *RUNS["lightning_cli.py"]], cwd, temp=temp)
+    assert sorted(cwd.iterdir()) == []
+    (events,) = temp.rglob("events.jsonl")
     text = events.read_text(encoding="utf-8")
     assert '"kind": "nonfinite_loss"' in text and '"action": "rollback"' in text and '"step": 3' in text, text
     assert (events.parent / "trace.csv").exists()

@@ -46,9 +46,11 @@ _REST = r"""    Raises:
             ``min_steps``/``min_epochs`` would keep Lightning going); and at fit start when the
             initial weights are not finite (except under ``"warn"``).
 
-    Logged (TensorBoard tags; other loggers get the scalars). Scalars are written on the steps
-    Lightning writes your metrics (``(step + 1) % log_every_n_steps == 0``, in the same call) and
-    at every step that had an event (a counter when it moved):
+    Logged (TensorBoard tags; other loggers get the scalars). Scalars go to the loggers directly
+    (as ``LearningRateMonitor``'s, never into ``trainer.callback_metrics``, ``logged_metrics`` or
+    ``progress_bar_metrics``) on the steps Lightning writes your metrics (``(step + 1) %
+    log_every_n_steps == 0``, at its step number) and at every step that had an event (a counter
+    when it moved):
 
     ==============================  =====================================================
     ``numguard/incidents``          incidents recorded so far (scalar)

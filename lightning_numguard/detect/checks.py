@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -35,6 +36,7 @@ from lightning_numguard.dtensor import has_dtensor, local
 __all__ = [
     "TotalPlan",
     "as_f32",
+    "bad_positions",
     "confirm_nonfinite",
     "input_maxima",
     "is_checkable",
@@ -364,3 +366,33 @@ def tensor_stats(t: torch.Tensor, max_indices: int = 3) -> dict[str, object]:
     if local(t) is not t:
         stats["global_shape"] = list(t.shape)
     return stats
+
+
+def bad_positions(t: torch.Tensor, at_least: float | None = None, limit: int = 3) -> dict[str, Any]:
+    """Where a batch tensor's bad values are: the first ``limit`` element positions (``positions``, each a list of
+    indices, ``batch['x'][3, 7]``), the first ``limit`` samples holding one (``samples``: indices along the first
+    dimension) and how many samples do (``bad_samples``, of ``samples_in_batch``). **Syncs** (two reads; after a hit
+    only).
+
+    Bad: a NaN or an Inf; with ``at_least``, a finite value with ``|x| >= at_least`` that is not its dtype's own
+    extreme (``torch.finfo(dtype).max``, the fill of an additive mask, as :func:`max_abs` with ``masks_as_zero``).
+    Only the rows holding the first bad samples are searched for positions, so memory stays a row's. ``{}`` for a
+    0-d, sparse, complex or non-floating tensor; for a ``DTensor``, the positions in this rank's local shard.
+    """
+    x = local(t)
+    if x.layout is not torch.strided or x.is_complex() or not x.is_floating_point() or x.dim() == 0 or not x.numel():
+        return {}
+    x = x.detach()
+    if at_least is None:
+        bad = ~torch.isfinite(x)
+    else:
+        size = x.abs()
+        bad = torch.isfinite(x) & (size >= at_least) & (size != torch.finfo(x.dtype).max)
+    rows = bad.reshape(bad.shape[0], -1).any(dim=1).nonzero().flatten()
+    found = rows[:limit]
+    first, count = found.tolist(), int(rows.numel())  # one read: the rows, and their number (a 0-d on the host)
+    if not first:
+        return {}
+    inner = bad[found].nonzero()[:limit].tolist()  # (row among ``found``, position in the row)
+    positions = [[first[r], *rest] for r, *rest in inner]
+    return {"positions": positions, "samples": first, "bad_samples": count, "samples_in_batch": int(x.shape[0])}

@@ -28,6 +28,7 @@ from lightning_numguard.engine import group
 from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.read import Reading, StepRead
 from lightning_numguard.engine.record import StepRecord, StepRecorder
+from lightning_numguard.state.quarantine import sample_indices
 
 __all__ = ["Diagnosis", "StateLook", "StepView", "diagnose", "name_culprit"]
 
@@ -218,20 +219,33 @@ def name_culprit(
 def input_findings(rec: StepRecord, max_abs_input: float | None, rank: int) -> list[Finding]:
     """Non-finite and suspiciously large batch values, per micro-batch."""
     out: list[Finding] = []
-    for leaves, _ in rec.inputs:
+    batches = [m.batch for m in rec.micro] if len(rec.micro) == len(rec.inputs) else [rec.batch] * len(rec.inputs)
+    for (leaves, _), batch in zip(rec.inputs, batches):
         paths = [p for p, _ in leaves]
         values = checks.max_abs([t for _, t in leaves]).tolist()  # exact, per tensor: after a hit only
         nonfinite = [p for p, v in zip(paths, values) if not math.isfinite(v)]
         if nonfinite:
-            stats = checks.tensor_stats(dict(leaves)[nonfinite[0]])
-            out.append(Finding("nonfinite_input", nonfinite, {"stats": stats}, rank))
+            first = dict(leaves)[nonfinite[0]]
+            stats = checks.tensor_stats(first)
+            out.append(Finding("nonfinite_input", nonfinite, {"stats": stats, **_where_in(first, batch)}, rank))
         if max_abs_input is not None:
             unmasked = checks.max_abs([t for _, t in leaves], masks_as_zero=True).tolist()  # finfo.min: a mask
             huge = [(p, v) for p, v in zip(paths, unmasked) if math.isfinite(v) and v >= max_abs_input]
             if huge:
-                details = {"max_abs": huge[0][1], "threshold": max_abs_input}
+                where = _where_in(dict(leaves)[huge[0][0]], batch, max_abs_input)
+                details = {"max_abs": huge[0][1], "threshold": max_abs_input, **where}
                 out.append(Finding("suspicious_input", [p for p, _ in huge], details, rank))
     return out
+
+
+def _where_in(tensor: torch.Tensor, batch: Any, at_least: float | None = None) -> dict[str, Any]:
+    """The first bad positions and samples of a batch tensor, and the dataset indices of those samples when the
+    batch carries them (``batch["index"]`` and the like)."""
+    found = checks.bad_positions(tensor, at_least)
+    indices = sample_indices(batch) if found else None
+    if indices and len(indices) == found["samples_in_batch"]:
+        found["sample_indices"] = [indices[i] for i in found["samples"]]
+    return found
 
 
 def output_finding(bad_blocks: list[tuple[str, float, float]], rank: int) -> Finding | None:

@@ -107,9 +107,11 @@ class StepFlow:
         ``fit``: whether a fit ran); hooks off."""
         if fit:
             ended = type(exception).__name__ if exception is not None else "finished"
-            events, counters = self.pipeline.ledger.events, self.pipeline.ledger.counters
+            ledger = self.pipeline.ledger
+            events, counters = ledger.events, ledger.counters
+            ledger.flush_repeats(loop)  # the actions that repeated the last one told, before the summary
             self.series.at_end(loop, events, ended)
-            self.progress.report(loop, events, counters, self.events_path(), ended)
+            self.progress.report(loop, events, counters, self.events_path(), ended, ledger.resumed_from())
         self.close()
 
     # ------------------------------------------------------------------ every step

@@ -67,13 +67,16 @@ class GuardState:
         return reporter.dirpath if reporter is not None else None
 
     def state_dict(self) -> dict[str, Any]:
-        """The guard's state (plain types): counters, incident counts, the quarantine and the spike window."""
+        """The guard's state (plain types): counters, incident counts, the quarantine, the spike window, and the
+        ``events.jsonl`` of this run and the runs it resumed from (``events_files``, absolute paths, oldest first:
+        a resumed run's summary points at the events of the run it resumed from)."""
         return {
             "version": STATE_VERSION,
             "counters": dict(self.counters),
             "incidents_by_kind": dict(self._pipeline.ledger.incidents_by_kind),
             **self._pipeline.recovery.quarantine.state_dict(),
             "spike": self._pipeline.spike.state_dict(),
+            "events_files": self._pipeline.ledger.events_files(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -92,11 +95,12 @@ class GuardState:
             "quarantined": lambda raw: parse_state("quarantined", raw),
             "position_incidents": lambda raw: parse_state("position_incidents", raw),
             "incidents_by_kind": lambda raw: {str(k): int(v) for k, v in raw.items()},
+            "events_files": _paths,
         }
         parsed: dict[str, Any] = {}
         for key, parse in parsers.items():
             try:
-                parsed[key] = parse(state_dict.get(key, [] if key == "quarantined" else {}))
+                parsed[key] = parse(state_dict.get(key, [] if key in ("quarantined", "events_files") else {}))
             except (AttributeError, TypeError, ValueError) as err:
                 raise NumGuardError(
                     f"NumGuard: the guard's state in this checkpoint is malformed at {key!r} ({err}); the "
@@ -110,5 +114,12 @@ class GuardState:
                 f"NumGuard: the guard's state in this checkpoint is malformed at 'spike' ({err}); the checkpoint's "
                 "weights are unaffected: resume without the guard's state, or from another checkpoint."
             ) from None
-        self._pipeline.ledger.load(parsed["counters"], parsed["incidents_by_kind"])
+        self._pipeline.ledger.load(parsed["counters"], parsed["incidents_by_kind"], parsed["events_files"])
         self._pipeline.recovery.quarantine.load_state_dict(parsed)
+
+
+def _paths(raw: Any) -> list[str]:
+    """``events_files`` of a checkpoint: a list of paths (strings)."""
+    if not isinstance(raw, (list, tuple)) or not all(isinstance(p, str) for p in raw):
+        raise TypeError(f"expected a list of paths, got {raw!r}")
+    return list(raw)

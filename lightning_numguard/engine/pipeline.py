@@ -192,9 +192,9 @@ class StepPipeline:
 
     def announce_spikes(self, loop: Loop) -> None:
         """Fit start, with ``spike_action`` set: one line (the loop's INFO, where its own fit-start lines go) saying
-        when spike detection arms, and a warning when the fit ends before it can."""
+        when spike detection arms, or, when the fit ends before it can, one warning instead."""
         line, warning = self.spike.arming(loop.max_steps, loop.step)
-        if line is not None:
+        if line is not None and warning is None:
             loop.info(line)
         if warning is not None:
             self.reporter.say_once(loop, "spike warm-up", warning)

@@ -18,6 +18,7 @@ from typing import Any
 from lightning_numguard.reporting.events import ACTING_ACTIONS, ACTIONS, REQUIRED_FIELDS, counts_as_incident
 from lightning_numguard.reporting.hints import event_hint, kind_hint, op_hint
 from lightning_numguard.reporting.logs import wrap
+from lightning_numguard.reporting.messages import steps_words
 
 __all__ = ["EVENTS_FILENAME", "first_culprit", "format_report", "step_actions", "summarize_events"]
 
@@ -224,17 +225,72 @@ def format_report(
     ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines.append("    " + _columns(header, widths))
-    for event, row in zip(events, rows, strict=True):
-        marker = "  > " if event is culprit else "    "
-        lines.append(marker + _columns(row, widths))
-        lines.extend(_extras(event, indent="        ", shown=shown))
+    for group, repeats in _step_groups(events):
+        for event in group:
+            marker = "  > " if event is culprit else "    "
+            lines.append(marker + _columns(rows[_index(events, event)], widths))
+            lines.extend(_extras(event, indent="        ", shown=shown))
+        if repeats:
+            lines.append(_repeat_line(group, repeats))
 
     counts = ", ".join(f"{action} {count}" for action, count in summary["actions"].items())
     skipped = summary["skipped_steps"]
-    lines += ["", f"Actions taken: {counts} (per step; {skipped} step(s) skipped)", "", "Hints"]
-    for kind, count in summary["kinds"].items():
-        lines.append(wrap(f"  {kind} ({count}): ", kind_hint(kind), indent="    "))
+    lines += ["", f"Actions taken: {counts} (one per step; {skipped} step update(s) dropped in all)", ""]
+    lines += _hint_lines(events)
     return "\n".join(lines)
+
+
+def _index(events: Sequence[Event], event: Event) -> int:
+    return next(i for i, e in enumerate(events) if e is event)
+
+
+def _signature(group: Sequence[Event]) -> tuple[Any, ...]:
+    """What makes two steps' events the same story: each event's kind, place, action and role, in order."""
+    return tuple((e["kind"], tuple(e["where"]), e["action"], e.get("root_cause", True)) for e in group)
+
+
+def _step_groups(events: Sequence[Event]) -> list[tuple[list[Event], list[Event]]]:
+    """The events of each step, in recorded order, each with the later steps that repeated it exactly (their
+    events are folded into one line under it)."""
+    steps: list[list[Event]] = []
+    for event in events:
+        if steps and steps[-1][0]["step"] == event["step"]:
+            steps[-1].append(event)
+        else:
+            steps.append([event])
+    out: list[tuple[list[Event], list[Event]]] = []
+    for group in steps:
+        if out and _signature(out[-1][0]) == _signature(group):
+            out[-1][1].append(group[0])
+        else:
+            out.append((group, []))
+    return out
+
+
+def _repeat_line(group: Sequence[Event], repeats: Sequence[Event]) -> str:
+    """The line standing for the steps that repeated ``group`` exactly."""
+    steps = [int(e["step"]) for e in repeats]
+    events = f"{len(group)} events" if len(group) > 1 else "event"
+    first = group[0]
+    plural = "s" if len(steps) > 1 else ""
+    same = f"the same {events} as step {first['step']}, action {first['action']}"
+    return f"    ... step{plural} {steps_words(steps)}: {same}"
+
+
+def _hint_lines(events: Sequence[Event]) -> list[str]:
+    """One hint per root cause (its kind at its place), the most specific known; a consequence gets none (it
+    follows from its root cause), nor does a warning that no incident came with."""
+    roots = [e for e in events if counts_as_incident(e)] or [
+        e for e in events if e.get("root_cause", True) is not False
+    ]
+    causes: dict[tuple[str, str], list[Event]] = {}
+    for event in roots:
+        causes.setdefault((event["kind"], event["where"][0] if event["where"] else ""), []).append(event)
+    lines = ["Hints (one per root cause; consequences follow from it)"]
+    for (kind, where), found in causes.items():
+        label = f"{kind} in {where}" if where else kind
+        lines.append(wrap(f"  {label} ({len(found)}): ", _event_hint(found[0]), indent="    "))
+    return lines
 
 
 def _columns(cells: Sequence[str], widths: Sequence[int]) -> str:
@@ -248,9 +304,16 @@ def _where(event: Event, *, limit: int | None) -> str:
     return text
 
 
+#: Details a consequence shares with its root cause's event (shown there once).
+_SHARED_DETAILS = ("checked", "steps_lost", "snapshot_step", "after", "replay")
+
+
 def _extras(event: Event, *, indent: str, shown: set[str] | None = None) -> list[str]:
     """Lines for the optional keys of an event that hold something: time, details, replay (once per run of
-    ``shown``), then any other key; a ``null`` field and the default ``root_cause: true`` are left out."""
+    ``shown``), then any other key; a ``null`` field and the default ``root_cause: true`` are left out. A
+    consequence gets one line: what it followed, and what is its own."""
+    if event.get("root_cause", True) is False:
+        return _consequence_extras(event, indent)
     lines: list[str] = []
     if "time" in event:
         lines.append(f"{indent}time:    {_format_time(event['time'])}")
@@ -262,24 +325,54 @@ def _extras(event: Event, *, indent: str, shown: set[str] | None = None) -> list
         lines.append(f"{indent}details: {_key_values(details)}")
     elif details not in (None, {}):
         lines.append(f"{indent}details: {_scalar(details)}")
-    if isinstance(replay, Mapping) and replay and shown is not None:
-        key = json.dumps(replay, sort_keys=True, default=str)
-        if key in shown:
-            replay = None
-        shown.add(key)
+    if _shown_before(replay, shown):
+        replay = None
     if isinstance(replay, Mapping) and replay:
-        parts = [f"module {replay['module']}"] if "module" in replay else []
-        parts += [f"op {replay['op']}"] if "op" in replay else []
-        rest = {key: value for key, value in replay.items() if key not in ("module", "op")}
-        parts += [_key_values(rest)] if rest else []
-        lines.append(f"{indent}replay:  {', '.join(parts)}")
+        lines.append(f"{indent}replay:  {_replay_words(replay, event.get('module'))}")
     elif replay not in (None, {}):
         lines.append(f"{indent}replay:  {_scalar(replay)}")
     for key in sorted(set(event) - set(REQUIRED_FIELDS) - set(_SHOWN_EXTRAS)):
         if event[key] is None or (key == "root_cause" and event[key] is True):
             continue
-        lines.append(f"{indent}{key}: {_scalar(event[key])}")
+        value = _scalar(event[key])
+        if key == "module" and event.get("op"):
+            value += " (the module that ran the op)"
+        lines.append(f"{indent}{key}: {value}")
     return lines
+
+
+def _shown_before(replay: Any, shown: set[str] | None) -> bool:
+    """Whether this replay record was printed already (a step's events share theirs); noted in ``shown``."""
+    if not isinstance(replay, Mapping) or not replay or shown is None:
+        return False
+    key = json.dumps(replay, sort_keys=True, default=str)
+    seen = key in shown
+    shown.add(key)
+    return seen
+
+
+def _replay_words(replay: Mapping[str, Any], module: Any) -> str:
+    """The replay's record, its two modules told apart: the one that ran the op, and the first module output the
+    value reached (``forward_module``: the same module, or one that only received it)."""
+    parts = [f"module {replay['module']}"] if "module" in replay else []
+    parts += [f"op {replay['op']}"] if "op" in replay else []
+    first = replay.get("forward_module")
+    if isinstance(first, str):
+        ran = replay.get("op_module") or replay.get("module") or module
+        role = "the module that made it" if first == ran else f"which only received it{f' from {ran}' if ran else ''}"
+        parts.append(f"first module output holding it: {first} ({role})")
+    rest = {key: value for key, value in replay.items() if key not in ("module", "op", "forward_module")}
+    parts += [_key_values(rest)] if rest else []
+    return ", ".join(parts)
+
+
+def _consequence_extras(event: Event, indent: str) -> list[str]:
+    """A consequence in one line: the root cause it followed (not counted), and its own details."""
+    details = event.get("details")
+    details = details if isinstance(details, Mapping) else {}
+    after = details.get("after") or event.get("consequence_of") or "the step's root cause"
+    own = {key: value for key, value in details.items() if key not in _SHARED_DETAILS and value not in ([], {})}
+    return [f"{indent}consequence of {after} (not counted)" + (f"; {_key_values(own)}" if own else "")]
 
 
 def _format_time(value: Any) -> str:

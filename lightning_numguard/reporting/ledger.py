@@ -7,22 +7,26 @@ written into events already built."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_numguard.diagnose.findings import Finding
 from lightning_numguard.engine.loop import Loop
 from lightning_numguard.reporting.events import Event, acting, counts_as_incident
-from lightning_numguard.reporting.messages import action_message, incident_message
+from lightning_numguard.reporting.messages import action_message, cause_words, incident_message, repeat_message
 from lightning_numguard.reporting.report import Reporter
 from lightning_numguard.state.outcome import Outcome
 
-__all__ = ["COUNTERS", "Ledger"]
+__all__ = ["COUNTERS", "REPEATS_PER_LINE", "Ledger"]
 
 log = logging.getLogger("lightning_numguard")
 
 #: The running counters, logged as ``numguard/<name>`` scalars.
 COUNTERS: tuple[str, ...] = ("incidents", "skipped_steps", "rollbacks", "amp_overflow_steps", "spikes")
+
+#: Repeats of one action for the same cause gathered into one console line at most (a long run still hears of them).
+REPEATS_PER_LINE = 25
 
 
 class Ledger:
@@ -34,11 +38,34 @@ class Ledger:
         self.incidents_by_kind: dict[str, int] = {}
         self.rollbacks_this_fit = 0  # what max_rollbacks limits (``counters["rollbacks"]`` carries over a resume)
         self.reporter = reporter
+        self.earlier_events: list[str] = []  # events.jsonl of the runs this fit resumed from (a checkpoint's)
+        self._told: tuple[str, str] | None = None  # the action and cause of the last action line
+        self._told_root: dict[str, Any] | None = None
+        self._again: list[int] = []  # steps that repeated it since
 
-    def load(self, counters: Mapping[str, int], incidents_by_kind: Mapping[str, int]) -> None:
-        """The counters and incident counts of a checkpoint (already validated): a resumed run goes on counting."""
+    def load(
+        self, counters: Mapping[str, int], incidents_by_kind: Mapping[str, int], events_files: Sequence[str] = ()
+    ) -> None:
+        """The counters, incident counts and earlier runs' ``events.jsonl`` of a checkpoint (already validated): a
+        resumed run goes on counting, and its summary points at the events of the run it resumed from."""
         self.counters.update(counters)
         self.incidents_by_kind = dict(incidents_by_kind)
+        self.earlier_events = list(events_files)
+
+    def events_files(self) -> list[str]:
+        """The ``events.jsonl`` of the runs so far, oldest first, this run's last (absolute paths; what a checkpoint
+        carries). This run's is named even before anything is written to it: a later incident may be."""
+        mine = self._own_events()
+        return [f for f in self.earlier_events if f != mine] + ([mine] if mine else [])
+
+    def resumed_from(self) -> str | None:
+        """The ``events.jsonl`` of the run this one resumed from (the last earlier one that is not this run's)."""
+        mine = self._own_events()
+        return next((f for f in reversed(self.earlier_events) if f != mine), None)
+
+    def _own_events(self) -> str | None:
+        path = self.reporter.events_file if self.reporter is not None else None
+        return os.path.abspath(path) if path is not None else None
 
     def count(self, counts: Mapping[str, int]) -> None:
         """Move the counters by a decision's ``counts`` (``incidents`` is counted from recorded events)."""
@@ -120,7 +147,14 @@ class Ledger:
     def log_action(
         self, loop: Loop, rec: Any, snapshot_step: int | None, ckpt: Any, steps_lost: int | None = None
     ) -> None:
-        """One WARNING (``skip``, ``rollback``) or ERROR (``halt``) log line on rank 0 per action taken.
+        """One WARNING (``skip``, ``rollback``) or ERROR (``halt``) log line on rank 0 per action taken, and one
+        line for the actions that repeat it.
+
+        The first action for a root cause says it all (what was done, why, what was lost, where the files are). A
+        skip or rollback at a later step for the same cause is a line of its own at INFO only (for log files); the
+        console gets one WARNING for them, "rolled back again at steps 7, 9, 11 (same cause: ...)", when another
+        cause or a halt comes, every :data:`REPEATS_PER_LINE` repeats, and at the fit's end
+        (:meth:`flush_repeats`).
 
         Args:
             loop: the loop.
@@ -147,4 +181,20 @@ class Ledger:
             str(events_file) if events_file else None,
             steps_lost,
         )
-        log.log(logging.ERROR if rec.action == "halt" else logging.WARNING, text)
+        told = (rec.action, cause_words(root))
+        if rec.action != "halt" and told == self._told:  # the same story again: said once, with the others
+            log.info("%s", text)
+            self._again.append(int(rec.step))
+            if len(self._again) >= REPEATS_PER_LINE:
+                self.flush_repeats(loop)
+            return
+        self.flush_repeats(loop)
+        self._told, self._told_root = told, root
+        log.log(logging.ERROR if rec.action == "halt" else logging.WARNING, "%s", text)
+
+    def flush_repeats(self, loop: Loop) -> None:
+        """The one WARNING line of the actions that repeated the last one told, if any (rank 0)."""
+        if not self._again or not loop.is_zero or self._told is None:
+            return
+        steps, self._again = self._again, []
+        log.warning("%s", repeat_message(self._told[0], steps, self._told_root))

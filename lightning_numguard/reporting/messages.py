@@ -7,14 +7,23 @@ sentence such as "the inputs were finite" appears only when that site was checke
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 from lightning_numguard.detect import registry
 from lightning_numguard.reporting.hints import KIND_HINTS, event_hint, fill_value_name
 
-__all__ = ["SENTENCES", "incident_message"]
+__all__ = [
+    "SENTENCES",
+    "action_message",
+    "cause_words",
+    "incident_message",
+    "positions_words",
+    "repeat_message",
+    "steps_words",
+]
 
 _SITE_WORDS = {"param": "parameters", "buffer": "buffers", "optimizer_state": "optimizer state"}
 
@@ -116,19 +125,37 @@ def _restored(step: int, snapshot_step: int | None, lost: int | None = None) -> 
     if snapshot_step is None:
         return ""
     if snapshot_step >= step:  # the state before this step was verified finite by its own check
-        return (
-            " to the state at the start of this step (weights, optimizer and buffers, verified finite): only this "
-            "batch's update is dropped, no earlier step is lost,"
-        )
+        return "back to the verified-finite state at the start of this step, so only this batch's update is dropped"
     span = step - snapshot_step
     steps = f"step {snapshot_step}" if span == 1 else f"steps {snapshot_step}-{step - 1}"
-    head = f" to the last verified-finite snapshot, taken at the start of step {snapshot_step}:"
+    head = f"back to the verified-finite snapshot of step {snapshot_step}:"
     if lost is None or lost >= span:
-        return f"{head} the updates of {steps} ({span} step{'s' if span != 1 else ''}) are lost,"
+        return f"{head} the updates of {steps} ({span} step{'s' if span != 1 else ''}) are lost"
     return (
         f"{head} {lost} update{'s' if lost != 1 else ''} made since {'is' if lost == 1 else 'are'} lost (of {steps}, "
-        f"the other {span - lost} were skipped or already undone by an earlier rollback),"
+        f"the other {span - lost} were skipped or already undone by an earlier rollback)"
     )
+
+
+def cause_words(root: Mapping[str, Any] | None, op: bool = True) -> str:
+    """The root cause of an action in a few words: its kind and place, and (``op``) the culprit op with its line
+    (``nonfinite_output in MyVAE (op `exp` at vae.py:26)``)."""
+    if not root:
+        return "non-finite values"
+    text = f"{root['kind']} in {', '.join(root['where'][:3]) or '-'}"
+    name, source = root.get("op"), root.get("source")
+    if op and name:
+        text += f" (op `{name}`" + (f" at {_short_source(str(source))}" if source else "") + ")"
+    return text
+
+
+def _short_source(source: str) -> str:
+    """``file.py:26`` of a ``/long/path/file.py:26``."""
+    path, sep, line = source.rpartition(":")
+    return f"{PurePath(path).name}{sep}{line}" if sep and line.isdigit() else PurePath(source).name
+
+
+_DONE = {"skip": "skipped the optimizer step", "rollback": "rolled back", "halt": "halted training"}
 
 
 def action_message(
@@ -156,17 +183,11 @@ def action_message(
         steps_lost: the updates the restore discarded (fewer than the steps since the snapshot when some of them
             were skipped or already undone by an earlier rollback); ``None``: all of them.
     """
-    cause = f"{root['kind']} in {', '.join(root['where'][:3]) or '-'}" if root else "non-finite values"
+    done = _DONE.get(action, f"took action {action!r}")
+    text = f"NumGuard {done} at step {step} because of {cause_words(root)}"
     restored = _restored(step, snapshot_step, steps_lost)
-    if action == "skip":
-        text = f"NumGuard skipped the optimizer step at step {step} because of {cause}"
-    elif action == "rollback":
-        text = f"NumGuard rolled back at step {step}{restored} because of {cause}"
-    elif action == "halt":
-        text = f"NumGuard halted training at step {step}" + (f", having gone back{restored}" if restored else "")
-        text += f" because of {cause}"
-    else:
-        text = f"NumGuard took action {action!r} at step {step} because of {cause}"
+    if restored:
+        text += f": {restored}"
     if action != configured:
         text += f"; escalated from {configured!r} to {action!r}" + (f": {escalation}" if escalation else "")
     if action == "rollback" and checkpoint:
@@ -180,6 +201,30 @@ def action_message(
         )
     text += f"; events: {events_file}" if events_file else "; events are in callback.events (no events.jsonl written)"
     return text + "."
+
+
+def steps_words(steps: Sequence[int], limit: int = 6) -> str:
+    """Steps as a reader counts them: runs of consecutive steps joined (``5-9, 12, 14``), at most ``limit`` runs
+    and then how many more steps."""
+    runs: list[list[int]] = []
+    for step in sorted(set(steps)):
+        if runs and step == runs[-1][-1] + 1:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    shown = [str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" if len(r) > 2 else f"{r[0]}, {r[1]}" for r in runs]
+    text = ", ".join(shown[:limit])
+    if len(runs) > limit:
+        text += f" and {sum(len(r) for r in runs[limit:])} more"
+    return text
+
+
+def repeat_message(action: str, steps: Sequence[int], root: Mapping[str, Any] | None) -> str:
+    """The one line of actions that repeated an earlier line's action for the same cause, at ``steps``."""
+    done = {"skip": "skipped", "rollback": "rolled back"}.get(action, _DONE.get(action, action))
+    times = f"{len(steps)} times, " if len(steps) > 1 else ""
+    where = f"step{'s' if len(steps) > 1 else ''} {steps_words(steps)}"
+    return f"NumGuard {done} again at {where} ({times}same cause: {cause_words(root, op=False)})."
 
 
 # --------------------------------------------------------------------------- one sentence per kind
@@ -208,17 +253,39 @@ class _Whole(str):
     """A sentence complete as it is: no hint is appended."""
 
 
+def positions_words(path: str, details: Mapping[str, Any]) -> str:
+    """Where in the batch, from an input event's details: ``first at batch['x'][3, 7] (sample 3 of 8 in the batch,
+    dataset index 27)``; ``""`` when the details hold no positions."""
+    positions = [p for p in details.get("positions") or [] if isinstance(p, list)]
+    samples = [int(i) for i in details.get("samples") or []]
+    if not positions:
+        return ""
+    text = "first at " + ", ".join(f"{path}[{', '.join(map(str, p))}]" for p in positions)
+    raw, total = details.get("bad_samples"), details.get("samples_in_batch")
+    bad = raw if isinstance(raw, int) else len(samples)
+    which = ", ".join(map(str, samples)) + (f" and {bad - len(samples)} more" if bad > len(samples) else "")
+    text += f" (sample{'s' if bad > 1 else ''} {which}"
+    text += f" of {total} in the batch" if isinstance(total, int) else " of the batch"
+    indices = details.get("sample_indices")
+    if indices:
+        text += f"; dataset ind{'ices' if len(indices) > 1 else 'ex'} {', '.join(map(str, indices))}"
+    return text + ")"
+
+
 def _input(s: _Say) -> str:
     text = f"non-finite value in {s.names} {s.at}"
     stats = s.details.get("stats") or {}
     if stats:
         text += f" ({stats.get('nan', 0)} NaN, {stats.get('posinf', 0)} +Inf, {stats.get('neginf', 0)} -Inf)"
-    return text
+    where = positions_words(s.first, s.details)
+    return f"{text}, {where}" if where else text
 
 
 def _suspicious(s: _Say) -> str:
     value = s.details.get("max_abs")
     text = f"suspiciously large finite value {value:.6g} in {s.names} {s.at}" if value else f"huge value in {s.names}"
+    where = positions_words(s.first, s.details)
+    text += f", {where}" if where else ""
     return _Whole(f"{text}: {s.hint}") if fill_value_name(value) else text
 
 

@@ -19,10 +19,11 @@ reports.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from lightning_numguard.engine.loop import Loop
-from lightning_numguard.reporting.summary import FitSummary, rich_table, summarize, summary_text
+from lightning_numguard.reporting.summary import FitSummary, rich_table, summarize, summary_text, where_lines
 
 __all__ = ["PROGRESS_BAR_KEYS", "FitProgress"]
 
@@ -55,15 +56,19 @@ class FitProgress:
         counters: dict[str, int],
         events_path: Any,
         ended: str = "finished",
+        resumed_from: str | None = None,
     ) -> FitSummary | None:
-        """The end-of-fit summary once per fit (global rank 0): logged, or printed as a table under a Rich bar."""
+        """The end-of-fit summary once per fit (global rank 0): logged, or printed as a table under a Rich bar
+        (``resumed_from``: the ``events.jsonl`` of the run this one resumed from, named after this run's)."""
         if self.reported:
             return None
         self.reported = True
         if not loop.is_zero:
             return None
         path = str(events_path) if events_path is not None and events_path.exists() else None
-        summary = summarize(events, counters, self.steps_lost_to_rollbacks, loop.step, path, ended)
+        found = resumed_from is not None and Path(resumed_from).exists()
+        lost = self.steps_lost_to_rollbacks
+        summary = summarize(events, counters, lost, loop.step, path, ended, resumed_from, found)
         table = summary.eventful and loop.rich_console
         level = logging.WARNING if summary.eventful and not table else logging.INFO  # the table shows it already
         log.log(level, "%s", summary_text(summary))
@@ -71,6 +76,6 @@ class FitProgress:
             from rich import get_console  # RichProgressBar draws on Rich's global console (reconfigured by it)
 
             # one print (one redraw of a live bar); soft_wrap: the path is never folded mid-word at the console's width
-            where = [f"events: {summary.events_path}"] if summary.events_path else []
+            where = where_lines(summary) if summary.events_path or summary.resumed_from else []
             get_console().print(rich_table(summary), *where, sep="\n", soft_wrap=True, markup=False, highlight=False)
         return summary

@@ -147,18 +147,26 @@ class Reporter:
         self._written = (step, (tags if step == last_step else set()) | set(scalars))
 
     def say_once(self, loop: Loop, key: str, message: str) -> None:
-        """A condition that is not an incident (a collapsing fp16 loss scale): a log line and one warning per fit."""
+        """A condition that is not an incident (a collapsing fp16 loss scale): said once per fit, on rank 0: a warning
+        (``emit_warnings``, with an INFO line for log files), else a WARNING log line; never both on the console."""
         if key in self._said:
             return
         self._said.add(key)
-        log.warning("numguard: %s", message)
         if self.warn and loop.is_zero:
+            log.info("numguard: %s", message)
             warn_at_user_code(f"NumGuard: {message}")
+        else:
+            log.log(logging.WARNING if loop.is_zero else logging.INFO, "numguard: %s", message)
 
     def close(self) -> None:
         """Flush and close the event file."""
         if self.writer is not None:
             self.writer.close()
+
+    @property
+    def events_file(self) -> Path | None:
+        """Where this run's ``events.jsonl`` goes (written or not yet), else ``None`` (no file in this run)."""
+        return self.writer.path if self.writer is not None else None
 
     @property
     def events_path(self) -> Path | None:

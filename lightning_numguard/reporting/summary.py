@@ -8,11 +8,17 @@ Lightning's ``RichProgressBar``. The callback glue that picks the place is
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FitSummary", "KindSummary", "rich_table", "summarize", "summary_text"]
+from lightning_numguard.reporting.events import counts_as_incident
+from lightning_numguard.reporting.messages import steps_words
+
+__all__ = ["CauseSummary", "FitSummary", "KindSummary", "rich_table", "summarize", "summary_text", "where_lines"]
+
+_CULPRIT_WIDTH = 48  # a root cause's place, cut beyond this in the text's rows
 
 
 @dataclass(frozen=True)
@@ -26,11 +32,34 @@ class KindSummary:
 
 
 @dataclass(frozen=True)
+class CauseSummary:
+    """The root-cause events of one kind at one place (and op): each is one incident, or one warning that is none
+    (``incident=False``: an optimizer coverage problem, an overflow risk, a batch field declared a convention)."""
+
+    kind: str
+    where: str
+    op: str | None
+    count: int
+    steps: tuple[int, ...]
+    incident: bool = True
+
+    @property
+    def label(self) -> str:
+        """``nonfinite_output in MyVAE (op exp)``."""
+        where = self.where if len(self.where) <= _CULPRIT_WIDTH else self.where[: _CULPRIT_WIDTH - 3] + "..."
+        text = f"{self.kind} in {where}" if where else self.kind
+        return text + (f" (op {self.op})" if self.op else "")
+
+
+@dataclass(frozen=True)
 class FitSummary:
     """What the guard saw and did in one fit.
 
-    ``kinds`` are in the order their first event happened, so the first row holds the root cause.
-    The counters are the callback's (they carry over a resume); the kinds are this fit's events.
+    ``causes`` are the root causes in the order they first happened (each incident is counted once, at its root
+    cause); ``consequences`` the events that followed from them, per kind (the same incidents: never counted);
+    ``kinds`` every event per kind. The counters are the guard's (they carry over a resume); the causes, kinds and
+    ``halts`` / ``repairs`` are this fit's events. ``resumed_from``: the ``events.jsonl`` of the run this one
+    resumed from, when the checkpoint named one that exists.
     """
 
     kinds: tuple[KindSummary, ...]
@@ -43,6 +72,14 @@ class FitSummary:
     events_path: str | None
     ended: str = "finished"
     spikes: int = 0
+    causes: tuple[CauseSummary, ...] = ()
+    consequences: tuple[tuple[str, int], ...] = ()
+    halts: int = 0
+    repairs: int = 0
+    incidents_this_fit: int | None = None
+    resumed_from: str | None = None
+    resumed_found: bool = True
+    rollbacks_this_fit: int | None = None
 
     @property
     def eventful(self) -> bool:
@@ -57,6 +94,8 @@ def summarize(
     steps: int,
     events_path: str | None,
     ended: str = "finished",
+    resumed_from: str | None = None,
+    resumed_found: bool = True,
 ) -> FitSummary:
     """Fold a fit's ``events`` (in the order recorded) and the guard's ``counters`` into a :class:`FitSummary`.
 
@@ -68,24 +107,14 @@ def summarize(
         steps: the global step at the end of the fit.
         events_path: where ``events.jsonl`` is, or ``None`` when nothing was written.
         ended: how the fit ended (``"finished"``, or the name of the exception that stopped it).
+        resumed_from: the ``events.jsonl`` of the run this fit resumed from (``None``: none, or not resumed).
+        resumed_found: whether that file is there (a checkpoint moved to another machine names a path it lacks).
     """
-    order: list[str] = []
-    count: dict[str, int] = {}
-    first: dict[str, tuple[int, str]] = {}
-    named_by_root: set[str] = set()  # kinds whose first culprit comes from a root cause, not a consequence
-    for event in events:
-        kind = str(event.get("kind", "?"))
-        root = event.get("root_cause", True) is not False
-        if kind not in count:
-            order.append(kind)
-        if kind not in first or (root and kind not in named_by_root):
-            where = event.get("where") or []
-            first[kind] = (int(event.get("step", -1)), str(where[0]) if where else "")
-            if root:
-                named_by_root.add(kind)
-        count[kind] = count.get(kind, 0) + 1
+    halted = {int(e.get("step", -1)) for e in events if e.get("action") == "halt"}
+    repaired = {int(e.get("step", -1)) for e in events if _at_end(e) and e.get("action") == "rollback"}
+    rolled = {int(e.get("step", -1)) for e in events if not _at_end(e) and e.get("action") == "rollback"}
     return FitSummary(
-        kinds=tuple(KindSummary(k, count[k], *first[k]) for k in order),
+        kinds=_kinds(events),
         incidents=int(counters.get("incidents", 0)),
         skipped_steps=int(counters.get("skipped_steps", 0)),
         rollbacks=int(counters.get("rollbacks", 0)),
@@ -95,41 +124,143 @@ def summarize(
         events_path=events_path,
         ended=ended,
         spikes=int(counters.get("spikes", 0)),
+        causes=_causes(events),
+        consequences=tuple(Counter(str(e.get("kind", "?")) for e in events if _consequence(e)).items()),
+        halts=len(halted),
+        repairs=len(repaired),
+        incidents_this_fit=sum(1 for e in events if counts_as_incident(e)),
+        resumed_from=resumed_from,
+        resumed_found=resumed_found,
+        rollbacks_this_fit=len(rolled),
     )
+
+
+def _consequence(event: Mapping[str, Any]) -> bool:
+    return event.get("root_cause", True) is False
+
+
+def _at_end(event: Mapping[str, Any]) -> bool:
+    details = event.get("details")
+    return isinstance(details, Mapping) and details.get("when") == "end of training"
+
+
+def _kinds(events: Sequence[Mapping[str, Any]]) -> tuple[KindSummary, ...]:
+    """Every event per kind, in the order of each kind's first event, named by its first root cause."""
+    order: list[str] = []
+    count: dict[str, int] = {}
+    first: dict[str, tuple[int, str]] = {}
+    named_by_root: set[str] = set()  # kinds whose first culprit comes from a root cause, not a consequence
+    for event in events:
+        kind = str(event.get("kind", "?"))
+        root = not _consequence(event)
+        if kind not in count:
+            order.append(kind)
+        if kind not in first or (root and kind not in named_by_root):
+            where = event.get("where") or []
+            first[kind] = (int(event.get("step", -1)), str(where[0]) if where else "")
+            if root:
+                named_by_root.add(kind)
+        count[kind] = count.get(kind, 0) + 1
+    return tuple(KindSummary(k, count[k], *first[k]) for k in order)
+
+
+def _causes(events: Sequence[Mapping[str, Any]]) -> tuple[CauseSummary, ...]:
+    """The root-cause events by kind, place and op, in the order each first happened."""
+    found: dict[tuple[str, str, str | None, bool], list[int]] = {}
+    for event in events:
+        if _consequence(event):
+            continue
+        where = event.get("where") or []
+        op = event.get("op")
+        key = (str(event.get("kind", "?")), str(where[0]) if where else "", op if isinstance(op, str) else None,
+               counts_as_incident(event))  # fmt: skip
+        found.setdefault(key, []).append(int(event.get("step", -1)))
+    return tuple(CauseSummary(k, w, op, len(s), tuple(s), incident) for (k, w, op, incident), s in found.items())
 
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def _totals(s: FitSummary) -> str:
-    parts = [_plural(s.skipped_steps, "step") + " skipped", _plural(s.rollbacks, "rollback")]
-    if s.rollbacks and s.steps_lost_to_rollbacks:
-        parts[-1] += f" ({_plural(s.steps_lost_to_rollbacks, 'step')} lost to rollbacks)"
-    elif s.rollbacks:  # every rollback went back to the start of its own bad step
-        to = "each to the start of its" if s.rollbacks > 1 else "to the start of the"
-        parts[-1] += f" ({to} bad step: no earlier step lost)"
-    if s.spikes:
-        parts.append(_plural(s.spikes, "loss or gradient-norm spike"))
+def _and(parts: Sequence[str]) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _handled(s: FitSummary) -> str:
+    """How the incidents were handled: each step acted on once (a rollback also drops its step's update: it is
+    not a skip besides)."""
+    rollbacks = max(0, s.rollbacks - s.repairs)
+    skips = max(0, s.skipped_steps - rollbacks - s.halts)
+    parts = [_plural(skips, "skipped step")] if skips else []
+    lost = s.steps_lost_to_rollbacks  # this fit's: said only when every rollback counted is this fit's
+    if rollbacks and (lost or s.rollbacks_this_fit == rollbacks):
+        if lost:
+            note = f"{_plural(lost, 'step')} lost"
+        else:  # every rollback went back to the start of its own bad step
+            note = ("each " if rollbacks > 1 else "") + "to the start of its bad step: no earlier step lost"
+        parts.append(f"{_plural(rollbacks, 'rollback')} ({note})")
+    elif rollbacks:
+        parts.append(_plural(rollbacks, "rollback"))
+    if s.halts:
+        parts.append(_plural(s.halts, "halt"))
+    if s.repairs:
+        parts.append(f"{_plural(s.repairs, 'repair')} of the last update at the end of training")
+    if not parts:
+        return "recorded only: no step was skipped or rolled back" if s.incidents else ""
+    return "handled by " + _and(parts)
+
+
+def _others(s: FitSummary) -> list[str]:
+    """What is no incident: spikes counted apart, the GradScaler's own overflow steps."""
+    parts = [_plural(s.spikes, "loss or gradient-norm spike")] if s.spikes else []
     if s.amp_overflow_steps:
         parts.append(_plural(s.amp_overflow_steps, "AMP overflow step") + " (the GradScaler's, not incidents)")
-    return ", ".join(parts)
+    return parts
+
+
+def _totals(s: FitSummary) -> str:
+    """The counts after the head: how the incidents were handled, spikes and AMP overflow steps."""
+    handled = _handled(s)
+    return "; ".join(([handled] if handled else []) + _others(s))
+
+
+def where_lines(s: FitSummary) -> list[str]:
+    """Where the events are: this run's file, and the one of the run it resumed from."""
+    lines = [f"events: {s.events_path}" if s.events_path else "no events written in this run"]
+    if s.resumed_from and s.resumed_from != s.events_path:
+        missing = "" if s.resumed_found else " (not found here)"
+        lines.append(f"events of the run this one resumed from: {s.resumed_from}{missing}")
+    return lines
 
 
 def summary_text(s: FitSummary) -> str:
     """The summary as a few lines of plain text (the first line stands on its own)."""
     ended = "" if s.ended == "finished" else f" (the fit ended with {s.ended})"
-    where = f"events: {s.events_path}" if s.events_path else "no events written"
     if not s.eventful:
+        others = _others(s)
         head = f"NumGuard: no incidents in {_plural(s.steps, 'step')}{ended}"
-        return head + (f"; {_totals(s)}." if s.amp_overflow_steps else ".") + f" {where}"
-    lines = [f"NumGuard: {_plural(s.incidents, 'incident')} in {_plural(s.steps, 'step')}{ended}; {_totals(s)}."]
-    width = max((len(k.kind) for k in s.kinds), default=0)
-    for k in s.kinds:
-        culprit = f": {k.first_culprit}" if k.first_culprit else ""
-        lines.append(f"  {k.kind:<{width}}  x{k.count:<3} first at step {k.first_step}{culprit}")
-    lines.append(f"  {where}")
+        return head + (f"; {'; '.join(others)}." if others else ".") + " " + "; ".join(where_lines(s))
+    earlier = s.incidents - (s.incidents_this_fit if s.incidents_this_fit is not None else s.incidents)
+    before = f" ({earlier} of them before the resume)" if 0 < earlier < s.incidents else ""
+    if earlier > 0 and earlier >= s.incidents:
+        before = " (before the resume)" if s.incidents == 1 else " (all before the resume)"
+    head = f"NumGuard: {_plural(s.incidents, 'incident')}{before} in {_plural(s.steps, 'step')}{ended}"
+    handled = _handled(s)
+    head += f", {handled}" if handled else ""
+    lines = [head + "".join(f"; {other}" for other in _others(s)) + "."]
+    width = max((len(c.label) for c in s.causes), default=0)
+    for c in s.causes:
+        note = "" if c.incident else "  (a warning, not an incident)"
+        lines.append(f"  {c.label:<{width}}  x{c.count:<3} {_steps(c.steps)}{note}")
+    if s.consequences:
+        listed = ", ".join(f"{kind} x{n}" for kind, n in s.consequences)
+        lines.append(f"  consequences (the same incidents, not counted): {listed}")
+    lines.extend(f"  {line}" for line in where_lines(s))
     return "\n".join(lines)
+
+
+def _steps(steps: Sequence[int]) -> str:
+    return f"step{'s' if len(set(steps)) > 1 else ''} {steps_words(steps)}"
 
 
 def rich_table(s: FitSummary) -> Any:
@@ -140,13 +271,16 @@ def rich_table(s: FitSummary) -> Any:
     """
     from rich.table import Table
 
-    table = Table(title="NumGuard", caption=_totals(s))
-    table.add_column("kind")
+    caption = _totals(s)
+    if s.consequences:
+        caption += ("; " if caption else "") + "consequences, not counted: "
+        caption += ", ".join(f"{kind} x{n}" for kind, n in s.consequences)
+    table = Table(title="NumGuard", caption=caption or None)
+    table.add_column("root cause")
     table.add_column("count", justify="right")
-    table.add_column("first at step", justify="right")
-    table.add_column("first culprit")
-    for k in s.kinds:
-        table.add_row(k.kind, str(k.count), str(k.first_step), k.first_culprit)
-    if not s.kinds:
-        table.add_row("no incidents", "0", "", "")
+    table.add_column("steps")
+    for c in s.causes:
+        table.add_row(c.label + ("" if c.incident else " (warning)"), str(c.count), steps_words(c.steps))
+    if not s.causes:
+        table.add_row("no incidents", "0", "")
     return table

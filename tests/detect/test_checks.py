@@ -195,3 +195,42 @@ def test_total_plan_groups_tensors_by_device_and_dtype_in_plan_order():
     grouped = plan.grouped(fresh)
     assert [[t is f for t in g for f in fresh].count(True) for g in grouped] == [3, 1]
     assert grouped[0] == [fresh[2], fresh[0], fresh[3]] and grouped[1] == [fresh[1]]  # large first, then small
+
+
+# ----------------------------------------------------------------------------- where in a batch tensor (issue 35)
+
+
+def test_bad_positions_name_the_first_elements_and_samples():
+    x = torch.zeros(8, 8)
+    x[3, 7], x[5, 2], x[5, 4] = float("nan"), float("inf"), -float("inf")
+    found = checks.bad_positions(x)
+    assert found == {"positions": [[3, 7], [5, 2], [5, 4]], "samples": [3, 5], "bad_samples": 2, "samples_in_batch": 8}
+    assert checks.bad_positions(x, limit=1)["positions"] == [[3, 7]]
+
+
+def test_bad_positions_of_large_values_leave_masks_and_infinities_out():
+    x = torch.zeros(4, 2, 3)
+    x[1, 0, 2] = 1e20
+    x[2, 1, 1] = torch.finfo(torch.float32).min  # an additive mask's fill: not a bad value
+    x[3, 0, 0] = float("inf")  # non-finite: the other check's
+    assert checks.bad_positions(x, at_least=1e18) == {
+        "positions": [[1, 0, 2]],
+        "samples": [1],
+        "bad_samples": 1,
+        "samples_in_batch": 4,
+    }
+
+
+def test_bad_positions_count_every_bad_sample_and_keep_the_first_few():
+    x = torch.zeros(10, 5)
+    x[:, 1] = float("nan")
+    found = checks.bad_positions(x)
+    assert found["samples"] == [0, 1, 2] and found["bad_samples"] == 10
+    assert found["positions"] == [[0, 1], [1, 1], [2, 1]]
+
+
+@pytest.mark.parametrize(
+    "tensor", [torch.tensor(float("nan")), torch.zeros(3, dtype=torch.int64), torch.zeros(0, 4), torch.ones(4, 4)]
+)
+def test_bad_positions_of_what_has_none_is_empty(tensor):
+    assert checks.bad_positions(tensor) == {}

@@ -102,7 +102,7 @@ def test_a_fully_masked_row_names_the_module_that_ran_the_softmax(tmp_path):
     assert KIND_HINTS["nonfinite_output"] not in message  # not the zero-std / sqrt-of-0 advice
     summary = summarize(guard.events, guard.counters, 0, 6, None)
     text = summary_text(summary)
-    assert "nonfinite_output  x1   first at step 3: blocks.0.attn\n" in text
+    assert "  nonfinite_output in blocks.0.attn (op softmax)  x1   step 3\n" in text
     console = Console(file=io.StringIO(), width=200)
     console.print(rich_table(summary))
     rendered = console.file.getvalue()

@@ -1,8 +1,8 @@
 """The counters as a TensorBoard series on Lightning's own logging steps, read back from real event files.
 
 Lightning writes its metrics when ``(step + 1) % log_every_n_steps == 0`` (steps 2, 5 for 3); the guard's
-points are on the same steps, through the same ``log_metrics`` call, so they line up with the loss curve. A
-clean run shows that the guard is on (a flat line at 0); an incident run shows each counter that moved rising
+points are on the same steps and step numbers, in a ``log_metrics`` call of their own, so they line up with the
+loss curve. A clean run shows that the guard is on (a flat line at 0); an incident run shows each counter that moved rising
 at the step it happened, as well as on the series' steps.
 """
 

@@ -427,7 +427,7 @@ def test_report_of_hand_written_events(events_file: Path) -> None:
     assert "First culprit: nonfinite_input at batch['image']" in lines
     assert "  step 12, epoch 1, batch 2, rank 1; action: rollback" in lines
     assert "  message: nonfinite_input in `batch['image']` at step 12 on rank 1" in lines
-    actions = "Actions taken: warn 1, skip 1, rollback 1, halt 1 (per step; 3 step(s) skipped)"  # one per step
+    actions = "Actions taken: warn 1, skip 1, rollback 1, halt 1 (one per step; 3 step update(s) dropped in all)"  # one per step
     assert actions in lines
 
     start = lines.index("Timeline (in recorded order; '>' marks the first culprit)")
@@ -445,8 +445,8 @@ def test_report_of_hand_written_events(events_file: Path) -> None:
     assert "        details: max_abs=inf, count=3" in lines
     assert "        replay:  module model_a.body.3, op SqrtBackward0" in lines
     assert "        time:    2025-11-30T10:53:20+00:00" in lines
-    # One hint per kind present.
-    hints = lines[lines.index("Hints") + 1 :]
+    # One hint per root cause (every hand-written event is one).
+    hints = lines[lines.index("Hints (one per root cause; consequences follow from it)") + 1 :]
     assert [line.split()[0] for line in hints if not line.startswith("    ")] == [
         "nonfinite_loss",
         "nonfinite_input",
@@ -455,6 +455,44 @@ def test_report_of_hand_written_events(events_file: Path) -> None:
         "nonfinite_grad",
         "nonfinite_param",
     ]
+
+
+def test_hints_are_the_root_causes_own_and_repeated_steps_are_one_line(tmp_path: Path) -> None:
+    """Before: a generic hint for every kind present, consequences included ("compute the loss in its numerically
+    stable form" after an exp overflow), and every rolled-back step's events printed again in full."""
+    replay = {"op": "exp", "forward_module": "dec.net.0", "stage": "forward", "max_in": 1611.3, "dtype": "float32",
+              "made": "inf", "forward_op": "exp"}  # fmt: skip
+    after = "nonfinite_output in `MyVAE`"
+    consequence = {"action": "rollback", "root_cause": False, "consequence_of": "nonfinite_output"}
+    events = []
+    for step in (5, 6, 7):
+        events += [
+            _event(
+                "nonfinite_output",
+                step,
+                "MyVAE",
+                details={"own_code": True, "replay": replay},
+                module="MyVAE",
+                op="exp",
+            ),
+            _event("nonfinite_loss", step, "loss", details={"values": ["nan"], "after": after}, **consequence),
+            _event("nonfinite_grad", step, "enc.weight", details={"after": after}, **consequence),
+        ]
+    report = format_report(events, tmp_path / "events.jsonl")
+    lines = report.splitlines()
+    hints = lines[lines.index("Hints (one per root cause; consequences follow from it)") + 1 :]
+    assert hints[0].startswith("  nonfinite_output in MyVAE (3): the exponent reached 1611.3; exp overflows float32"), (
+        hints
+    )
+    assert KIND_HINTS["nonfinite_loss"] not in report.replace("\n    ", " ")  # no hint for a consequence
+    assert not any(line.startswith("  nonfinite_loss") for line in hints)
+    # steps 6 and 7 repeated step 5's events exactly: one line
+    assert "    ... steps 6, 7: the same 3 events as step 5, action rollback" in lines
+    assert len([line for line in lines if re.match(r"^  [> ] \d", line)]) == 3
+    # a consequence is one line saying what it followed; the replay's two modules are told apart
+    assert '        consequence of nonfinite_output in `MyVAE` (not counted); values=["nan"]' in lines
+    assert "first module output holding it: dec.net.0 (which only received it from MyVAE)" in report
+    assert "  module: MyVAE (the module that ran the op)" in lines
 
 
 def test_culprit_with_a_replayed_op_gets_the_op_hint(tmp_path: Path) -> None:

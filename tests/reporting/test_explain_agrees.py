@@ -115,9 +115,14 @@ def test_explain_counts_equal_the_summary_counts(tmp_path: Path, scenario: str) 
 
     text = summary_text(summarize(guard.events, counters, 0, 6, None))
     n_skipped = counters["skipped_steps"]
-    assert f"{n_skipped} step{'s' if n_skipped != 1 else ''} skipped" in text
+    head = text.splitlines()[0]
+    acts = explained["actions"]  # one action per incident step, in the summary's words and explain's counts
+    for action, words in (("skip", "skipped step"), ("rollback", "rollback"), ("halt", "halt")):
+        n = acts[action]
+        assert (f" {n} {words}{'s' if n != 1 else ''}" in head) == bool(n), (action, head)
+    assert "steps skipped" not in head and "step skipped" not in head  # a rollback is not a skip besides
     assert f"rollback {counters['rollbacks']}," in result.text
-    assert f"; {n_skipped} step(s) skipped)" in result.text
+    assert f"; {n_skipped} step update(s) dropped in all)" in result.text
     # the header counts the steps with an incident only
     incident_steps = {e["step"] for e in guard.events if e["kind"] != "optimizer_coverage"}
     assert f"in {len(incident_steps)} step(s)" in result.text

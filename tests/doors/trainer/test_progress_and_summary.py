@@ -99,14 +99,13 @@ def test_summary_logged_as_a_warning_after_incidents(tmp_path: Path, caplog: pyt
     (record,) = [r for r in caplog.records if r.getMessage().startswith("NumGuard: ")]
     assert record.levelno == logging.WARNING and record.name.startswith("lightning_numguard")
     text = record.getMessage()
-    assert (
-        text.splitlines()[0]
-        == "NumGuard: 1 incident in 6 steps; 1 step skipped, 1 rollback (1 step lost to rollbacks)."
-    )
-    # one root cause (incidents count root causes); its consequences are listed by kind, each with its first culprit
+    # one incident, handled by one action: a rollback drops its step's update, it is not a skip besides
+    assert text.splitlines()[0] == "NumGuard: 1 incident in 6 steps, handled by 1 rollback (1 step lost)."
+    # one root cause (incidents count root causes); its consequences are counted apart, by kind
     assert text.splitlines()[1:3] == [
-        "  nonfinite_param   x2   first at step 3: body.0.weight",
-        "  nonfinite_output  x1   first at step 3: body.0",
+        "  nonfinite_param in body.0.weight  x1   step 3",
+        "  consequences (the same incidents, not counted): nonfinite_output x1, nonfinite_loss x1, nonfinite_grad x1, "
+        "nonfinite_param x1",
     ]
     assert f"events: {tmp_path / 'ng' / 'events.jsonl'}" in text
 
@@ -116,7 +115,7 @@ def test_summary_of_a_clean_run_is_info(tmp_path: Path, caplog: pytest.LogCaptur
         _fit(tmp_path, None, site=None)
     (record,) = [r for r in caplog.records if r.getMessage().startswith("NumGuard: ")]
     assert record.levelno == logging.INFO
-    assert record.getMessage() == "NumGuard: no incidents in 6 steps. no events written"
+    assert record.getMessage() == "NumGuard: no incidents in 6 steps. no events written in this run"
 
 
 def test_summary_when_halt_raises(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -129,7 +128,7 @@ def test_summary_when_halt_raises(tmp_path: Path, caplog: pytest.LogCaptureFixtu
 def test_summary_table_under_the_rich_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _fit(tmp_path, RichProgressBar())
     out = capsys.readouterr().out
-    assert "NumGuard" in out and "nonfinite_loss" in out and "first culprit" in out
+    assert "NumGuard" in out and "nonfinite_loss in loss" in out and "root cause" in out
 
 
 # ----------------------------------------------------------------------------- the pure summary
@@ -150,16 +149,16 @@ SUMMARY_TABLE = [
         [],
         {"amp_overflow_steps": 2},
         0,
-        "NumGuard: no incidents in 10 steps; 0 steps skipped, 0 rollbacks, 2 AMP overflow steps (the GradScaler's, "
-        "not incidents). events: /r/events.jsonl",
+        "NumGuard: no incidents in 10 steps; 2 AMP overflow steps (the GradScaler's, not incidents). "
+        "events: /r/events.jsonl",
     ),
     (
         [_event("nonfinite_input", 3, ["batch['x']"]), _event("nonfinite_loss", 3, ["loss"])],
         {"incidents": 2, "skipped_steps": 1},
         0,
-        "NumGuard: 2 incidents in 10 steps; 1 step skipped, 0 rollbacks.\n"
-        "  nonfinite_input  x1   first at step 3: batch['x']\n"
-        "  nonfinite_loss   x1   first at step 3: loss\n"
+        "NumGuard: 2 incidents in 10 steps, handled by 1 skipped step.\n"
+        "  nonfinite_input in batch['x']  x1   step 3\n"
+        "  nonfinite_loss in loss         x1   step 3\n"
         "  events: /r/events.jsonl",
     ),
     (
@@ -170,9 +169,10 @@ SUMMARY_TABLE = [
         ],
         {"incidents": 2, "skipped_steps": 2, "rollbacks": 2},
         5,
-        "NumGuard: 2 incidents in 10 steps; 2 steps skipped, 2 rollbacks (5 steps lost to rollbacks).\n"
-        "  nonfinite_output    x2   first at step 4: body.1\n"
-        "  optimizer_coverage  x1   first at step 0\n"
+        "NumGuard: 2 incidents in 10 steps, handled by 2 rollbacks (5 steps lost).\n"
+        "  nonfinite_output in body.1  x1   step 4\n"
+        "  optimizer_coverage          x1   step 0  (a warning, not an incident)\n"
+        "  nonfinite_output in x       x1   step 7\n"
         "  events: /r/events.jsonl",
     ),
 ]
@@ -186,7 +186,7 @@ def test_summary_text_table(events: list[dict[str, Any]], counters: dict[str, in
 def test_summary_kinds_in_order_of_first_appearance() -> None:
     s = summarize([_event("b", 5, ["q"]), _event("a", 6, []), _event("b", 9, ["z"])], {"incidents": 3}, 0, 9, None)
     assert [(k.kind, k.count, k.first_step, k.first_culprit) for k in s.kinds] == [("b", 2, 5, "q"), ("a", 1, 6, "")]
-    assert s.eventful and summary_text(s).endswith("  no events written")
+    assert s.eventful and summary_text(s).endswith("  no events written in this run")
 
 
 def test_rich_table_renders_every_kind() -> None:
@@ -194,7 +194,7 @@ def test_rich_table_renders_every_kind() -> None:
     console = Console(record=True, width=100)
     console.print(rich_table(s))
     text = console.export_text()
-    assert "nonfinite_grad" in text and "head.weight" in text and "1 step lost to rollbacks" in text
+    assert "nonfinite_grad in head.weight" in text and "1 rollback (1 step lost)" in text
 
 
 def test_warnings_are_unchanged_by_the_summary(tmp_path: Path) -> None:
@@ -244,7 +244,7 @@ def test_the_summary_is_shown_once_under_the_rich_bar_with_its_path_whole(
     with caplog.at_level(logging.INFO, logger="lightning_numguard"):
         guard, _, _ = _fit(tmp_path, RichProgressBar(), dirpath_override=str(deep))
     out = capsys.readouterr().out
-    assert out.count("first culprit") == 1  # the table, once
+    assert out.count("root cause") == 1  # the table, once
     summaries = [r for r in caplog.records if r.getMessage().startswith("NumGuard: ")]
     assert [r.levelno for r in summaries] == [logging.INFO]  # the text is not shown a second time by default
     path = str(guard.resolved_dirpath / "events.jsonl")
@@ -266,4 +266,24 @@ def test_the_summary_names_a_kind_by_its_first_root_cause_not_a_consequence():
     param, loss = s.kinds
     assert (param.count, param.first_step, param.first_culprit) == (2, 5, "fc.weight")
     assert (loss.first_step, loss.first_culprit) == (5, "loss")  # only consequences: the first of them
-    assert "first at step 5: fc.weight" in summary_text(s)
+    text = summary_text(s)
+    assert "  nonfinite_param in fc.weight  x1   step 5\n" in text and "checkpoint" not in text
+    assert "consequences (the same incidents, not counted): nonfinite_param x1, nonfinite_loss x1" in text
+
+
+def test_the_summary_of_a_resumed_run_says_which_incidents_came_before_and_where_they_are() -> None:
+    events = [{"kind": "nonfinite_loss", "step": 12, "where": ["loss"], "action": "skip"}]
+    s = summarize(
+        events, {"incidents": 3, "skipped_steps": 3}, 0, 20, "/b/events.jsonl", resumed_from="/a/events.jsonl"
+    )
+    lines = summary_text(s).splitlines()
+    assert lines[0] == "NumGuard: 3 incidents (2 of them before the resume) in 20 steps, handled by 3 skipped steps."
+    assert lines[-2:] == ["  events: /b/events.jsonl", "  events of the run this one resumed from: /a/events.jsonl"]
+    moved = summarize(
+        [], {"incidents": 1, "skipped_steps": 1}, 0, 20, None, resumed_from="/a/e.jsonl", resumed_found=False
+    )
+    assert summary_text(moved).splitlines() == [
+        "NumGuard: 1 incident (before the resume) in 20 steps, handled by 1 skipped step.",
+        "  no events written in this run",
+        "  events of the run this one resumed from: /a/e.jsonl (not found here)",
+    ]

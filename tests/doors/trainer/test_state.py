@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import pickle
 import re
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from lightning_numguard import NumGuardCallback
-from lightning_numguard.errors import NumGuardWarning
+from lightning_numguard.errors import NumGuardError, NumGuardWarning
 from tests.helpers import FaultData, FaultModel, all_finite, loader, trainer
 
 INPUT_AT_3 = r"^NumGuard: non-finite value in `batch\['x'\]` at step 3 on rank 0"
@@ -198,3 +199,35 @@ def test_last_finite_ckpt_resumes_with_fit(faulted: SimpleNamespace, tmp_path: P
     assert tr.global_step == start + 2
     assert all_finite(model.state_dict())
     assert cb.counters["rollbacks"] == faulted.cb.counters["rollbacks"], "callback state came along"
+
+
+# ----------------------------------------------------------------------------- the events of the run resumed from
+
+
+def test_a_resumed_runs_summary_points_at_the_events_of_the_run_it_resumed_from(
+    faulted: SimpleNamespace, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: "1 incident in 8 steps ... no events written", with no word of where that incident is told."""
+    first = faulted.cb.resolved_dirpath / "events.jsonl"
+    assert first.exists() and faulted.cb.state_dict()["events_files"] == [str(first)]
+    guard = NumGuardCallback(**SETTINGS, dirpath=str(tmp_path / "ng"))
+    with caplog.at_level(logging.INFO, logger="lightning_numguard"):
+        trainer(tmp_path, [guard], max_steps=8).fit(
+            FaultModel(site="input"), loader(FaultData(bad_batch=3, site="input")), ckpt_path=str(faulted.last)
+        )
+    assert guard.events == [] and guard.counters["incidents"] == faulted.cb.counters["incidents"]
+    (summary,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("NumGuard: ")]
+    incidents = guard.counters["incidents"]
+    before = "(before the resume)" if incidents == 1 else "(all before the resume)"
+    assert summary.startswith(f"NumGuard: {incidents} incident{'s' if incidents > 1 else ''} {before} in 8 steps")
+    assert summary.splitlines()[-2:] == [
+        "  no events written in this run",
+        f"  events of the run this one resumed from: {first}",
+    ], summary
+    # the chain goes on: a run resumed from this one's checkpoints knows both files
+    assert guard.state_dict()["events_files"] == [str(first), str(tmp_path / "ng" / "events.jsonl")]
+
+
+def test_events_files_that_are_no_list_of_paths_are_malformed() -> None:
+    with pytest.raises(NumGuardError, match="malformed at 'events_files'"):
+        NumGuardCallback().load_state_dict({"events_files": "a/events.jsonl"})
