@@ -208,7 +208,7 @@ class GuardConfig(Declared):
     )
     recovery: RecoveryConfig = argument(
         doc="how a bad step is recovered beyond ``action`` (``halt_raises``, ``retry_transient``, ``quarantine``, "
-        "``replay``)",
+        "``replay``, ``max_bad_steps``, ``max_device_faults``, ``restore_callbacks``)",
         check=_group(RecoveryConfig),
         factory=RecoveryConfig,
     )

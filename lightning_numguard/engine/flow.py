@@ -38,10 +38,11 @@ def read_schedule(pipeline: StepPipeline) -> ReadSchedule:
 class StepFlow:
     """The parts of one fit and the order the hooks run them in."""
 
-    def __init__(self, settings: GuardConfig, dirpath: Path | None = None) -> None:
-        """New parts for a fit (``dirpath``: where files go; ``None``: no file is written)."""
+    def __init__(self, settings: GuardConfig, dirpath: Path | None = None, halt_dirpath: Path | None = None) -> None:
+        """New parts for a fit (``dirpath``: where files go; ``None``: no file is written, except by a halt, into
+        ``halt_dirpath``)."""
         self.settings = settings
-        self.pipeline = StepPipeline.build(settings, dirpath)
+        self.pipeline = StepPipeline.build(settings, dirpath, halt_dirpath)
         self.coverage = CoverageCheck(settings.check_optimizer_coverage)
         self.progress = FitProgress()
         sigma = settings.spikes.sigma if self.pipeline.spike.window is not None else None
@@ -61,12 +62,15 @@ class StepFlow:
 
     # ------------------------------------------------------------------ once per fit
 
-    def setup(self, module: torch.nn.Module, settings: GuardConfig, dirpath: Path | None) -> StepFlow:
+    def setup(
+        self, module: torch.nn.Module, settings: GuardConfig, dirpath: Path | None, halt_dirpath: Path | None = None
+    ) -> StepFlow:
         """The flow of a new fit of ``module``: new parts, the module's hooks attached (before any compiled call).
 
-        ``dirpath``: where the fit's files go (``None``: no file is written)."""
+        ``dirpath``: where the fit's files go (``None``: no file is written, except that a halt writes
+        ``last_finite.ckpt`` and ``events.jsonl`` into ``halt_dirpath``, so that they outlive the process)."""
         self.pipeline.recorder.detach()
-        flow = StepFlow(settings, dirpath)
+        flow = StepFlow(settings, dirpath, halt_dirpath)
         flow.pipeline.recorder.attach(module)
         return flow
 
@@ -109,7 +113,8 @@ class StepFlow:
             ended = type(exception).__name__ if exception is not None else "finished"
             events, counters = self.pipeline.ledger.events, self.pipeline.ledger.counters
             self.series.at_end(loop, events, ended)
-            self.progress.report(loop, events, counters, self.events_path(), ended)
+            faults = self.pipeline.ledger.device_faults
+            self.progress.report(loop, events, counters, self.events_path(), ended, faults)
         self.close()
 
     # ------------------------------------------------------------------ every step

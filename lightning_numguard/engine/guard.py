@@ -72,6 +72,8 @@ class GuardState:
             "version": STATE_VERSION,
             "counters": dict(self.counters),
             "incidents_by_kind": dict(self._pipeline.ledger.incidents_by_kind),
+            # per rank (a string key: plain types): its host, device and faults by verdict
+            "device_faults": {str(k): dict(v) for k, v in self._pipeline.ledger.device_faults.items()},
             **self._pipeline.recovery.quarantine.state_dict(),
             "spike": self._pipeline.spike.state_dict(),
         }
@@ -92,6 +94,7 @@ class GuardState:
             "quarantined": lambda raw: parse_state("quarantined", raw),
             "position_incidents": lambda raw: parse_state("position_incidents", raw),
             "incidents_by_kind": lambda raw: {str(k): int(v) for k, v in raw.items()},
+            "device_faults": _device_faults,
         }
         parsed: dict[str, Any] = {}
         for key, parse in parsers.items():
@@ -110,5 +113,19 @@ class GuardState:
                 f"NumGuard: the guard's state in this checkpoint is malformed at 'spike' ({err}); the checkpoint's "
                 "weights are unaffected: resume without the guard's state, or from another checkpoint."
             ) from None
-        self._pipeline.ledger.load(parsed["counters"], parsed["incidents_by_kind"])
+        self._pipeline.ledger.load(parsed["counters"], parsed["incidents_by_kind"], parsed["device_faults"])
         self._pipeline.recovery.quarantine.load_state_dict(parsed)
+
+
+def _device_faults(raw: Any) -> dict[int, dict[str, Any]]:
+    """The device faults of a checkpoint: per rank, its host and device (strings) and its faults by verdict."""
+    out: dict[int, dict[str, Any]] = {}
+    for rank, entry in raw.items():
+        host, device = entry.get("host"), entry.get("device")
+        counts = {str(k): int(v) for k, v in entry.items() if k not in ("host", "device")}
+        out[int(rank)] = {
+            "host": None if host is None else str(host),
+            "device": None if device is None else str(device),
+        }
+        out[int(rank)].update(counts)
+    return out

@@ -33,12 +33,22 @@ class Ledger:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.incidents_by_kind: dict[str, int] = {}
         self.rollbacks_this_fit = 0  # what max_rollbacks limits (``counters["rollbacks"]`` carries over a resume)
+        self.bad_run = 0  # steps with an incident in a row, up to the last one judged (what max_bad_steps limits)
+        #: device faults per rank, with its host and device (carried over a resume: what max_device_faults limits)
+        self.device_faults: dict[int, dict[str, Any]] = {}
         self.reporter = reporter
 
-    def load(self, counters: Mapping[str, int], incidents_by_kind: Mapping[str, int]) -> None:
-        """The counters and incident counts of a checkpoint (already validated): a resumed run goes on counting."""
+    def load(
+        self,
+        counters: Mapping[str, int],
+        incidents_by_kind: Mapping[str, int],
+        device_faults: Mapping[int, dict[str, Any]] | None = None,
+    ) -> None:
+        """The counters, incident counts and device faults of a checkpoint (already validated): a resumed run goes on
+        counting."""
         self.counters.update(counters)
         self.incidents_by_kind = dict(incidents_by_kind)
+        self.device_faults = {int(k): dict(v) for k, v in (device_faults or {}).items()}
 
     def count(self, counts: Mapping[str, int]) -> None:
         """Move the counters by a decision's ``counts`` (``incidents`` is counted from recorded events)."""
@@ -48,10 +58,30 @@ class Ledger:
 
     def count_events(self, events: list[dict[str, Any]]) -> None:
         """Count ``events`` in ``incidents`` and the counts by kind, before they are recorded (a rollback's
-        ``last_finite.ckpt``, written before its events are complete, holds the fit's counters)."""
+        ``last_finite.ckpt``, written before its events are complete, holds the fit's counters); a root cause that
+        was a device fault counts for its rank."""
         self.counters["incidents"] += sum(1 for e in events if counts_as_incident(e))
         for e in events:
             self.incidents_by_kind[e["kind"]] = self.incidents_by_kind.get(e["kind"], 0) + 1
+            fault = (e.get("details") or {}).get("device_fault")
+            if fault and counts_as_incident(e):
+                rank = int(fault.get("rank", e["rank"]))
+                entry = self.device_faults.setdefault(rank, {"host": fault.get("host"), "device": fault.get("device")})
+                verdict = str(fault.get("verdict", "transient"))
+                entry[verdict] = int(entry.get(verdict, 0)) + 1
+
+    def device_faults_of(self, fault: Mapping[str, Any]) -> int:
+        """The device faults counted so far on the rank of ``fault`` (a finding's ``details["device_fault"]``)."""
+        entry = self.device_faults.get(int(fault.get("rank", -1)), {})
+        return sum(int(v) for k, v in entry.items() if k not in ("host", "device"))
+
+    def judged(self, incident: bool, neutral: bool) -> None:
+        """A step was judged: one more in the run of steps with an incident, or the run is over (a clean step); a
+        batch skipped without an incident (``neutral``) neither counts nor breaks it."""
+        if incident:
+            self.bad_run += 1
+        elif not neutral:
+            self.bad_run = 0
 
     def event(
         self,

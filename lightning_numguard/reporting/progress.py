@@ -37,6 +37,7 @@ class FitProgress:
 
     def __init__(self) -> None:
         self.steps_lost_to_rollbacks = 0
+        self.quarantined_steps = 0  # steps skipped without an incident because their batch was quarantined
         self.reported = False
 
     def after_step(self, loop: Loop, rec: Any, snapshot: Any, counters: dict[str, int], outcome: Any = None) -> None:
@@ -44,6 +45,8 @@ class FitProgress:
         discarded; update the bar."""
         if rec.action == "rollback" and rec.events and snapshot is not None:  # the updates the restore discarded
             self.steps_lost_to_rollbacks += (outcome.steps_lost if outcome is not None else None) or 0
+        if rec.skip_forced and "quarantined" in str(rec.forced_skip):
+            self.quarantined_steps += 1
         shown = {key: int(counters[c]) for c, key in PROGRESS_BAR_KEYS.items() if counters.get(c, 0) > 0}
         if shown:
             loop.show(shown)
@@ -55,6 +58,7 @@ class FitProgress:
         counters: dict[str, int],
         events_path: Any,
         ended: str = "finished",
+        device_faults: dict[int, dict[str, Any]] | None = None,
     ) -> FitSummary | None:
         """The end-of-fit summary once per fit (global rank 0): logged, or printed as a table under a Rich bar."""
         if self.reported:
@@ -63,7 +67,16 @@ class FitProgress:
         if not loop.is_zero:
             return None
         path = str(events_path) if events_path is not None and events_path.exists() else None
-        summary = summarize(events, counters, self.steps_lost_to_rollbacks, loop.step, path, ended)
+        summary = summarize(
+            events,
+            counters,
+            self.steps_lost_to_rollbacks,
+            loop.step,
+            path,
+            ended,
+            self.quarantined_steps,
+            device_faults,
+        )
         table = summary.eventful and loop.rich_console
         level = logging.WARNING if summary.eventful and not table else logging.INFO  # the table shows it already
         log.log(level, "%s", summary_text(summary))

@@ -43,11 +43,14 @@ class FitSummary:
     events_path: str | None
     ended: str = "finished"
     spikes: int = 0
+    quarantined_steps: int = 0
+    #: per rank: ``(rank, host, device, {verdict: count})`` of the device faults counted (this fit and those it resumed)
+    device_faults: tuple[tuple[int, str, str, tuple[tuple[str, int], ...]], ...] = ()
 
     @property
     def eventful(self) -> bool:
         """Whether anything happened that a user should read about."""
-        return bool(self.kinds or self.incidents or self.skipped_steps or self.rollbacks)
+        return bool(self.kinds or self.incidents or self.skipped_steps or self.rollbacks or self.device_faults)
 
 
 def summarize(
@@ -57,6 +60,8 @@ def summarize(
     steps: int,
     events_path: str | None,
     ended: str = "finished",
+    quarantined_steps: int = 0,
+    device_faults: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> FitSummary:
     """Fold a fit's ``events`` (in the order recorded) and the guard's ``counters`` into a :class:`FitSummary`.
 
@@ -68,6 +73,8 @@ def summarize(
         steps: the global step at the end of the fit.
         events_path: where ``events.jsonl`` is, or ``None`` when nothing was written.
         ended: how the fit ended (``"finished"``, or the name of the exception that stopped it).
+        quarantined_steps: steps skipped without an incident because their batch was quarantined.
+        device_faults: per rank, its ``host``, ``device`` and device faults by verdict (``transient``, ``this_rank``).
     """
     order: list[str] = []
     count: dict[str, int] = {}
@@ -95,6 +102,16 @@ def summarize(
         events_path=events_path,
         ended=ended,
         spikes=int(counters.get("spikes", 0)),
+        quarantined_steps=int(quarantined_steps),
+        device_faults=tuple(
+            (
+                int(rank),
+                str(entry.get("host")),
+                str(entry.get("device")),
+                tuple((str(k), int(v)) for k, v in entry.items() if k not in ("host", "device")),
+            )
+            for rank, entry in sorted((device_faults or {}).items())
+        ),
     )
 
 
@@ -102,8 +119,24 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+#: how a device fault's verdict is said in the summary
+_VERDICTS = {"transient": "transient", "this_rank": "on this rank's device only"}
+
+
+def _device_lines(s: FitSummary) -> list[str]:
+    """One line per rank whose device made faults: its host, device and faults by verdict."""
+    lines = []
+    for rank, host, device, counts in s.device_faults:
+        said = ", ".join(f"{n} {_VERDICTS.get(v, v)}" for v, n in counts)
+        lines.append(f"  device faults on rank {rank} (host {host}, device {device}): {said}")
+    return lines
+
+
 def _totals(s: FitSummary) -> str:
-    parts = [_plural(s.skipped_steps, "step") + " skipped", _plural(s.rollbacks, "rollback")]
+    skipped = _plural(s.skipped_steps, "step") + " skipped"
+    if s.quarantined_steps:
+        skipped += f" ({s.quarantined_steps} of them quarantined batches, skipped without an incident)"
+    parts = [skipped, _plural(s.rollbacks, "rollback")]
     if s.rollbacks and s.steps_lost_to_rollbacks:
         parts[-1] += f" ({_plural(s.steps_lost_to_rollbacks, 'step')} lost to rollbacks)"
     elif s.rollbacks:  # every rollback went back to the start of its own bad step
@@ -128,6 +161,7 @@ def summary_text(s: FitSummary) -> str:
     for k in s.kinds:
         culprit = f": {k.first_culprit}" if k.first_culprit else ""
         lines.append(f"  {k.kind:<{width}}  x{k.count:<3} first at step {k.first_step}{culprit}")
+    lines += _device_lines(s)
     lines.append(f"  {where}")
     return "\n".join(lines)
 
