@@ -113,8 +113,10 @@ class StepFlow:
             ended = type(exception).__name__ if exception is not None else "finished"
             events, counters = self.pipeline.ledger.events, self.pipeline.ledger.counters
             self.series.at_end(loop, events, ended)
-            faults = self.pipeline.ledger.device_faults
-            self.progress.report(loop, events, counters, self.events_path(), ended, faults)
+            ledger = self.pipeline.ledger
+            self.progress.report(
+                loop, events, counters, self.events_path(), ended, ledger.device_faults, ledger.quarantined_steps
+            )
         self.close()
 
     # ------------------------------------------------------------------ every step

@@ -165,7 +165,7 @@ class StepPipeline:
         )
         # a quarantined batch counts in the run of bad steps; a skip in the window after a rollback neither counts nor
         # breaks it
-        self.ledger.judged(incident=facts.incident or facts.quarantined, neutral=facts.forced_skip)
+        self.ledger.judged(facts.incident, facts.forced_skip, facts.quarantined)
         for f in findings:
             advisory_kind = registry.is_advisory(f.kind)
             f = f if advisory_kind else view.marked(f, loop.step)

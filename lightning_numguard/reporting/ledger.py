@@ -34,6 +34,7 @@ class Ledger:
         self.incidents_by_kind: dict[str, int] = {}
         self.rollbacks_this_fit = 0  # what max_rollbacks limits (``counters["rollbacks"]`` carries over a resume)
         self.bad_run = 0  # steps with an incident in a row, up to the last one judged (what max_bad_steps limits)
+        self.quarantined_steps = 0  # steps of this fit skipped without an incident: their batch was quarantined
         #: device faults per rank, with its host and device (carried over a resume: what max_device_faults limits)
         self.device_faults: dict[int, dict[str, Any]] = {}
         self.reporter = reporter
@@ -75,10 +76,12 @@ class Ledger:
         entry = self.device_faults.get(int(fault.get("rank", -1)), {})
         return sum(int(v) for k, v in entry.items() if k not in ("host", "device"))
 
-    def judged(self, incident: bool, neutral: bool) -> None:
-        """A step was judged: one more in the run of steps with an incident, or the run is over (a clean step); a
-        batch skipped without an incident (``neutral``) neither counts nor breaks it."""
-        if incident:
+    def judged(self, incident: bool, neutral: bool, quarantined: bool = False) -> None:
+        """A step was judged: one more in the run of steps that went bad (an ``incident``, or a ``quarantined``
+        batch), or the run is over (a clean step); another batch skipped without an incident (``neutral``: in the
+        window after a rollback) neither counts nor breaks it."""
+        self.quarantined_steps += int(quarantined)
+        if incident or quarantined:
             self.bad_run += 1
         elif not neutral:
             self.bad_run = 0

@@ -37,7 +37,6 @@ class FitProgress:
 
     def __init__(self) -> None:
         self.steps_lost_to_rollbacks = 0
-        self.quarantined_steps = 0  # steps skipped without an incident because their batch was quarantined
         self.reported = False
 
     def after_step(self, loop: Loop, rec: Any, snapshot: Any, counters: dict[str, int], outcome: Any = None) -> None:
@@ -45,8 +44,6 @@ class FitProgress:
         discarded; update the bar."""
         if rec.action == "rollback" and rec.events and snapshot is not None:  # the updates the restore discarded
             self.steps_lost_to_rollbacks += (outcome.steps_lost if outcome is not None else None) or 0
-        if rec.skip_forced and "quarantined" in str(rec.forced_skip):
-            self.quarantined_steps += 1
         shown = {key: int(counters[c]) for c, key in PROGRESS_BAR_KEYS.items() if counters.get(c, 0) > 0}
         if shown:
             loop.show(shown)
@@ -59,6 +56,7 @@ class FitProgress:
         events_path: Any,
         ended: str = "finished",
         device_faults: dict[int, dict[str, Any]] | None = None,
+        quarantined_steps: int = 0,
     ) -> FitSummary | None:
         """The end-of-fit summary once per fit (global rank 0): logged, or printed as a table under a Rich bar."""
         if self.reported:
@@ -74,7 +72,7 @@ class FitProgress:
             loop.step,
             path,
             ended,
-            self.quarantined_steps,
+            quarantined_steps,
             device_faults,
         )
         table = summary.eventful and loop.rich_console
