@@ -13,7 +13,13 @@ from lightning_numguard.config.arguments import GuardConfig
 from lightning_numguard.config.groups import RecoveryConfig, SnapshotConfig, SpikeConfig, WatchConfig
 from lightning_numguard.detect.registry import Check, CheckStep
 from lightning_numguard.diagnose.findings import Finding
-from lightning_numguard.errors import NonFiniteError, NumGuardConfigError, NumGuardError, NumGuardWarning
+from lightning_numguard.errors import (
+    NonFiniteError,
+    NumGuardConfigError,
+    NumGuardError,
+    NumGuardWarning,
+    SuspectedHardwareError,
+)
 
 if TYPE_CHECKING:
     from lightning_numguard.doors.plain.guard import attach
@@ -32,6 +38,7 @@ __all__ = [
     "RecoveryConfig",
     "SnapshotConfig",
     "SpikeConfig",
+    "SuspectedHardwareError",
     "WatchConfig",
     "__version__",
     "attach",

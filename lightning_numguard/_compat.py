@@ -26,14 +26,14 @@ from lightning_numguard.errors import NumGuardError
 
 # fmt: off
 __all__ = [
-    "TorchDispatchMode", "callbacks_of_fabric_being_built", "callbacks_of_trainer_being_built", "caller_frame",
-    "calling_owner", "clear_found_inf", "dtensor_local", "fabric_setup_optimizers", "first_frame", "foreach_copy_",
-    "foreach_nonfinite_", "foreach_norm_f32",
-    "lightning_will_stop", "logger_metric_dicts", "logging_step", "logs_due", "metric_counters", "metric_state",
-    "nn_bindings",
-    "require_accumulation_api", "result_metric_state", "scaler_tensors", "set_found_inf", "set_metric_counters",
-    "set_result_metric_state", "should_accumulate", "step_honours_found_inf", "sync_scheduler_last_lr",
-    "to_target_device", "train_results", "uncompiled",
+    "TorchDispatchMode", "averaged_model", "averaging_counters", "callbacks_of_fabric_being_built",
+    "callbacks_of_trainer_being_built", "caller_frame", "calling_owner", "clear_found_inf", "compiled",
+    "dtensor_local", "fabric_setup_optimizers", "first_frame", "foreach_copy_", "foreach_nonfinite_",
+    "foreach_norm_f32", "lightning_will_stop", "logger_metric_dicts", "logging_step", "logs_due", "metric_counters",
+    "metric_state", "nn_bindings", "require_accumulation_api", "result_metric_state", "scaler_tensors",
+    "set_averaging_counters", "set_found_inf", "set_metric_counters", "set_result_metric_state",
+    "should_accumulate", "step_honours_found_inf", "sync_scheduler_last_lr", "to_target_device", "train_results",
+    "uncompiled",
 ]
 # fmt: on
 
@@ -414,6 +414,53 @@ def calling_owner(names: Mapping[int, str], skip: int) -> str | None:
 
     found = first_frame(frame, owns)
     return names[id(found.f_locals["self"])] or None if found is not None else None
+
+
+def averaged_model(callback: Any) -> torch.nn.Module | None:
+    """The averaged model of Lightning's ``WeightAveraging`` (``EMAWeightAveraging``: an ``AveragedModel``) or
+    ``StochasticWeightAveraging`` (a deep copy of the ``LightningModule``): ``callback._average_model``.
+
+    Neither callback has a public accessor, and the average is training state: the callback folds the weights into
+    it after every step (or at each epoch's start), before the guard's post-step check has read them, so a rollback
+    must put it back with the weights. Missing (another Lightning version), ``None``: the average is not part of the
+    snapshots, and the guard says so once in its log when the fit starts.
+    """
+    model = getattr(callback, "_average_model", None)
+    return model if isinstance(model, torch.nn.Module) else None
+
+
+#: the averaging callbacks' counters a rollback puts back with their average (``WeightAveraging``: the last step and
+#: epoch folded in; ``StochasticWeightAveraging``: the last epoch)
+_AVERAGING_COUNTERS = ("_latest_update_step", "_latest_update_epoch")
+
+
+def averaging_counters(callback: Any) -> dict[str, int]:
+    """When ``callback`` (``WeightAveraging``, ``StochasticWeightAveraging``) last folded the weights into its average:
+    ``_latest_update_step`` / ``_latest_update_epoch``, which decide whether it folds them in again.
+
+    ``WeightAveraging.state_dict`` holds only the step, ``StochasticWeightAveraging.state_dict`` reads its count with
+    ``.item()`` (a host sync at every snapshot) and its ``load_state_dict`` does not reset a live count: neither
+    serves a restore in place. A missing name is left out (nothing of it is put back)."""
+    return {name: int(getattr(callback, name)) for name in _AVERAGING_COUNTERS if hasattr(callback, name)}
+
+
+def set_averaging_counters(callback: Any, counters: Mapping[str, int]) -> None:
+    """Put back what :func:`averaging_counters` read."""
+    for name, value in counters.items():
+        if name in _AVERAGING_COUNTERS:
+            setattr(callback, name, int(value))
+
+
+def compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a submodule runs compiled: a ``torch.compile`` wrapper (``OptimizedModule``, reached by
+    its class name) or ``nn.Module.compile()``'s ``_compiled_call_impl`` (private; no public test exists).
+
+    The replay runs compiled regions eagerly, so a value they did not make again may be the compiler's, not the
+    device's: the verdict says so instead of blaming the device. Missing names read as "not compiled"."""
+    return any(
+        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )
 
 
 # -------------------------------------------------------------------------------- torchmetrics

@@ -108,7 +108,10 @@ class GuardConfig(Declared):
         default=None,
         doc="folder for ``events.jsonl``, ``last_finite.ckpt`` and ``bad_batches/``. Defaults to the loop's log folder "
         "with ``numguard`` appended (a Trainer's ``<log_dir>/numguard``, ``<default_root_dir>/numguard`` without a "
-        "logger)",
+        "logger). Checked when the fit starts (a file in its place, or a folder that cannot be written, raises "
+        "``NumGuardConfigError`` before the first step); a halt in a run that writes no file otherwise "
+        "(``fast_dev_run``, nowhere chosen) writes its ``last_finite.ckpt`` and ``events.jsonl`` into "
+        "``<default_root_dir>/numguard`` and says so",
         check=_path_or_none,
     )
     check: list[CheckSite] = argument(
@@ -208,7 +211,7 @@ class GuardConfig(Declared):
     )
     recovery: RecoveryConfig = argument(
         doc="how a bad step is recovered beyond ``action`` (``halt_raises``, ``retry_transient``, ``quarantine``, "
-        "``replay``)",
+        "``replay``, ``max_bad_steps``, ``max_device_faults``, ``restore_callbacks``)",
         check=_group(RecoveryConfig),
         factory=RecoveryConfig,
     )

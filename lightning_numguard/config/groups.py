@@ -206,9 +206,44 @@ class RecoveryConfig:
         ),
     )
 
+    max_bad_steps: NonNegativeInt = field(
+        default=10,
+        metadata=_doc(
+            'under ``action="skip"`` and ``"warn"``, a budget as ``max_rollbacks`` is for ``"rollback"``: this many '
+            "consecutive steps that went bad (an incident, or a quarantined batch skipped) halt the run "
+            "(``NonFiniteError`` saying how many steps went bad in a row), as no step has trained since the first of "
+            "them; a clean step starts the count again, a batch skipped in the window after a rollback neither "
+            "counts nor breaks it (0: never)"
+        ),
+    )
+    max_device_faults: NonNegativeInt = field(
+        default=3,
+        metadata=_doc(
+            "device faults on one rank before the guard halts with ``SuspectedHardwareError`` (a ``NonFiniteError``) "
+            "naming its rank, host and device, so that a scheduler can exclude the node; a device fault is a "
+            "non-finite value that did not come back when the step was replayed with the same weights, inputs and "
+            "RNG, or (under data parallelism) that came back on its own rank but not when a neighbour rank re-ran "
+            "the same micro-batch. Counted per rank over the run (kept in checkpoints; 0: never halt for them)"
+        ),
+    )
+    restore_callbacks: list[str] = field(
+        default_factory=list,
+        metadata=_doc(
+            "glob patterns of the class names of other callbacks whose state a rollback restores with the rest: "
+            "their ``state_dict``/``load_state_dict`` and the ``nn.Module`` held in their public attributes (a "
+            "callback keeping its own average or teacher). Lightning's ``WeightAveraging`` (``EMAWeightAveraging``) "
+            "and ``StochasticWeightAveraging`` are always restored: their averaged model and counters are in every "
+            "snapshot"
+        ),
+    )
+
     def __post_init__(self) -> None:
-        for f in fields(self):
-            validate.flag(f"recovery.{f.name}", getattr(self, f.name))
+        for name in ("halt_raises", "retry_transient", "quarantine", "replay"):
+            validate.flag(f"recovery.{name}", getattr(self, name))
+        for name in ("max_bad_steps", "max_device_faults"):
+            validate.integer(f"recovery.{name}", getattr(self, name), 0)
+            _set(self, name, int(getattr(self, name)))
+        _set(self, "restore_callbacks", validate.patterns("recovery.restore_callbacks", self.restore_callbacks))
 
 
 #: the groups, by the argument that holds each

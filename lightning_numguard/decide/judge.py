@@ -42,6 +42,12 @@ class Facts:
             (a batch field declared a convention of the data at this read): it still counts as skipped.
         broken: why acting again is pointless (a batch field flagged on step after step with values that are no
             mask: a broken data pipeline); a ``skip`` or ``rollback`` then halts, saying so. ``None``: not broken.
+        place: where the trouble happened (:class:`~lightning_numguard.decide.repeats.Place`: its kind and name, the
+            LR schedule's position, the batch), which the decision carries to the rollback's repeats.
+        device_fault: the step's root cause is a fault of a device (``rank``, ``host``, ``device``, ``verdict``): the
+            replay did not reproduce it, or only its own rank did. ``None``: not a device fault.
+        quarantined: a forced skip of a quarantined batch (it counts against ``max_bad_steps``; a skip in the window
+            after a rollback does not).
     """
 
     incident: bool = False
@@ -54,17 +60,35 @@ class Facts:
     late: bool = False
     device_skipped: bool = False
     broken: str | None = None
+    place: Any = None
+    device_fault: Mapping[str, Any] | None = None
+    quarantined: bool = False
 
 
 @dataclass(frozen=True)
 class Budget:
     """What recovery has left: a verified snapshot, and the rollbacks used of those allowed in this fit (and, when
-    rollbacks to the same snapshot repeat, the cause they share, which a halt then names)."""
+    rollbacks to the same snapshot repeat, the cause they share, which a halt then names).
+
+    Attributes:
+        same_place: earlier rollbacks of this step's trouble at the same place (its schedule position or batch), and
+            ``same_place_said``, that place in words: a third rollback there halts instead.
+        bad_steps: the steps with an incident in a row before this one, of ``max_bad_steps`` allowed under ``skip``
+            and ``warn`` (0: no limit).
+        device_faults: the device faults of this step's rank so far, this one included, of ``max_device_faults``
+            allowed (0: no limit).
+    """
 
     have_snapshot: bool
     rollbacks_used: int
     max_rollbacks: int
     repeating: str | None = None  # what repeated rollbacks to the same snapshot had in common, if they did
+    same_place: int = 0
+    same_place_said: str | None = None
+    bad_steps: int = 0
+    max_bad_steps: int = 0
+    device_faults: int = 0
+    max_device_faults: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,6 +108,9 @@ class Decision:
         new_rollback: a new rollback: its skip window, learning-rate back-off, retry and ``last_finite.ckpt``.
         quarantine: quarantine the batch now, for this reason (``None``: not now).
         on_device: read late: the device already skipped the step (nothing of its forward pass to undo on the host).
+        place: where the step's trouble happened (the facts'), for the rollback's repeats.
+        hardware: the device fault that made the step halt (``rank``, ``host``, ``device``, ``faults``): the halt
+            raises :class:`~lightning_numguard.errors.SuspectedHardwareError`. ``None``: not a hardware halt.
     """
 
     action: str = "none"
@@ -96,6 +123,8 @@ class Decision:
     new_rollback: bool = False
     quarantine: str | None = None
     on_device: bool = False
+    place: Any = None
+    hardware: Mapping[str, Any] | None = None
 
     @property
     def skips(self) -> bool:
@@ -107,6 +136,8 @@ def judge(action: str, facts: Facts, budget: Budget, *, quarantine: bool = True,
     """The :class:`Decision` for a step, given the configured ``action`` and what its read found (see
     :func:`_judge`); read late, the decision says the device already skipped the step."""
     decision = _judge(action, facts, budget, quarantine=quarantine, retry=retry)
+    if facts.place is not None:
+        decision = replace(decision, place=facts.place)
     return replace(decision, on_device=True) if facts.late else decision
 
 
@@ -131,9 +162,12 @@ def _judge(action: str, facts: Facts, budget: Budget, *, quarantine: bool = True
         taken = decide(action, state_bad=False, has_incident=False, **_budget(budget))
         if taken == "warn" or late:  # a quarantine from a resumed run is kept under "warn" too; late: on the device
             taken = "skip"
+        stop = _bad_run(action, facts, budget) if facts.quarantined else None
+        taken = "halt" if stop is not None else taken
         return Decision(
             action=taken,
             configured=action,
+            escalation=stop,
             counts={"skipped_steps": 1},
             keep_start=not facts.state_bad,
             drop_start=late and facts.state_bad,
@@ -158,7 +192,8 @@ def _act(
     taken = decide(action, state_bad=facts.state_bad, has_incident=True, **_budget(budget))
     if facts.late and taken == "rollback" and not facts.state_bad and facts.spike is None:
         taken = configured = "skip"  # the device skipped the step and the state stayed finite: nothing to restore
-    if facts.broken and taken in ("skip", "rollback"):
+    stop, hardware = _stop(taken, configured, facts, budget)
+    if stop is not None:
         taken = "halt"
     skips = taken in ("skip", "rollback", "halt")
     counts = {**counts, **({"skipped_steps": 1} if skips else {})}
@@ -167,9 +202,8 @@ def _act(
     return Decision(
         action=taken,
         configured=configured,
-        escalation=facts.broken
-        if facts.broken and taken == "halt" != configured
-        else _escalation(taken, configured, budget),
+        escalation=stop if stop is not None else _escalation(taken, configured, budget),
+        hardware=hardware,
         counts=counts,
         # the state before this step is verified finite: a rollback undoes exactly this step
         keep_start=skips and not facts.state_bad and not facts.late and facts.spike is None,
@@ -177,6 +211,41 @@ def _act(
         restore=taken in ("rollback", "halt"),
         new_rollback=taken == "rollback",
         quarantine=FAILED_TWICE if quarantine and taken in ("skip", "rollback") and facts.failures >= 2 else None,
+    )
+
+
+def _stop(taken: str, configured: str, facts: Facts, budget: Budget) -> tuple[str | None, dict[str, Any] | None]:
+    """Why an incident halts although ``taken`` would go on (``None``: it does not), and the device fault of a
+    hardware halt: a broken data pipeline; a rank whose device has made ``max_device_faults`` faults; the same trouble
+    rolled back twice at the same place already (a third rollback would loop); under ``skip`` and ``warn``,
+    ``max_bad_steps`` steps with an incident in a row (no step has trained since the first of them)."""
+    if taken == "halt":
+        return None, None
+    if facts.broken and taken in ("skip", "rollback"):
+        return facts.broken, None
+    fault = facts.device_fault
+    if fault is not None and budget.max_device_faults and budget.device_faults >= budget.max_device_faults:
+        host, device, rank = fault.get("host", "?"), fault.get("device", "?"), fault.get("rank", -1)
+        said = (
+            f"{budget.device_faults} device faults on rank {rank} (host {host}, device {device}; "
+            f"recovery.max_device_faults={budget.max_device_faults}): exclude this node and resume"
+        )
+        return said, {"rank": rank, "host": host, "device": device, "faults": budget.device_faults}
+    if taken == "rollback" and budget.same_place >= 2:
+        where = budget.same_place_said or "the same place"
+        return f"{where} came back after {budget.same_place} rollbacks: a third would loop", None
+    return (_bad_run(configured, facts, budget) if facts.incident else None), None
+
+
+def _bad_run(configured: str, facts: Facts, budget: Budget) -> str | None:
+    """Under ``skip`` and ``warn``: why a step that went bad (an incident, or a quarantined batch) halts, the
+    ``max_bad_steps``-th in a row; ``None`` while the run is shorter."""
+    bad_run = budget.bad_steps + 1
+    if configured not in ("skip", "warn") or not budget.max_bad_steps or bad_run < budget.max_bad_steps:
+        return None
+    return (
+        f"{bad_run} steps in a row went bad (an incident, or a batch quarantined for one; "
+        f"recovery.max_bad_steps={budget.max_bad_steps}): none of them trained"
     )
 
 

@@ -17,12 +17,14 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_numguard import _compat
 from lightning_numguard.decide.policy import is_amp_overflow
 from lightning_numguard.detect import checks, flags
 from lightning_numguard.detect import extra as _extra
 from lightning_numguard.detect.opguard import OpGuard
 from lightning_numguard.diagnose.findings import AFTER_FORWARD, Finding, mark_consequences, merge
 from lightning_numguard.diagnose.replay import Replay
+from lightning_numguard.diagnose.reproduce import Verdict, judge_reproduction, suspect_rank
 from lightning_numguard.diagnose.rerun import replay_batch
 from lightning_numguard.engine import group
 from lightning_numguard.engine.loop import Loop
@@ -150,7 +152,9 @@ def diagnose(
     found += look.findings
     output = output_finding(view.bad_blocks(recorder.watch), rank) if seen.seen(flags.OUTPUT) else None
     wanted = seen.seen(flags.OUTPUT) or seen.seen(flags.OP) or seen.seen(flags.LOSS) or bool(look.grad_bad)
-    rep = _replay(loop, recorder, rec) if replay and view.replays and wanted else Replay()
+    replays = replay and view.replays and wanted
+    rep = _replay(loop, recorder, rec.batch, rec.batch_idx, rec.start_rng, rec.start_buffers) if replays else Replay()
+    verdict = _reproduction(loop, recorder, rec, rep, look, seen) if replays else None
     culprit, modules = name_culprit(output, rep, type(loop.module).__name__, rank, attach=not view.late)
     found += modules
     first_module = modules[0].where[0] if modules else None
@@ -167,6 +171,8 @@ def diagnose(
     if look.buffer_bad:
         after = {"when": AFTER_FORWARD}
         found.append(Finding("nonfinite_param", look.buffer_bad, after, seen.rank(flags.NORMS), site="buffer"))
+    if verdict is not None:  # did the value come back when the step was re-run: the code and data, or the device
+        found = verdict.mark(found, rank)
     if not view.late:
         checked = sorted(set(reader.check) | ({"replay"} if rep.ran else set()))
         found = [replace(f, details={**f.details, "checked": checked}) for f in found]
@@ -332,14 +338,47 @@ def _by_site(reader: StepRead, names: list[str]) -> list[tuple[str, list[str]]]:
     return [(site, groups[site]) for site in ("param", "buffer", "optimizer_state") if site in groups]
 
 
-def _replay(loop: Loop, recorder: StepRecorder, rec: StepRecord) -> Replay:
-    """The step's replay, with the per-step watch off (the replay watches every module itself)."""
+def _replay(
+    loop: Loop,
+    recorder: StepRecorder,
+    batch: Any,
+    batch_idx: int,
+    rng: dict[str, Any] | None,
+    start_buffers: dict[str, torch.Tensor] | None = None,
+) -> Replay:
+    """The step's replay, with the per-step watch off (the replay watches every module itself), from the buffers the
+    step started from (``start_buffers``: a value written into a buffer during the step, in ``training_step`` before
+    the forward pass, is then made again by the write, which the replay names at its line); the live buffers are put
+    back afterwards."""
     watch = recorder.watch
     watching = watch.enabled if watch is not None else False
     if watch is not None:
         watch.enabled = False
+    live = None
+    if start_buffers:
+        names = dict(loop.module.named_buffers())
+        live = {n: names[n].detach().clone() for n in start_buffers if n in names}
+        loop.module.load_state_dict(start_buffers, strict=False)
     try:
-        return replay_batch(loop, rec.batch, rec.batch_idx, rec.start_rng)
+        return replay_batch(loop, batch, batch_idx, rng)
     finally:
+        if live:
+            loop.module.load_state_dict(live, strict=False)
         if watch is not None:
             watch.enabled = watching
+
+
+def _reproduction(
+    loop: Loop, recorder: StepRecorder, rec: StepRecord, rep: Replay, look: StateLook, seen: flags.StepFlags
+) -> Verdict | None:
+    """Whether the step's non-finite value came back when the step was re-run (collective; see
+    :mod:`~lightning_numguard.diagnose.reproduce`): ``None`` when its reproducibility says nothing."""
+    suspect = suspect_rank(seen, bool(look.state_bad), bool(look.grad_bad), loop.world_size)
+    if suspect is None:
+        return None
+
+    def rerun(batch: Any, batch_idx: int, rng: dict[str, Any] | None) -> Replay:  # the neighbour's, of a sent batch
+        return _replay(loop, recorder, batch, batch_idx, rng, rec.start_buffers)
+
+    compiled = _compat.compiled(loop.module)
+    return judge_reproduction(loop, suspect, rep, rec.batch, rec.batch_idx, rec.start_rng, rerun, compiled)

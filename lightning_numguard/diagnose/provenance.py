@@ -120,6 +120,7 @@ class Provenance(TorchDispatchMode):
         self._leaves: dict[int, tuple[str, str]] | None = None
         self._current_call = current_call
         self._seq = 0
+        self._before: dict[int, tuple[bool, bool]] = {}  # the in-place op running now: what its target held before
         self.tags: dict[str, dict[int, Origin]] = {NAN: {}, INF: {}}
         #: the earliest origin of any NaN the forward pass held, even one a kernel swallowed before a module's output
         self.first_nan: Origin | None = None
@@ -175,10 +176,14 @@ class Provenance(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        name = op_base_name(func)
+        # an op writing in place reads the tensor it writes: what that held before the write is what it read
+        self._before = {id(a): _kinds(a) for a in _flat(args[:1]) if isinstance(a, torch.Tensor)} if (
+            name.endswith("_") and not getattr(func, "is_view", False)
+        ) else {}  # fmt: skip
         out = func(*args, **kwargs)
         if getattr(func, "is_view", False):
             return out  # a view writes nothing: it shares its input's storage, and with it the origin
-        name = op_base_name(func)
         if name in _UNINITIALISED or name.startswith(("is", "_local_scalar")):
             return out
         self._seq += 1
@@ -206,6 +211,9 @@ class Provenance(TorchDispatchMode):
             if origin is not None:
                 if origin.seq == self._seq and origin.source == "op":
                     origin.facts.setdefault("dtype", str(t.dtype).replace("torch.", ""))
+                    leaf = self._leaf(key) if not clear else None  # written in place into a parameter, buffer...
+                    if leaf is not None and leaf.source != "constant":
+                        origin.facts.setdefault("written", {"source": leaf.source, "name": leaf.name})
                 self.tags[kind][key] = origin
                 if (
                     kind == NAN
@@ -238,7 +246,7 @@ class Provenance(TorchDispatchMode):
         constant = any((math.isnan(v) if kind == NAN else math.isinf(v)) for v in scalars)
         inf_from: list[Origin] = []
         for t in inputs:
-            nan, inf = _kinds(t)
+            nan, inf = self._before.get(id(t)) or _kinds(t)
             if (nan if kind == NAN else inf) and t.numel():
                 origin = self.origin(t, kind)
                 if origin.source == "constant":

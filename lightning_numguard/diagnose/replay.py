@@ -63,6 +63,7 @@ CULPRIT_FACTS = (
     "frames",
     "labels_counted",
     "ignore_index",
+    "written",
 )
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)')
 
@@ -115,8 +116,14 @@ class Replay:
     frames: int | None = None
     labels_counted: int | None = None
     ignore_index: int | None = None
+    #: the culprit wrote in place into a parameter, buffer or batch field (``source``, ``name``): ``fill_(nan)`` on a
+    #: buffer in ``training_step``
+    written: dict[str, str] | None = None
     #: the replay itself raised (it never propagates)
     error: str | None = None
+    #: ``False``: the replay ran the step again (the same weights, inputs and RNG) and saw no non-finite value (it
+    #: did not reproduce: :mod:`~lightning_numguard.diagnose.reproduce`); ``None`` otherwise (see :attr:`again`)
+    reproduced: bool | None = None
     #: op name -> the user's line of each call, in call order (the op guard's findings take their line from it)
     op_sites: dict[str, list[dict[str, Any]]] = field(default_factory=dict, compare=False)
     #: the fields the passes found, in the order found (a found ``None``, the ``op_module`` of the root's own
@@ -127,6 +134,13 @@ class Replay:
     def source(self) -> str | None:
         """``"file:line"`` of the culprit call, when known."""
         return f"{self.file}:{self.line}" if self.file else None
+
+    @property
+    def again(self) -> bool | None:
+        """Whether the replay made a non-finite value again: ``None`` when it did not run or raised."""
+        if self.error is not None or not self.ran:
+            return None
+        return self.reproduced is not False
 
     @property
     def ran(self) -> bool:
@@ -330,6 +344,11 @@ def _chosen(seen: _Seen) -> Origin | None:
     return culprit_of(found)
 
 
+def _made_nan(seen: _Seen) -> bool:
+    """Whether the traced forward pass held a NaN at any point (even one a kernel swallowed)."""
+    return seen.provenance is not None and seen.provenance.first_nan is not None
+
+
 def _describe(origin: Origin, result: dict[str, Any]) -> None:
     """The result's fields for a forward culprit (``stage="forward"``) or a leaf (``stage="inputs"``)."""
     if origin.source == "op":
@@ -417,6 +436,9 @@ def replay(
                 node = _backward(root, run_step, rng, result, retry=agree is None)
                 if wish and node.get("op"):
                     result.update(stage="backward", op_module=result.get("module"), **node)
+            saw = seen.first_output is not None or not seen.loss_finite or _made_nan(seen)
+            if not saw and "stage" not in result and "module" not in result and "error" not in result:
+                result["reproduced"] = False  # the step ran again and stayed finite
     finally:
         root.zero_grad(set_to_none=True)
         set_rng_state(saved_rng)

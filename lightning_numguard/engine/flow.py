@@ -38,10 +38,11 @@ def read_schedule(pipeline: StepPipeline) -> ReadSchedule:
 class StepFlow:
     """The parts of one fit and the order the hooks run them in."""
 
-    def __init__(self, settings: GuardConfig, dirpath: Path | None = None) -> None:
-        """New parts for a fit (``dirpath``: where files go; ``None``: no file is written)."""
+    def __init__(self, settings: GuardConfig, dirpath: Path | None = None, halt_dirpath: Path | None = None) -> None:
+        """New parts for a fit (``dirpath``: where files go; ``None``: no file is written, except by a halt, into
+        ``halt_dirpath``)."""
         self.settings = settings
-        self.pipeline = StepPipeline.build(settings, dirpath)
+        self.pipeline = StepPipeline.build(settings, dirpath, halt_dirpath)
         self.coverage = CoverageCheck(settings.check_optimizer_coverage)
         self.progress = FitProgress()
         sigma = settings.spikes.sigma if self.pipeline.spike.window is not None else None
@@ -61,12 +62,15 @@ class StepFlow:
 
     # ------------------------------------------------------------------ once per fit
 
-    def setup(self, module: torch.nn.Module, settings: GuardConfig, dirpath: Path | None) -> StepFlow:
+    def setup(
+        self, module: torch.nn.Module, settings: GuardConfig, dirpath: Path | None, halt_dirpath: Path | None = None
+    ) -> StepFlow:
         """The flow of a new fit of ``module``: new parts, the module's hooks attached (before any compiled call).
 
-        ``dirpath``: where the fit's files go (``None``: no file is written)."""
+        ``dirpath``: where the fit's files go (``None``: no file is written, except that a halt writes
+        ``last_finite.ckpt`` and ``events.jsonl`` into ``halt_dirpath``, so that they outlive the process)."""
         self.pipeline.recorder.detach()
-        flow = StepFlow(settings, dirpath)
+        flow = StepFlow(settings, dirpath, halt_dirpath)
         flow.pipeline.recorder.attach(module)
         return flow
 
@@ -111,7 +115,16 @@ class StepFlow:
             events, counters = ledger.events, ledger.counters
             ledger.flush_repeats(loop)  # the actions that repeated the last one told, before the summary
             self.series.at_end(loop, events, ended)
-            self.progress.report(loop, events, counters, self.events_path(), ended, ledger.resumed_from())
+            self.progress.report(
+                loop,
+                events,
+                counters,
+                self.events_path(),
+                ended,
+                resumed_from=ledger.resumed_from(),
+                device_faults=ledger.device_faults,
+                quarantined_steps=ledger.quarantined_steps,
+            )
         self.close()
 
     # ------------------------------------------------------------------ every step

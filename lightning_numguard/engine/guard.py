@@ -74,6 +74,8 @@ class GuardState:
             "version": STATE_VERSION,
             "counters": dict(self.counters),
             "incidents_by_kind": dict(self._pipeline.ledger.incidents_by_kind),
+            # per rank (a string key: plain types): its host, device and faults by verdict
+            "device_faults": {str(k): dict(v) for k, v in self._pipeline.ledger.device_faults.items()},
             **self._pipeline.recovery.quarantine.state_dict(),
             "spike": self._pipeline.spike.state_dict(),
             "events_files": self._pipeline.ledger.events_files(),
@@ -96,6 +98,7 @@ class GuardState:
             "position_incidents": lambda raw: parse_state("position_incidents", raw),
             "incidents_by_kind": lambda raw: {str(k): int(v) for k, v in raw.items()},
             "events_files": _paths,
+            "device_faults": _device_faults,
         }
         parsed: dict[str, Any] = {}
         for key, parse in parsers.items():
@@ -114,7 +117,9 @@ class GuardState:
                 f"NumGuard: the guard's state in this checkpoint is malformed at 'spike' ({err}); the checkpoint's "
                 "weights are unaffected: resume without the guard's state, or from another checkpoint."
             ) from None
-        self._pipeline.ledger.load(parsed["counters"], parsed["incidents_by_kind"], parsed["events_files"])
+        self._pipeline.ledger.load(
+            parsed["counters"], parsed["incidents_by_kind"], parsed["events_files"], parsed["device_faults"]
+        )
         self._pipeline.recovery.quarantine.load_state_dict(parsed)
 
 
@@ -123,3 +128,17 @@ def _paths(raw: Any) -> list[str]:
     if not isinstance(raw, (list, tuple)) or not all(isinstance(p, str) for p in raw):
         raise TypeError(f"expected a list of paths, got {raw!r}")
     return list(raw)
+
+
+def _device_faults(raw: Any) -> dict[int, dict[str, Any]]:
+    """The device faults of a checkpoint: per rank, its host and device (strings) and its faults by verdict."""
+    out: dict[int, dict[str, Any]] = {}
+    for rank, entry in raw.items():
+        host, device = entry.get("host"), entry.get("device")
+        counts = {str(k): int(v) for k, v in entry.items() if k not in ("host", "device")}
+        out[int(rank)] = {
+            "host": None if host is None else str(host),
+            "device": None if device is None else str(device),
+        }
+        out[int(rank)].update(counts)
+    return out

@@ -20,6 +20,7 @@ from typing import Any
 from lightning_numguard.config.arguments import GuardConfig
 from lightning_numguard.decide import policy
 from lightning_numguard.decide.judge import Budget, Decision, Facts, judge
+from lightning_numguard.decide.repeats import place_of
 from lightning_numguard.detect import flags, registry
 from lightning_numguard.detect.conventions import InputConventions
 from lightning_numguard.detect.spike_guard import SpikeGuard
@@ -28,7 +29,7 @@ from lightning_numguard.diagnose.findings import Finding
 from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.read import StepRead
 from lightning_numguard.engine.record import StepRecord, StepRecorder
-from lightning_numguard.errors import NonFiniteError
+from lightning_numguard.errors import NonFiniteError, SuspectedHardwareError
 from lightning_numguard.reporting.amp import AmpCounters
 from lightning_numguard.reporting.ledger import Ledger
 from lightning_numguard.reporting.report import Reporter
@@ -57,9 +58,13 @@ class StepPipeline:
     amp: AmpCounters
     reporter: Reporter
 
+    #: where a halt writes its files when ``dirpath`` is ``None`` (``None``: nowhere)
+    halt_dirpath: Path | None = None
+
     @classmethod
-    def build(cls, s: GuardConfig, dirpath: Path | None) -> StepPipeline:
-        """The parts of a fit, wired (``dirpath``: where files go; ``None``: no file is written)."""
+    def build(cls, s: GuardConfig, dirpath: Path | None, halt_dirpath: Path | None = None) -> StepPipeline:
+        """The parts of a fit, wired (``dirpath``: where files go; ``None``: no file is written, except by a halt,
+        into ``halt_dirpath``)."""
         conventions = InputConventions()  # batch fields flagged step after step: no longer checked
         r, k = s.recovery, s.spikes
         reporter = Reporter(dirpath, warn=s.emit_warnings)
@@ -73,7 +78,17 @@ class StepPipeline:
         spike = SpikeGuard(s.spike_action, k.sigma, k.window, k.judged_after, k.rollback_after, k.overflow_headroom)
         recorder, reader = _instruments(s, spike, conventions)
         return cls(
-            s, recorder, reader, snapshots, recovery, Ledger(reporter), spike, conventions, AmpCounters(), reporter
+            s,
+            recorder,
+            reader,
+            snapshots,
+            recovery,
+            Ledger(reporter),
+            spike,
+            conventions,
+            AmpCounters(),
+            reporter,
+            halt_dirpath if dirpath is None else None,
         )
 
     def without_instruments(self) -> StepPipeline:
@@ -107,7 +122,9 @@ class StepPipeline:
         findings: list[Finding] = []
         events: list[dict[str, Any]] = []
         if rec.skip_forced:  # a batch known to be bad: skipped without an incident
-            facts = Facts(forced_skip=True, state_bad=view.state_bad(loop, self.reader), late=late)
+            quarantined = "quarantined" in str(rec.forced_skip)
+            state_bad = view.state_bad(loop, self.reader)
+            facts = Facts(forced_skip=True, state_bad=state_bad, late=late, quarantined=quarantined)
             log.info("numguard skipped batch %s at step %s: %s", rec.batch_idx, rec.step, rec.forced_skip)
         elif seen.any:
             view.point_to_bad_micro_batch(loop, self.recorder)  # under accumulation: the micro-batch that went bad
@@ -117,7 +134,9 @@ class StepPipeline:
             findings, declared = self.conventions.sort(found.findings)  # a field flagged step after step: not a fault
             events = self._conventions_declared(loop, declared, rec)
             incident = [f for f in findings if not registry.is_advisory(f.kind)]
-            failures = self.recovery.quarantine.count_failure(position_key(rec.batch, rec.batch_idx)) if incident else 0
+            key = position_key(rec.batch, rec.batch_idx)
+            failures = self.recovery.quarantine.count_failure(key) if incident else 0
+            root = next((f for f in incident if f.root_cause), None)
             facts = Facts(
                 incident=bool(incident),
                 state_bad=bool(found.state_bad),
@@ -127,6 +146,8 @@ class StepPipeline:
                 late=late,
                 device_skipped=late and s.acting,  # every flagged step is skipped on the device when read late
                 broken=_broken(findings),
+                place=place_of(loop, root.kind, root.where, key) if root is not None else None,
+                device_fault=root.details.get("device_fault") if root is not None else None,
             )
         else:
             self.conventions.clean_step()
@@ -135,15 +156,15 @@ class StepPipeline:
                 escalated = f"{s.spikes.rollback_after} spikes within {s.spikes.window} steps"
                 spikes = [replace(f, details={**f.details, "escalated": escalated}) for f in spikes]
             findings = spikes
-            facts = Facts(spike=wanted, snapshot_due=due, late=late)
+            place = place_of(loop, spikes[0].kind, spikes[0].where, None) if spikes else None
+            facts = Facts(spike=wanted, snapshot_due=due, late=late, place=place)
         findings = advisory + findings  # advisory findings (overflow risks) are judged too: reported, never acted on
-        budget = Budget(
-            self.snapshots.snapshot is not None,
-            self.ledger.rollbacks_this_fit,
-            s.max_rollbacks,
-            self.recovery.restores.repeats.cause,
+        decision = judge(
+            s.action, facts, self._budget(facts), quarantine=s.recovery.quarantine, retry=s.recovery.retry_transient
         )
-        decision = judge(s.action, facts, budget, quarantine=s.recovery.quarantine, retry=s.recovery.retry_transient)
+        # a quarantined batch counts in the run of bad steps; a skip in the window after a rollback neither counts nor
+        # breaks it
+        self.ledger.judged(facts.incident, facts.forced_skip, facts.quarantined)
         for f in findings:
             advisory_kind = registry.is_advisory(f.kind)
             f = f if advisory_kind else view.marked(f, loop.step)
@@ -155,6 +176,25 @@ class StepPipeline:
             log.info("numguard (deferred) step %s, read at step %s: %s", rec.step, loop.step, decision.action)
         return decision
 
+    def _budget(self, facts: Facts) -> Budget:
+        """What recovery has left for a step of these ``facts``: the snapshot, the rollbacks, the rollbacks of the
+        same trouble at the same place, the steps in a row with an incident and the device faults of its rank."""
+        s, r = self.settings, self.settings.recovery
+        same, shared = self.recovery.restores.repeats.times_at(facts.place)
+        fault = facts.device_fault
+        return Budget(
+            self.snapshots.snapshot is not None,
+            self.ledger.rollbacks_this_fit,
+            s.max_rollbacks,
+            self.recovery.restores.repeats.cause,
+            same_place=same,
+            same_place_said=facts.place.said(shared) if shared is not None else None,
+            bad_steps=self.ledger.bad_run,
+            max_bad_steps=r.max_bad_steps,
+            device_faults=self.ledger.device_faults_of(fault) + 1 if fault is not None else 0,
+            max_device_faults=r.max_device_faults,
+        )
+
     def finish(self, loop: Loop, rec: StepRecord) -> Outcome | None:
         """Batch end: carry out the step's decision and record its events with what was done (counted first: the
         ``last_finite.ckpt`` of a rollback or halt counts its incident). Returns the outcome (``None``: clean)."""
@@ -162,6 +202,7 @@ class StepPipeline:
         if decision is None or (decision.action == "none" and not rec.events):  # a clean step: nothing left to do
             return None
         if decision.action == "halt":
+            self._halt_files(loop)
             self.ledger.record(loop, rec.events)
         else:  # counted first: the last_finite.ckpt a rollback writes holds the fit's counters, this step's included
             self.ledger.count_events(rec.events)
@@ -173,20 +214,49 @@ class StepPipeline:
         ckpt = self.recovery.ckpt_path
         self.ledger.log_action(loop, rec, outcome.snapshot_step, ckpt, outcome.steps_lost)
         if decision.action == "halt" and (self.settings.recovery.halt_raises or not loop.will_stop()):
+            hardware = decision.hardware
+            if hardware is not None:
+                raise SuspectedHardwareError(
+                    self._halt_message(loop, rec),
+                    int(hardware["rank"]),
+                    str(hardware["host"]),
+                    str(hardware["device"]),
+                    int(hardware["faults"]),
+                )
             raise NonFiniteError(self._halt_message(loop, rec))
         return outcome
+
+    def _halt_files(self, loop: Loop) -> None:
+        """A halt outlives the process: when the run writes no file, ``last_finite.ckpt`` and ``events.jsonl`` (the
+        fit's events so far, then the halt's) go into :attr:`halt_dirpath` all the same (every rank: the checkpoint
+        is collective)."""
+        folder = self.halt_dirpath
+        if folder is None or self.recovery.dirpath is not None:
+            return
+        self.recovery.dirpath = folder
+        self.reporter.open(loop, folder, self.ledger.events)
 
     def _halt_message(self, loop: Loop, rec: StepRecord) -> str:
         """What a halt raises: why, where the last finite state is, and how to resume from it."""
         ckpt = self.recovery.ckpt_path
-        why = next((e["message"] for e in rec.events if e["action"] == "halt"), "non-finite values").rstrip(".")
+        forced = f"batch {rec.batch_idx} was skipped: {rec.forced_skip}" if rec.forced_skip else "non-finite values"
+        why = next((e["message"] for e in rec.events if e["action"] == "halt"), forced).rstrip(".")
         decision = rec.decision
         text = f"NumGuard halted training at step {rec.step}: {why}"
         if decision is not None and decision.escalation:
             text += f" (escalated from {decision.configured!r}: {decision.escalation})"
         if ckpt is None:
             return text + ". The last finite state was restored in memory (no file is written in this run)."
-        return text + f". The last finite state is in {ckpt}: fix the cause, then resume with {loop.resume_hint(ckpt)}."
+        if not ckpt.exists():  # no verified-finite state to save (none was kept, or none is finite)
+            events = self.reporter.events_path
+            where = f"; the events are in {events}" if events is not None else ""
+            return text + f". No finite state was kept to write to {ckpt}{where}."
+        events = self.reporter.events_path
+        where = f" (events: {events})" if events is not None else ""
+        return (
+            text + f". The last finite state is in {ckpt}{where}: fix the cause, then resume with "
+            f"{loop.resume_hint(ckpt)}."
+        )
 
     # ------------------------------------------------------------------ once per fit or per checkpoint
 

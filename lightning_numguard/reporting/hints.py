@@ -31,7 +31,9 @@ from lightning_numguard.detect import registry
 from lightning_numguard.diagnose.findings import AFTER_FORWARD
 
 __all__ = [
+    "COMPILED_HINT",
     "COVERAGE_PROBLEMS",
+    "DEVICE_FAULT_HINT",
     "FILL_VALUES",
     "FORWARD_OP_HINTS",
     "INPUTS_ALREADY_BAD_HINT",
@@ -233,6 +235,15 @@ INPUTS_ALREADY_BAD_HINT = (
     "the batch and the weights were finite when checked, so the NaN/Inf was made after the batch check and "
     "before this module ran: look at what training_step does before calling it (an edit of the batch, a value "
     "computed there) and fix it at its source"
+)
+DEVICE_FAULT_HINT = (
+    "nothing in the model or the data needs changing: the step was recovered like any other; a device that keeps "
+    "doing it is faulty (silent data corruption), and NumGuard halts with SuspectedHardwareError after "
+    "recovery.max_device_faults faults on one rank, naming the node to exclude"
+)
+COMPILED_HINT = (
+    "confirm by training without torch.compile; to find the kernel, run with TORCHINDUCTOR_NAN_ASSERTS=1 or bisect "
+    "the compiler (python -m torch._inductor.compiler_bisector)"
 )
 _INPUTS_UNCHECKED_HINT = (
     "the batch, the weights or code run before this module (in training_step) already held the NaN/Inf: add "
@@ -716,6 +727,10 @@ def event_hint(kind: str, details: Mapping[str, Any]) -> str:
     after = details.get("after")
     if after and (kind in _DOWNSTREAM_KINDS or (kind == "nonfinite_param" and details.get("when") == AFTER_FORWARD)):
         return consequence_hint(after)
+    if kind in _DOWNSTREAM_KINDS and details.get("device_fault"):  # it did not come back when the step was re-run
+        return DEVICE_FAULT_HINT
+    if kind in _DOWNSTREAM_KINDS and details.get("compiled"):
+        return COMPILED_HINT
     replay = details.get("replay")
     replay = replay if isinstance(replay, Mapping) else {}
     specific: Any = None

@@ -37,6 +37,10 @@ class Ledger:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.incidents_by_kind: dict[str, int] = {}
         self.rollbacks_this_fit = 0  # what max_rollbacks limits (``counters["rollbacks"]`` carries over a resume)
+        self.bad_run = 0  # steps with an incident in a row, up to the last one judged (what max_bad_steps limits)
+        self.quarantined_steps = 0  # steps of this fit skipped without an incident: their batch was quarantined
+        #: device faults per rank, with its host and device (carried over a resume: what max_device_faults limits)
+        self.device_faults: dict[int, dict[str, Any]] = {}
         self.reporter = reporter
         self.earlier_events: list[str] = []  # events.jsonl of the runs this fit resumed from (a checkpoint's)
         self._told: tuple[str, str] | None = None  # the action and cause of the last action line
@@ -44,13 +48,18 @@ class Ledger:
         self._again: list[int] = []  # steps that repeated it since
 
     def load(
-        self, counters: Mapping[str, int], incidents_by_kind: Mapping[str, int], events_files: Sequence[str] = ()
+        self,
+        counters: Mapping[str, int],
+        incidents_by_kind: Mapping[str, int],
+        events_files: Sequence[str] = (),
+        device_faults: Mapping[int, dict[str, Any]] | None = None,
     ) -> None:
-        """The counters, incident counts and earlier runs' ``events.jsonl`` of a checkpoint (already validated): a
-        resumed run goes on counting, and its summary points at the events of the run it resumed from."""
+        """The counters, incident counts, earlier runs' ``events.jsonl`` and device faults of a checkpoint (already
+        validated): a resumed run goes on counting, and its summary points at the events of the run it resumed from."""
         self.counters.update(counters)
         self.incidents_by_kind = dict(incidents_by_kind)
         self.earlier_events = list(events_files)
+        self.device_faults = {int(k): dict(v) for k, v in (device_faults or {}).items()}
 
     def events_files(self) -> list[str]:
         """The ``events.jsonl`` of the runs so far, oldest first, this run's last (absolute paths; what a checkpoint
@@ -75,10 +84,32 @@ class Ledger:
 
     def count_events(self, events: list[dict[str, Any]]) -> None:
         """Count ``events`` in ``incidents`` and the counts by kind, before they are recorded (a rollback's
-        ``last_finite.ckpt``, written before its events are complete, holds the fit's counters)."""
+        ``last_finite.ckpt``, written before its events are complete, holds the fit's counters); a root cause that
+        was a device fault counts for its rank."""
         self.counters["incidents"] += sum(1 for e in events if counts_as_incident(e))
         for e in events:
             self.incidents_by_kind[e["kind"]] = self.incidents_by_kind.get(e["kind"], 0) + 1
+            fault = (e.get("details") or {}).get("device_fault")
+            if fault and counts_as_incident(e):
+                rank = int(fault.get("rank", e["rank"]))
+                entry = self.device_faults.setdefault(rank, {"host": fault.get("host"), "device": fault.get("device")})
+                verdict = str(fault.get("verdict", "transient"))
+                entry[verdict] = int(entry.get(verdict, 0)) + 1
+
+    def device_faults_of(self, fault: Mapping[str, Any]) -> int:
+        """The device faults counted so far on the rank of ``fault`` (a finding's ``details["device_fault"]``)."""
+        entry = self.device_faults.get(int(fault.get("rank", -1)), {})
+        return sum(int(v) for k, v in entry.items() if k not in ("host", "device"))
+
+    def judged(self, incident: bool, neutral: bool, quarantined: bool = False) -> None:
+        """A step was judged: one more in the run of steps that went bad (an ``incident``, or a ``quarantined``
+        batch), or the run is over (a clean step); another batch skipped without an incident (``neutral``: in the
+        window after a rollback) neither counts nor breaks it."""
+        self.quarantined_steps += int(quarantined)
+        if incident or quarantined:
+            self.bad_run += 1
+        elif not neutral:
+            self.bad_run = 0
 
     def event(
         self,

@@ -272,6 +272,45 @@ def positions_words(path: str, details: Mapping[str, Any]) -> str:
     return text + ")"
 
 
+def _reproduction(s: _Say, what: str) -> str | None:
+    """The sentence of a root cause whose step was re-run with the same weights, inputs and RNG: when the value did
+    not come back (or came back only on its own rank), the truth about it; ``None`` when the replay says nothing of
+    the device (the sentence of the kind then stands, with this clause added by :func:`_reproduced_elsewhere`)."""
+    if not s.root:
+        return None
+    fault = s.details.get("device_fault") or {}
+    where = f"rank {fault.get('rank')}, host {fault.get('host')}, device {fault.get('device')}"
+    if fault.get("verdict") == "transient":
+        return (
+            f"{what} {s.at}, which did not reproduce when the step was re-run with the same weights, inputs and RNG: "
+            f"not a fault of the code or the data; a transient fault of the device — {where}"
+        )
+    if fault.get("verdict") == "this_rank":
+        neighbour = (s.details.get("neighbour") or {}).get("rank", "?")
+        return (
+            f"{what} {s.at}, again when rank {fault.get('rank')} re-ran the step, but not when rank {neighbour} re-ran "
+            f"the same micro-batch with the same weights and RNG: not a fault of the code or the data; a fault of "
+            f"this rank's device — {where}"
+        )
+    if s.details.get("compiled"):
+        return (
+            f"{what} {s.at}, which did not reproduce when the step was re-run eagerly with the same weights, inputs "
+            "and RNG: the compiled code made it (or the device did)"
+        )
+    return None
+
+
+def _reproduced_elsewhere(s: _Say) -> str:
+    """What a neighbour's re-run of the same micro-batch adds when it made the value too."""
+    neighbour = s.details.get("neighbour") or {}
+    if not s.root or not neighbour.get("reproduced"):
+        return ""
+    return (
+        f" (rank {neighbour.get('rank')} re-ran the same micro-batch with the same weights and RNG and made it too: "
+        "the data or the code, not the device)"
+    )
+
+
 def _input(s: _Say) -> str:
     text = f"non-finite value in {s.names} {s.at}"
     stats = s.details.get("stats") or {}
@@ -293,12 +332,24 @@ def _output(s: _Say) -> str:
     op, replay, source, module = s.op, s.replay, s.source, s.module
     if s.details.get("received_from"):
         return f"module {s.names} received non-finite values from `{s.details['received_from']}` {s.at}"
+    verdict = _reproduction(s, f"module {s.names} produced a non-finite output")
+    if verdict is not None:
+        return verdict
+    return _output_made(s, op, replay, source, module) + _reproduced_elsewhere(s)
+
+
+def _output_made(s: _Say, op: str | None, replay: dict[str, Any], source: str | None, module: str | None) -> str:
     text = f"module {s.names} produced the first non-finite output {s.at}"
     if s.details.get("own_code"):
         text = f"the LightningModule's own code ({s.names}, outside every submodule) made the first non-finite "
         text += f"value {s.at}"
+    written = replay.get("written") or {}
+    into = f" into {written.get('source')} `{written.get('name')}`" if written.get("name") else ""
     if op and replay.get("literal"):
-        text += f"; replay traced it to op `{op}`" + (f" at {source}" if source else "") + ", writing a NaN/Inf literal"
+        text += f"; replay traced it to op `{op}`" + (f" at {source}" if source else "")
+        text += f", writing a NaN/Inf literal{into}"
+    elif op and into:
+        text += f"; replay traced it to op `{op}`" + (f" at {source}" if source else "") + f", writing{into}"
     elif op:
         # kept word for word from earlier versions: "replay traced it to op `div` in `norm`"
         text += f"; replay traced it to op `{op}`" + (f" in `{module}`" if module else "")
@@ -334,6 +385,13 @@ def _op_domain(s: _Say) -> str:
 
 
 def _loss(s: _Say) -> str:
+    verdict = _reproduction(s, "the loss went non-finite")
+    if verdict is not None:
+        return verdict
+    return _loss_made(s) + _reproduced_elsewhere(s)
+
+
+def _loss_made(s: _Say) -> str:
     text = f"the loss is non-finite {s.at}"
     if s.op:
         text += "; " + _op_clause(s.op, s.module, s.source, inf_in=bool(s.replay.get("inf_in")))
@@ -347,6 +405,9 @@ def _loss(s: _Say) -> str:
 
 
 def _grad(s: _Say) -> str:
+    verdict = _reproduction(s, f"the gradient of {s.names} went non-finite")
+    if verdict is not None:
+        return verdict
     text = f"non-finite gradient in {s.names} {s.at}"
     if s.op:
         text += "; " + _op_clause(s.op, s.module, s.source, backward=True)

@@ -57,6 +57,8 @@ class FitProgress:
         events_path: Any,
         ended: str = "finished",
         resumed_from: str | None = None,
+        device_faults: dict[int, dict[str, Any]] | None = None,
+        quarantined_steps: int = 0,
     ) -> FitSummary | None:
         """The end-of-fit summary once per fit (global rank 0): logged, or printed as a table under a Rich bar
         (``resumed_from``: the ``events.jsonl`` of the run this one resumed from, named after this run's)."""
@@ -67,8 +69,18 @@ class FitProgress:
             return None
         path = str(events_path) if events_path is not None and events_path.exists() else None
         found = resumed_from is not None and Path(resumed_from).exists()
-        lost = self.steps_lost_to_rollbacks
-        summary = summarize(events, counters, lost, loop.step, path, ended, resumed_from, found)
+        summary = summarize(
+            events,
+            counters,
+            self.steps_lost_to_rollbacks,
+            loop.step,
+            path,
+            ended,
+            resumed_from,
+            found,
+            quarantined_steps=quarantined_steps,
+            device_faults=device_faults,
+        )
         table = summary.eventful and loop.rich_console
         level = logging.WARNING if summary.eventful and not table else logging.INFO  # the table shows it already
         log.log(level, "%s", summary_text(summary))

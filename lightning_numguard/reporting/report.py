@@ -79,6 +79,14 @@ class Reporter:
         self._counted: dict[str, int] = {}  # the counters as last written to the loggers
         self.warn = warn
 
+    def open(self, loop: Loop, dirpath: Path, earlier: list[dict[str, Any]]) -> None:
+        """Start writing into ``dirpath`` in a run that wrote no file (a halt's files outlive the process):
+        ``events.jsonl`` begins with the ``earlier`` events (global rank 0 writes)."""
+        self.dirpath = dirpath
+        self.writer = JsonlWriter(dirpath / "events.jsonl")
+        if earlier and loop.is_zero:
+            self.writer.write(earlier)
+
     def emit(self, loop: Loop, events: list[dict[str, Any]], counters: dict[str, int]) -> None:
         """Record ``events`` (already in causal order) and the running ``counters``."""
         if not events:

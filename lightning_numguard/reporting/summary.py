@@ -80,11 +80,14 @@ class FitSummary:
     resumed_from: str | None = None
     resumed_found: bool = True
     rollbacks_this_fit: int | None = None
+    quarantined_steps: int = 0
+    #: per rank: ``(rank, host, device, {verdict: count})`` of the device faults counted (this fit and those it resumed)
+    device_faults: tuple[tuple[int, str, str, tuple[tuple[str, int], ...]], ...] = ()
 
     @property
     def eventful(self) -> bool:
         """Whether anything happened that a user should read about."""
-        return bool(self.kinds or self.incidents or self.skipped_steps or self.rollbacks)
+        return bool(self.kinds or self.incidents or self.skipped_steps or self.rollbacks or self.device_faults)
 
 
 def summarize(
@@ -96,6 +99,8 @@ def summarize(
     ended: str = "finished",
     resumed_from: str | None = None,
     resumed_found: bool = True,
+    quarantined_steps: int = 0,
+    device_faults: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> FitSummary:
     """Fold a fit's ``events`` (in the order recorded) and the guard's ``counters`` into a :class:`FitSummary`.
 
@@ -109,6 +114,8 @@ def summarize(
         ended: how the fit ended (``"finished"``, or the name of the exception that stopped it).
         resumed_from: the ``events.jsonl`` of the run this fit resumed from (``None``: none, or not resumed).
         resumed_found: whether that file is there (a checkpoint moved to another machine names a path it lacks).
+        quarantined_steps: steps skipped without an incident because their batch was quarantined.
+        device_faults: per rank, its ``host``, ``device`` and device faults by verdict (``transient``, ``this_rank``).
     """
     halted = {int(e.get("step", -1)) for e in events if e.get("action") == "halt"}
     repaired = {int(e.get("step", -1)) for e in events if _at_end(e) and e.get("action") == "rollback"}
@@ -132,6 +139,16 @@ def summarize(
         resumed_from=resumed_from,
         resumed_found=resumed_found,
         rollbacks_this_fit=len(rolled),
+        quarantined_steps=int(quarantined_steps),
+        device_faults=tuple(
+            (
+                int(rank),
+                str(entry.get("host")),
+                str(entry.get("device")),
+                tuple((str(k), int(v)) for k, v in entry.items() if k not in ("host", "device")),
+            )
+            for rank, entry in sorted((device_faults or {}).items())
+        ),
     )
 
 
@@ -182,6 +199,19 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+#: how a device fault's verdict is said in the summary
+_VERDICTS = {"transient": "transient", "this_rank": "on this rank's device only"}
+
+
+def _device_lines(s: FitSummary) -> list[str]:
+    """One line per rank whose device made faults: its host, device and faults by verdict."""
+    lines = []
+    for rank, host, device, counts in s.device_faults:
+        said = ", ".join(f"{n} {_VERDICTS.get(v, v)}" for v, n in counts)
+        lines.append(f"  device faults on rank {rank} (host {host}, device {device}): {said}")
+    return lines
+
+
 def _and(parts: Sequence[str]) -> str:
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
@@ -192,6 +222,8 @@ def _handled(s: FitSummary) -> str:
     rollbacks = max(0, s.rollbacks - s.repairs)
     skips = max(0, s.skipped_steps - rollbacks - s.halts)
     parts = [_plural(skips, "skipped step")] if skips else []
+    if skips and s.quarantined_steps:
+        parts[0] += f" ({s.quarantined_steps} of them quarantined batches, skipped without an incident)"
     lost = s.steps_lost_to_rollbacks  # this fit's: said only when every rollback counted is this fit's
     if rollbacks and (lost or s.rollbacks_this_fit == rollbacks):
         if lost:
@@ -255,6 +287,7 @@ def summary_text(s: FitSummary) -> str:
     if s.consequences:
         listed = ", ".join(f"{kind} x{n}" for kind, n in s.consequences)
         lines.append(f"  consequences (the same incidents, not counted): {listed}")
+    lines += _device_lines(s)
     lines.extend(f"  {line}" for line in where_lines(s))
     return "\n".join(lines)
 

@@ -197,7 +197,7 @@ class Recovery:
             if decision.quarantine:
                 quarantined = self.quarantine_batch(loop, rec, decision.quarantine)
         elif decision.action == "rollback":
-            restore = self.restores.before(loop, rec, self.snapshot, decision.new_rollback)
+            restore = self.restores.before(loop, rec, self.snapshot, decision.new_rollback, decision.place)
             kept = schedule(loop) if restore is not None and restore.repeat is not None else None
             self.snapshots.restore(loop)  # collective when sharded: every rank read the same flags
             put_schedule(loop, kept)  # a repeat: the LR schedule keeps its place, the same steps are not run again

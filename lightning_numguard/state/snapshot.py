@@ -230,7 +230,12 @@ def restore(
         )
     opt_specs = snapshot.specs.get("optimizers") or [None] * len(optimizers)
     for opt, state, specs in zip(optimizers, snapshot.optimizers, opt_specs):
+        # a key added to a parameter group since the snapshot (StochasticWeightAveraging's ``swa_lr``, put there with
+        # the scheduler that reads it) is kept: the snapshot's group cannot say it, and its reader would fail
+        added = [{k: v for k, v in g.items() if k not in s} for g, s in zip(opt.param_groups, state["param_groups"])]
         opt.load_state_dict(globalize(clone_tree(state), specs))
+        for group, keys in zip(opt.param_groups, added):
+            group.update(keys)
     for name, obj in (stateful or {}).items():
         if name in snapshot.stateful:
             obj.load_state_dict(clone_tree(snapshot.stateful[name]))

@@ -2,12 +2,13 @@
 
 Each adapter has ``state_dict()`` and ``load_state_dict(state)`` (the :class:`Stateful` protocol of
 :mod:`~lightning_numguard.state.snapshot`): a torchmetrics metric's accumulated state, numpy's
-global RNG, the precision plugin's GradScaler. LR schedulers already are stateful.
+global RNG, the precision plugin's GradScaler, and what another part of the loop holds (:class:`HeldState`: the
+averaged model of a weight-averaging callback, a callback's own state). LR schedulers already are stateful.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +16,15 @@ import torch
 from lightning_numguard import _compat
 from lightning_numguard.state.snapshot import Stateful, clone_tree
 
-__all__ = ["MetricState", "NumpyRNG", "PrecisionState", "apply_lr_backoff", "clone_states", "module_states"]
+__all__ = [
+    "HeldState",
+    "MetricState",
+    "NumpyRNG",
+    "PrecisionState",
+    "apply_lr_backoff",
+    "clone_states",
+    "module_states",
+]
 
 
 class MetricState:
@@ -74,6 +83,38 @@ class PrecisionState:
             tracker.copy_(state["growth_tracker_tensor"])
             return
         self.plugin.load_state_dict(state)
+
+
+class HeldState:
+    """What another part of the loop holds that a rollback puts back with the weights: modules (a weight average, a
+    callback's own copy of the model), restored in place through their ``state_dict``, and a state of its own
+    (``get`` returns it, plain values and tensors, which the snapshot copies; ``put`` puts a copy back).
+
+    Args:
+        modules: the modules, by a name of their own.
+        get: the held state besides the modules (``None``: none).
+        put: puts back what ``get`` returned.
+    """
+
+    def __init__(
+        self,
+        modules: Mapping[str, torch.nn.Module],
+        get: Callable[[], Any] | None = None,
+        put: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.modules = dict(modules)
+        self.get, self.put = get, put
+
+    def state_dict(self) -> dict[str, Any]:
+        own = self.get() if self.get is not None else None
+        return {"modules": {name: m.state_dict() for name, m in self.modules.items()}, "own": own}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, module in self.modules.items():
+            if name in state["modules"]:
+                module.load_state_dict(state["modules"][name])
+        if self.put is not None and state.get("own") is not None:
+            self.put(state["own"])
 
 
 def module_states(module: torch.nn.Module) -> dict[str, Stateful]:

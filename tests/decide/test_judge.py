@@ -226,3 +226,46 @@ def test_a_broken_data_pipeline_halts_instead_of_skipping_every_step():
         d = judge(action, Facts(incident=True, broken=why), Budget(True, 0, 10))
         assert (d.action, d.configured, d.escalation, d.restore) == ("halt", action, why, True)
     assert judge("warn", Facts(incident=True, broken=why), Budget(True, 0, 10)).action == "warn"
+
+
+def test_skip_and_warn_have_a_budget_of_bad_steps_in_a_row():
+    """Under ``skip`` and ``warn`` the ``max_bad_steps``-th step in a row that went bad halts, as ``max_rollbacks``
+    halts ``rollback``; a quarantined batch counts, a batch in the skip window after a rollback does not."""
+    budget = Budget(True, 0, 10, bad_steps=9, max_bad_steps=10)
+    for action in ("skip", "warn"):
+        d = judge(action, Facts(incident=True), budget)
+        assert (d.action, d.configured, d.restore) == ("halt", action, True)
+        assert d.escalation.startswith("10 steps in a row went bad") and "recovery.max_bad_steps=10" in d.escalation
+        assert judge(action, Facts(incident=True), Budget(True, 0, 10, bad_steps=8, max_bad_steps=10)).action == action
+        assert judge(action, Facts(incident=True), Budget(True, 0, 10, bad_steps=99, max_bad_steps=0)).action == action
+    quarantined = judge("skip", Facts(forced_skip=True, quarantined=True), budget)
+    assert quarantined.action == "halt" and quarantined.counts == {"skipped_steps": 1}
+    assert judge("skip", Facts(forced_skip=True), budget).action == "skip"  # the window after a rollback
+    assert judge("rollback", Facts(incident=True), budget).action == "rollback"  # max_rollbacks is its budget
+
+
+def test_the_same_trouble_a_third_time_at_the_same_place_halts_instead_of_rolling_back():
+    said = "nonfinite_param at `net.0.weight` at LR schedule position 5"
+    d = judge("rollback", Facts(incident=True, state_bad=True), Budget(True, 2, 10, same_place=2, same_place_said=said))
+    assert d.action == "halt" and d.escalation == f"{said} came back after 2 rollbacks: a third would loop"
+    assert judge("rollback", Facts(incident=True), Budget(True, 1, 10, same_place=1)).action == "rollback"
+    assert judge("skip", Facts(incident=True), Budget(True, 0, 10, same_place=2)).action == "skip"  # nothing restored
+
+
+def test_device_faults_on_one_rank_halt_with_the_node_named():
+    fault = {"verdict": "this_rank", "rank": 3, "host": "node7", "device": "cuda:3"}
+    budget = Budget(True, 0, 10, device_faults=3, max_device_faults=3)
+    d = judge("rollback", Facts(incident=True, device_fault=fault), budget)
+    assert d.action == "halt" and d.hardware == {"rank": 3, "host": "node7", "device": "cuda:3", "faults": 3}
+    assert d.escalation.startswith("3 device faults on rank 3 (host node7, device cuda:3")
+    fewer = Budget(True, 0, 10, device_faults=2, max_device_faults=3)
+    assert judge("rollback", Facts(incident=True, device_fault=fault), fewer).hardware is None
+    never = Budget(True, 0, 10, device_faults=50, max_device_faults=0)
+    assert judge("skip", Facts(incident=True, device_fault=fault), never).action == "skip"
+    assert judge("rollback", Facts(incident=True), budget).hardware is None  # not a device fault
+
+
+def test_the_place_of_the_trouble_goes_with_the_decision():
+    place = object()
+    assert judge("rollback", Facts(incident=True, place=place), OK).place is place
+    assert judge("rollback", Facts(incident=True, place=place, late=True), OK).place is place

@@ -49,12 +49,15 @@ def test_a_backward_only_inf_is_named_by_its_autograd_node_and_user_line():
 def test_a_clean_step_names_nothing_and_a_raising_step_is_reported_not_raised():
     model = nn.Linear(2, 1)
     x = torch.randn(3, 2)
-    assert replay(model, lambda: model(x).sum()).details() == {}
+    clean = replay(model, lambda: model(x).sum())
+    assert clean.details() == {"reproduced": False} and clean.stage is None  # it ran, and nothing came back
+    assert clean.again is False and replay(model, lambda: model(x).sum() * float("nan")).again is True
 
     def boom() -> torch.Tensor:
         raise RuntimeError("user code failed")
 
-    assert replay(model, boom).error == "RuntimeError: user code failed"
+    raised = replay(model, boom)
+    assert raised.error == "RuntimeError: user code failed" and raised.again is None  # no verdict on a raise
 
 
 def test_the_replay_restores_the_rng_it_was_given_and_the_one_it_found():

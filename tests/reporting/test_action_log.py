@@ -93,17 +93,21 @@ def test_fast_dev_run_writes_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert not {"events.jsonl", "last_finite.ckpt"} & set(written), written
 
 
-def test_no_logger_no_checkpointing_no_dirpath_writes_nothing_in_the_cwd(
+def test_a_halt_with_no_logger_no_checkpointing_no_dirpath_still_writes_its_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A halted run's last finite state must outlive the process: with nowhere chosen it goes into
+    ``<default_root_dir>/numguard`` (here the working directory's), and the message says where."""
     monkeypatch.chdir(tmp_path)
     cb = NumGuardCallback(action="halt", check=EVERY_CHECK, recovery={"replay": False})
     tr = quiet_trainer([cb], max_steps=6)  # no default_root_dir: the working directory
-    with warnings.catch_warnings(), pytest.raises(NonFiniteError, match="restored in memory"):
+    with warnings.catch_warnings(), pytest.raises(NonFiniteError) as err:
         warnings.simplefilter("ignore")
         tr.fit(FaultModel(site="loss", step=3), loader(FaultData()))
     assert [(e["kind"], e["action"]) for e in cb.events] == [("nonfinite_loss", "halt")]
-    assert sorted(tmp_path.iterdir()) == []
+    assert sorted(p.name for p in (tmp_path / "numguard").iterdir()) == ["events.jsonl", "last_finite.ckpt"]
+    assert str(tmp_path / "numguard" / "last_finite.ckpt") in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["numguard"]
 
 
 def test_warnings_point_at_the_users_line(tmp_path: Path) -> None:

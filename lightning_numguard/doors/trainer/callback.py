@@ -33,7 +33,7 @@ from lightning_numguard.config.argtypes import plain_args
 from lightning_numguard.config.arguments import GuardConfig
 from lightning_numguard.config.doc import DOC
 from lightning_numguard.doors.trainer.loop import TrainerLoop
-from lightning_numguard.doors.trainer.nofiles import files_folder
+from lightning_numguard.doors.trainer.nofiles import check_folder, files_folder, halt_folder
 from lightning_numguard.doors.trainer.strategies import check_strategy
 from lightning_numguard.engine.flow import StepFlow
 from lightning_numguard.engine.guard import GuardState
@@ -74,7 +74,7 @@ class NumGuardCallback(GuardConfig, GuardState, Callback):
         """The trainer in the engine's terms (one per fit)."""
         loop = self._fit_loop
         if loop is None or loop.trainer is not trainer or loop.module is not pl_module:
-            loop = self._fit_loop = TrainerLoop(trainer, pl_module)
+            loop = self._fit_loop = TrainerLoop(trainer, pl_module, self._flow.settings.recovery.restore_callbacks)
         return loop
 
     @override
@@ -84,8 +84,11 @@ class NumGuardCallback(GuardConfig, GuardState, Callback):
         _compat.require_accumulation_api(trainer)
         config = self._flow.settings
         check_strategy(trainer.strategy, config.action)
-        self._fit_loop = TrainerLoop(trainer, pl_module)
-        self._flow = self._flow.setup(pl_module, config, files_folder(trainer, config.dirpath))
+        self._fit_loop = TrainerLoop(trainer, pl_module, config.recovery.restore_callbacks)
+        folder = files_folder(trainer, config.dirpath)
+        if folder is not None:  # before the first step, on every rank: the files the guard exists to write
+            check_folder(folder, given=bool(config.dirpath))
+        self._flow = self._flow.setup(pl_module, config, folder, halt_folder(trainer))
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

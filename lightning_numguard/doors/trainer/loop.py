@@ -10,7 +10,7 @@ they share. Private Lightning names are reached through :mod:`lightning_numguard
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_numguard import _compat
+from lightning_numguard.doors.trainer.held import held_states
 from lightning_numguard.doors.trainer.logged import LoggedValues
 from lightning_numguard.doors.trainer.strategies import holds_local_shards, replicates_state
 from lightning_numguard.engine.loop import Loop
@@ -30,9 +31,10 @@ __all__ = ["TrainerLoop"]
 class TrainerLoop(Loop):
     """A ``Trainer`` fitting a ``LightningModule``, in the engine's terms."""
 
-    def __init__(self, trainer: Any, pl_module: Any) -> None:
+    def __init__(self, trainer: Any, pl_module: Any, restore_callbacks: Sequence[str] = ()) -> None:
         super().__init__(pl_module)
         self.trainer = trainer
+        self.restore_callbacks = tuple(restore_callbacks)  # ``recovery.restore_callbacks``: other callbacks restored
         self.pl_module: Any = pl_module  # the LightningModule, duck-typed (either Lightning package)
         self.logged = LoggedValues()  # what a discarded step logged is withdrawn from Lightning's results
 
@@ -76,12 +78,15 @@ class TrainerLoop(Loop):
         return bool(self.pl_module.automatic_optimization)
 
     def stateful(self) -> dict[str, Stateful]:
-        """The LR schedulers, the precision plugin's scaler, the module's metrics and numpy's RNG."""
+        """The LR schedulers, the precision plugin's scaler, the module's metrics, numpy's RNG, and what the other
+        callbacks hold that a rollback puts back (:mod:`~lightning_numguard.doors.trainer.held`: Lightning's weight
+        averages, the callbacks ``recovery.restore_callbacks`` names)."""
         out: dict[str, Stateful] = {f"lr_scheduler:{i}": s for i, s in enumerate(self.schedulers)}
         plugin = self.trainer.precision_plugin
         if getattr(plugin, "scaler", None) is not None:
             out["precision"] = PrecisionState(plugin)
         out.update(module_states(self.module))
+        out.update(held_states(self.trainer.callbacks, self.module, self.restore_callbacks))
         return out
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
