@@ -214,7 +214,7 @@ class SpikeGuard:
                     "sigma": self.sigma,
                     "window": held,
                     "window_size": self.window.window,
-                    "rule": "cube root > median + sigma x upper-half MAD",
+                    "rule": "cube root > median + sigma x max((95th percentile - median) / 1.645, median / 10)",
                 }
                 spikes.append(Finding(f"{name}_spike", [name], details, loss_rank if name == "loss" else 0))
         spikes = mark_consequences(spikes)  # a loss and a gradient norm spiking together are one incident
