@@ -54,27 +54,27 @@ _NO_KERNEL = frozenset(
 
 #: ``module suffix[:function]`` of the innermost package frame -> the check its ops belong to (first match wins)
 CHECK_OF: tuple[tuple[str, str], ...] = (
-    ("core.spike:global_norm", "gradients + state (norm total)"),
-    ("_extra", "checks of one's own (extra_checks)"),  # with the spike window on, the grads' check
-    ("_spike", "spikes"),
-    ("core.spike", "spikes"),
-    ("core.watch", "outputs"),
-    ("core.opguard", "op domains"),
-    ("_read:StepRead.slot_values.inputs", "inputs"),
-    ("_read:StepRead.slot_values.suspicious", "suspicious inputs"),
-    ("_read:StepRead.slot_values.loss", "loss"),
-    ("_record:StepRecorder.begin", "inputs"),
-    ("_record:StepRecorder.record_loss", "loss"),
-    ("_record", "step record (buffers, RNG)"),
-    ("_read:StepRead.norm_total", "gradients + state (norm total)"),
-    ("core.flags", "packing + read"),
-    ("_read", "packing + read"),
-    ("_distributed", "packing + read"),
-    ("_zerosync", "deferred read"),
-    ("core.pending", "deferred read"),
-    ("_recovery", "recovery"),
-    ("_snapshots", "snapshots"),
-    ("core.snapshot", "snapshots"),
+    ("detect.spike:global_norm", "gradients + state (norm total)"),
+    ("detect.extra", "checks of one's own (extra_checks)"),  # with the spike window on, the grads' check
+    ("detect.spike_guard", "spikes"),
+    ("detect.spike", "spikes"),
+    ("detect.watch", "outputs"),
+    ("detect.opguard", "op domains"),
+    ("engine.read:StepRead.slot_values.inputs", "inputs"),
+    ("engine.read:StepRead.slot_values.suspicious", "suspicious inputs"),
+    ("engine.read:StepRead.slot_values.loss", "loss"),
+    ("engine.record:StepRecorder.begin", "inputs"),
+    ("engine.record:StepRecorder.record_loss", "loss"),
+    ("engine.record", "step record (buffers, RNG)"),
+    ("engine.read:StepRead.norm_total", "gradients + state (norm total)"),
+    ("detect.flags", "packing + read"),
+    ("engine.read", "packing + read"),
+    ("engine.group", "packing + read"),
+    ("engine.deferred", "deferred read"),
+    ("engine.pending", "deferred read"),
+    ("state.recovery", "recovery"),
+    ("state.snapshots", "snapshots"),
+    ("state.snapshot", "snapshots"),
 )
 
 
@@ -120,7 +120,7 @@ def _caller_check() -> str | None:
                 return None  # the op guard running the model's own op
             if RAW:
                 return f"{module}:{function}:{frame.f_lineno}"
-            if module.endswith("_read") and function == "StepRead.slot_values":
+            if module.endswith("engine.read") and function == "StepRead.slot_values":
                 function += "." + _slot_of_line(frame)
             return _check_of(module, function)
         frame = frame.f_back

@@ -13,7 +13,7 @@ PACKAGE = ROOT / "lightning_numguard"
 #: import name -> distribution name, where they differ
 DISTRIBUTIONS = {"pytorch_lightning": "pytorch-lightning", "lightning": "lightning"}
 #: modules that import an extra at load time on purpose: the `lightning` package's own entry point
-EXTRA_MODULES = {"lightning_numguard/lightning.py": "lightning"}
+EXTRA_MODULES = {"lightning_numguard/doors/trainer/lightning_pkg.py": "lightning"}
 
 
 def _load_time_imports(path: Path) -> set[str]:

@@ -37,3 +37,7 @@ class NumGuardCallback(_numguard.NumGuardCallback, _LightningCallback):  # type:
         "from pytorch_lightning import Trainer\n        from lightning_numguard import NumGuardCallback",
         "from lightning.pytorch import Trainer\n        from lightning_numguard.lightning import NumGuardCallback",
     )
+
+
+# the public import path (LightningCLI's class_path, reprs, and the attach test's class names)
+NumGuardCallback.__module__ = "lightning_numguard.lightning"

@@ -300,7 +300,7 @@ def test_the_package_imports_and_validates_without_jsonargparse() -> None:
     code = (
         "import sys; sys.modules['jsonargparse'] = None\n"
         "from lightning_numguard import NumGuardCallback, NumGuardConfigError\n"
-        "from lightning_numguard.callbacks.config import _types\n"
+        "from lightning_numguard.config import argtypes as _types\n"
         "assert (_types.PositiveInt, _types.NonNegativeInt, _types.PositiveFloat, _types.Backoff) == (int, int, float, float)\n"
         "assert NumGuardCallback(snapshot_every_n_steps=3).snapshot_every_n_steps == 3\n"
         "try:\n"
