@@ -253,10 +253,8 @@ def output_finding(watch: Any, kept: Any, late: bool, rank: int) -> Finding | No
     bad_modules = watch.first_bad(kept)
     if not bad_modules:
         return None
-    first, lo, hi = bad_modules[0]
-    return Finding(
-        "nonfinite_output", [first], {"min": lo, "max": hi, "also": [m for m, _, _ in bad_modules[1:6]]}, rank
-    )
+    first, max_abs = bad_modules[0]
+    return Finding("nonfinite_output", [first], {"max_abs": max_abs, "also": [m for m, _ in bad_modules[1:6]]}, rank)
 
 
 def op_findings(records: list[Any], first_module: str | None, rank: int, late: bool = False) -> list[Finding]:
