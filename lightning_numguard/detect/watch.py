@@ -156,8 +156,8 @@ def _in_subgraph() -> bool:
 class _Hook:
     """A forward hook bound weakly to its watch; what a compiled region recorded waits on it.
 
-    ``copy.deepcopy(model)`` (EMA, SWA) copies hooks along with the model; the weak reference is shared, not copied,
-    and the ``id`` check makes the copy's hooks inert.
+    ``copy.deepcopy(model)`` (EMA, SWA) copies hooks along with the model: the copy's hook is inert
+    (:meth:`__deepcopy__`); eager, the ``id`` check also leaves out a module that shares this one's hooks dict.
 
     Inside a compiled region the hook cannot append to a list or fill a dict (dynamo would guard on their contents
     and compile the graph again when they change): it replaces three tuples of its own, one entry per call, that
@@ -251,7 +251,9 @@ class OutputWatch:
     at its read). Inside a ``torch.compile``d region a hook traces :func:`row_peaks` of the output, fused by inductor
     into the kernel that computes the output, and leaves the small result on its hook (:class:`_Hook`); the same
     :meth:`settle` reduces those rows. Every call is a record of its own, in execution order across eager code and
-    compiled regions (a shared module, accumulation, a hook fired again by activation checkpointing).
+    compiled regions (a shared module, accumulation). Activation checkpointing's recomputation in the backward pass
+    is not recorded (the same values again), nor, under ``torch.compile``, a call inside a checkpointed function
+    (dynamo would give up the whole frame).
 
     A module's output that is the very tensor already recorded (a ``Sequential`` returning its last child's output)
     is not recorded twice (eager; a compiled region records it again, and inductor reads it once).
