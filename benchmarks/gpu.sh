@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # NumGuard overhead on one CUDA GPU: a ~134M-parameter transformer LM in bf16-mixed, every variant
-# of `python -m benchmarks.overhead` interleaved, timed with CUDA events. Finishes in under 5 minutes.
+# of `python -m benchmarks.overhead` interleaved, timed with CUDA events (under 5 minutes); then the
+# compiled model of `python -m benchmarks.compiled` (Triton kernels and dynamo graphs with and without
+# the guard at 2, 8 and 32 blocks, counts only, a few minutes of compiling). Not run yet: written for
+# one CUDA device, without one at hand.
 #
 #   benchmarks/gpu.sh OUTDIR
 #
 # Needs python3 with torch (CUDA), pytorch-lightning, torchmetrics and tensorboard; no network:
 # it runs this checkout as `python3 -m benchmarks.overhead` from the repository root, with the root on
 # PYTHONPATH too (nothing is installed or downloaded) and makes its data
-# in process. Writes OUTDIR/overhead.json, OUTDIR/overhead.md, OUTDIR/run.log (and
-# OUTDIR/nvidia-smi.txt when nvidia-smi exists).
+# in process. Writes OUTDIR/overhead.json, OUTDIR/overhead.md, OUTDIR/run.log, OUTDIR/compiled.md,
+# OUTDIR/compiled.log (and OUTDIR/nvidia-smi.txt when nvidia-smi exists).
 set -euo pipefail
 
 if [ "$#" -ne 1 ]; then
@@ -53,4 +56,9 @@ python3 -m benchmarks.overhead \
     --rounds 6 --steps 30 --warmup 8 --count-steps 6 --micro-reps 30 \
     --budget-s 240 --profile --out "$OUTDIR" 2>&1 | tee "$OUTDIR/run.log"
 
-echo "gpu.sh: results in $OUTDIR/overhead.json and $OUTDIR/overhead.md"
+# Inductor's own counts on CUDA (Triton kernels: one per launch), the same table as docs/performance.md's
+# "Compiled models" on the CPU; the graph caches are off inside the command, so every kernel is generated.
+python3 -m benchmarks.compiled --device cuda --blocks 2,8,32 --steps 20 \
+    --out "$OUTDIR/compiled.md" 2>&1 | tee "$OUTDIR/compiled.log"
+
+echo "gpu.sh: results in $OUTDIR/overhead.json, $OUTDIR/overhead.md and $OUTDIR/compiled.md"

@@ -67,6 +67,7 @@ TARGETS = (
     "lightning_numguard.detect.watch:_Hook.__call__",
     "lightning_numguard.detect.watch:OutputWatch.total",
     "lightning_numguard.detect.watch:OutputWatch.reset",
+    "lightning_numguard.detect.watch:OutputWatch.settle",
     "lightning_numguard.detect.flags:stack_raw",
     "benchmarks.floor:FloorGuard.on_train_batch_start",
     "benchmarks.floor:FloorGuard.on_before_backward",

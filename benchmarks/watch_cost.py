@@ -23,7 +23,9 @@ __all__ = ["main"]
 
 def _step(watch: OutputWatch, module: Any, batch: Any) -> None:
     watch.reset()
-    module.loss(batch).backward()
+    loss = module.loss(batch)
+    watch.settle()  # as the guard does at the loss: the kept outputs reduced before the backward pass
+    loss.backward()
     module.zero_grad(set_to_none=True)
 
 

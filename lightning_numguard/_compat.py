@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
@@ -28,12 +29,12 @@ from lightning_numguard.errors import NumGuardError
 __all__ = [
     "TorchDispatchMode", "averaged_model", "averaging_counters", "callbacks_of_fabric_being_built",
     "callbacks_of_trainer_being_built", "caller_frame", "calling_owner", "clear_found_inf", "compiled",
-    "dtensor_local", "fabric_setup_optimizers", "first_frame", "foreach_copy_", "foreach_nonfinite_",
-    "foreach_norm_f32", "lightning_will_stop", "logger_metric_dicts", "logging_step", "logs_due", "metric_counters",
-    "metric_state", "nn_bindings", "require_accumulation_api", "result_metric_state", "scaler_tensors",
-    "set_averaging_counters", "set_found_inf", "set_metric_counters", "set_result_metric_state",
-    "should_accumulate", "step_honours_found_inf", "sync_scheduler_last_lr", "to_target_device", "train_results",
-    "uncompiled",
+    "dtensor_local", "fabric_setup_optimizers", "first_frame", "foreach_copy_", "foreach_max_abs",
+    "foreach_nonfinite_", "foreach_norm_f32", "in_backward", "lightning_will_stop", "logger_metric_dicts",
+    "logging_step", "logs_due", "metric_counters", "metric_state", "nn_bindings", "require_accumulation_api",
+    "result_metric_state", "scaler_tensors", "set_averaging_counters", "set_found_inf", "set_metric_counters",
+    "set_result_metric_state", "should_accumulate", "step_honours_found_inf", "sync_scheduler_last_lr",
+    "to_target_device", "tracing_a_subgraph", "train_results", "uncompiled",
 ]
 # fmt: on
 
@@ -220,6 +221,53 @@ def foreach_norm_f32(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
     except (TypeError, RuntimeError):
         return [n.float() for n in torch._foreach_norm(list(tensors), 2)]
+
+
+def foreach_max_abs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor max-|x| (the inf-norm: NaN propagates, on the CPU and on CUDA) of tensors of one device and dtype,
+    in one call; float16 and bfloat16 come back in float32, other dtypes in their own real dtype.
+
+    ``torch._foreach_norm(ord=inf)``: on an accelerator one multi-tensor kernel, on the CPU a loop of norm
+    kernels (about ten times ``aminmax``'s time there, ``docs/performance.md``). There is no public fused form;
+    a build whose ``_foreach_norm`` lacks the ``dtype`` argument casts the results (the same values: a max is
+    exact in any floating dtype).
+    """
+    low = tensors[0].dtype in (torch.float16, torch.bfloat16) if tensors else False
+    if not low:
+        return list(torch._foreach_norm(list(tensors), math.inf))
+    try:
+        return list(torch._foreach_norm(list(tensors), math.inf, dtype=torch.float32))
+    except (TypeError, RuntimeError):
+        return [n.float() for n in torch._foreach_norm(list(tensors), math.inf)]
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread now (activation checkpointing recomputes
+    the forward there, firing the forward hooks a second time).
+
+    ``torch._C._current_graph_task_id()`` is ``-1`` outside a backward pass; there is no public form. Missing:
+    ``False`` (the recomputed outputs are then recorded too: the same values again).
+    """
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def tracing_a_subgraph() -> bool:
+    """Whether dynamo is tracing the body of a higher-order op now (``torch.utils.checkpoint`` under
+    ``torch.compile``, ``torch.cond``...), where writing to an object from outside makes dynamo give up compiling
+    the whole frame ("HOP: Unsafe side effect") and run it eagerly.
+
+    Meant to run at trace time (under ``torch.compiler.assume_constant_result``). Dynamo's current tracer is
+    internal (``InstructionTranslator.current_tx().output.current_tracer``, whose ``parent`` is set inside a
+    higher-order op's body); missing or changed: ``False``, and such a frame runs eagerly as it did before.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return tx is not None and tx.output.current_tracer.parent is not None
+    except Exception:  # the internal names moved
+        return False
 
 
 def foreach_nonfinite_(tensors: Sequence[torch.Tensor], found: torch.Tensor) -> bool:

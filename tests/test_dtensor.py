@@ -164,6 +164,6 @@ def test_the_output_watch_records_a_dtensor_output_by_its_local_tensor(mesh, poi
         model(torch.randn(2, 3))
         total = watch.total(torch.device("cpu"))
         assert not is_dtensor(total) and bool(torch.isfinite(total)) == (not poison)
-        assert [name for name, _, _ in watch.first_bad()] == (["1"] if poison else [])
+        assert [name for name, _ in watch.first_bad()] == (["1"] if poison else [])
     finally:
         watch.detach()

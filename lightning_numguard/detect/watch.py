@@ -1,8 +1,18 @@
-"""Forward hooks that record each module's output range on the device, without syncing."""
+"""Forward hooks that record each watched module's output on the device, without syncing.
+
+Eager, a hook only keeps a reference to the output; the step reduces every output it kept in one
+``_foreach_norm(ord=inf)`` per device and dtype (:meth:`OutputWatch.settle`), so the kernels do not grow with
+the number of watched blocks. Inside a ``torch.compile``d region a hook traces a max-|x| over the output's last
+dimension, a reduction over the value just computed that inductor fuses into the kernel producing it, and keeps
+the small result on the hook object itself, written as an attribute (which dynamo hands back as a graph output):
+nothing a hook touches is created during the first compiled call, so no guard fails at the second step
+(``docs/performance.md``, "Compiled models").
+"""
 
 from __future__ import annotations
 
 import fnmatch
+import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -10,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_numguard._compat import foreach_max_abs, in_backward, tracing_a_subgraph
 from lightning_numguard.detect.checks import as_f32
 from lightning_numguard.dtensor import local
 from lightning_numguard.tree import floating_leaves
@@ -128,65 +139,124 @@ def select_modules(
     return chosen
 
 
-class _Hook:
-    """A forward hook bound weakly to its watch.
+class _Nothing:
+    pass
 
-    ``copy.deepcopy(model)`` (EMA, SWA) copies hooks along with the model; the weak
-    reference is shared, not copied, and the ``id`` check makes the copy's hooks inert.
+
+_dead_ref: weakref.ref[Any] = weakref.ref(_Nothing())  # dead at once: what a deep copy's hooks hold
+
+
+@torch.compiler.assume_constant_result
+def _in_subgraph() -> bool:
+    """Inside a compiled region, whether this hook runs in the body of a higher-order op (activation checkpointing):
+    evaluated once, when dynamo traces the call (see :func:`~lightning_numguard._compat.tracing_a_subgraph`)."""
+    return tracing_a_subgraph()
+
+
+class _Hook:
+    """A forward hook bound weakly to its watch; what a compiled region recorded waits on it.
+
+    ``copy.deepcopy(model)`` (EMA, SWA) copies hooks along with the model: the copy's hook is inert
+    (:meth:`__deepcopy__`); eager, the ``id`` check also leaves out a module that shares this one's hooks dict.
+
+    Inside a compiled region the hook cannot append to a list or fill a dict (dynamo would guard on their contents
+    and compile the graph again when they change): it replaces three tuples of its own, one entry per call, that
+    dynamo writes back after the graph runs. They are empty again whenever a compiled region starts (the watch
+    empties them when it settles, before the next step's forward), so the guards dynamo puts on them hold at every
+    step.
+
+    Attributes:
+        rows: per call inside a compiled region, the output's max-|x| over its last dimension (float32; float64
+            for float64 outputs), a small device tensor; empty outside.
+        stamps: per call, its position among the step's recorded calls (execution order).
+        dtypes: per call, the output's dtype.
     """
 
-    __slots__ = ("module_id", "slot", "watch")
+    __slots__ = ("dtypes", "module_id", "rows", "slot", "stamps", "watch")
 
     def __init__(self, watch: OutputWatch, slot: int, module_id: int) -> None:
         self.watch = weakref.ref(watch)
         self.slot = slot
         self.module_id = module_id
+        self.rows: tuple[torch.Tensor, ...] = ()
+        self.stamps: tuple[int, ...] = ()
+        self.dtypes: tuple[torch.dtype, ...] = ()
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         watch = self.watch()
-        if watch is None or id(module) != self.module_id:
+        if watch is None:
             return
-        watch.record_output(self.slot, output)
+        # compiled: no identity check (a guard on the module's id would compile a shared block's graph once per
+        # block); a deep copy's hooks are inert anyway (__deepcopy__)
+        if not torch.compiler.is_compiling() and id(module) != self.module_id:
+            return
+        watch.record_output(self, output)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
+        """A deep copy of the model (EMA, SWA) gets an inert hook: its outputs are not this watch's."""
+        copy = _Hook.__new__(_Hook)
+        copy.watch, copy.slot, copy.module_id = _dead_ref, self.slot, -1
+        copy.clear()
+        return copy
+
+    def clear(self) -> None:
+        self.rows, self.stamps, self.dtypes = (), (), ()
 
 
-class _Slots:
-    """A preallocated ``[n, 2]`` (min, max) buffer of one device and dtype, with a view pair per slot.
+def row_peaks(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s max-|x| over its last dimension (NaN propagates), in float32 (float64 for float64 ``t``; complex: the
+    modulus).
 
-    ``torch.aminmax(out, out=views[slot])`` writes a module's range into its row: one kernel, no new tensor, no
-    Python allocation beyond the call.
+    The form a compiled hook traces: a reduction over the last dimension has the iteration space of the kernel that
+    computes a block's output (a LayerNorm's rows, a pointwise epilogue), so inductor computes it in that kernel's
+    loop over the value just produced, instead of a kernel of its own; its result has one value per row.
     """
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.vector_norm(t, math.inf, dim=-1, dtype=torch.float32)
+    return torch.linalg.vector_norm(t, math.inf, dim=-1)
 
-    __slots__ = ("fresh", "stale", "values", "views")
 
-    def __init__(self, n: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.values = torch.zeros(n, 2, device=device, dtype=dtype)
-        self.views = [(row[0], row[1]) for row in self.values.unbind(0)]
-        self.fresh: set[int] = set()  # rows written in this step
-        self.stale: set[int] = set()  # rows written in an earlier step (their block has not run since)
-
-    def clear_stale(self) -> None:
-        """Zero the rows an earlier step wrote and this one did not (a block that did not run): none in the usual
-        step, where every watched block runs, so no kernel."""
-        old = self.stale - self.fresh
-        if old:
-            self.values[sorted(old)] = 0
-        self.stale = set()
+def _max_abs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per tensor, its max-|x| as a 0-d float32 tensor on the first tensor's device, in order: one
+    ``_foreach_norm(ord=inf)`` per (device, dtype). Finite float64 values beyond float32's range give float32's
+    max (finite), never ``inf``; no sync."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    device = tensors[0].device
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for (dev, _), members in groups.items():
+        peaks = foreach_max_abs([tensors[i] for i in members])
+        if peaks[0].dtype != torch.float32:  # float64 (or complex128): clamped once for the whole group
+            peaks = list(as_f32(torch.stack(peaks)).unbind())
+        if dev != device:
+            peaks = [p.to(device, non_blocking=True) for p in peaks]
+        for i, p in zip(members, peaks):
+            out[i] = p
+    return [p for p in out if p is not None]
 
 
 class OutputWatch:
-    """Records, per forward call of each watched module, the min and max of its floating outputs.
+    """Records, per forward call of each watched module, the max-|x| of its floating outputs, on the device.
 
-    The first output of each watched module in a step goes into its row of a preallocated device
-    buffer (one per device and dtype; a row its block did not write in a step reads 0) through
-    ``torch.aminmax(out=...)``;
-    further calls of the same module in the step (a shared module, gradient accumulation) and
-    further floating leaves of a structured output are kept as extra records. Nothing is read
-    back: :meth:`total` folds everything into one 0-d value that is non-finite when any watched
-    output was, and :meth:`first_bad` (which syncs; use after a hit) names the first module in
-    execution order.
+    Nothing is read back: :meth:`total` folds the step's records into one 0-d value that is non-finite when any
+    watched output was, and :meth:`first_bad` (which syncs; use after a hit) names the first bad module in execution
+    order.
 
-    A module's output that is the very tensor already recorded (a ``Sequential`` returning its
-    last child's output) is not reduced twice.
+    Eager, a hook keeps the output (detached) and its place in the step; :meth:`settle` reduces what the hooks kept
+    to one max-|x| per call, with one ``_foreach_norm(ord=inf)`` per device and dtype and one ``stack``, whatever the
+    number of watched blocks, and drops the references (the step settles at its loss, before the backward pass, and
+    at its read). Inside a ``torch.compile``d region a hook traces :func:`row_peaks` of the output, fused by inductor
+    into the kernel that computes the output, and leaves the small result on its hook (:class:`_Hook`); the same
+    :meth:`settle` reduces those rows. Every call is a record of its own, in execution order across eager code and
+    compiled regions (a shared module, accumulation). Activation checkpointing's recomputation in the backward pass
+    is not recorded (the same values again), nor, under ``torch.compile``, a call inside a checkpointed function
+    (dynamo would give up the whole frame).
+
+    A module's output that is the very tensor already recorded (a ``Sequential`` returning its last child's output)
+    is not recorded twice (eager; a compiled region records it again, and inductor reads it once).
 
     Args:
         root: the module whose submodules are watched.
@@ -198,9 +268,7 @@ class OutputWatch:
             ``ModuleList``/``ModuleDict`` are watched (see :func:`select_modules`).
 
     Attributes:
-        records: ``(slot, where)`` per recorded output in execution order: ``where`` is the
-            buffer key ``(device, dtype)`` for a row of a preallocated buffer, or the
-            ``(min, max)`` pair of an extra record.
+        names: the watched modules' qualified names; a module's slot is its index here.
     """
 
     def __init__(
@@ -214,22 +282,26 @@ class OutputWatch:
         modules = select_modules(root, include, exclude, depth, max_per_list)
         self.names: list[str] = [n for n, _ in modules]
         self._modules = [weakref.ref(m) for _, m in modules]
+        self._hooks = [_Hook(self, slot, id(m)) for slot, (_, m) in enumerate(modules)]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._last_out: torch.Tensor | None = None
-        self._buffers: dict[tuple[torch.device, torch.dtype], _Slots] = {}
-        self._used = [False] * len(modules)  # a list: dynamo cannot subscript a bytearray
-        self.records: list[tuple[int, Any]] = []
+        self._calls = 0  # calls recorded since the last settle: the next call's stamp
+        self._pending: list[tuple[int, int, torch.Tensor]] = []  # eager calls not settled: (stamp, slot, output)
+        self._records: list[tuple[int, tuple[int, int, torch.dtype]]] = []
+        self._peaks: list[torch.Tensor] = []  # one [calls] float32 vector per settle, in execution order
+        self._zeros: dict[torch.device, torch.Tensor] = {}  # read outside compiled regions only
         self.enabled = True
 
     def attach(self) -> None:
-        """Register the hooks (idempotent). Do it before the first compiled forward."""
+        """Register the hooks (idempotent). Do it before the first compiled forward: a compiled region traces the
+        hooks it finds then."""
         if self._handles:
             return
-        for slot, ref in enumerate(self._modules):
+        for hook, ref in zip(self._hooks, self._modules):
             module = ref()
             if module is None:
                 continue
-            self._handles.append(module.register_forward_hook(_Hook(self, slot, id(module))))
+            self._handles.append(module.register_forward_hook(hook))
 
     def detach(self) -> None:
         """Remove every hook this watch registered."""
@@ -242,19 +314,34 @@ class OutputWatch:
     def attached(self) -> bool:
         return bool(self._handles)
 
+    @property
+    def records(self) -> list[tuple[int, tuple[int, int, torch.dtype]]]:
+        """``(slot, (settle, index, dtype))`` per recorded call, in execution order (what was not settled yet is
+        settled first: no sync). The list itself: deleting a prefix forgets those calls."""
+        self.settle()
+        return self._records
+
     def reset(self) -> None:
-        """Forget the records of the current step. No kernel: a row the next step does not write again is zeroed
-        when that step is totalled (:meth:`total`), and only then."""
-        if self.records:
-            for slots in self._buffers.values():
-                slots.stale |= slots.fresh
-                slots.fresh = set()
-            self.records.clear()
-            self._used = [False] * len(self.names)
+        """Forget the records of the current step. No kernel."""
+        self._pending.clear()
+        for hook in self._hooks:
+            if hook.rows:
+                hook.clear()
+        self._calls = 0
+        self._records.clear()
+        self._peaks.clear()
         self._last_out = None
 
-    def record_output(self, slot: int, output: Any) -> None:
+    def record_output(self, hook: _Hook, output: Any) -> None:
+        """One forward call of ``hook``'s module: keep its floating outputs (eager) or trace their row peaks
+        (compiled)."""
         if not self.enabled or not torch.is_grad_enabled():
+            return
+        if torch.compiler.is_compiling():
+            if not _in_subgraph():  # a checkpointed block under torch.compile: no record (the next block sees it)
+                self._trace(hook, output)
+            return
+        if in_backward():  # activation checkpointing's recompute: the forward's values again, kept till the read
             return
         if isinstance(output, torch.Tensor):
             if output is self._last_out or not output.is_floating_point():
@@ -263,109 +350,121 @@ class OutputWatch:
             # a DTensor output: this rank's shard (the flags are all-reduced); a plain tensor skips the lookup
             shard = output.detach() if type(output) is torch.Tensor else local(output.detach())
             if shard.numel():
-                self._record(slot, shard)
+                self._pending.append((self._calls, hook.slot, shard))
+                self._calls += 1
             return
         for _, t in floating_leaves(output, "out"):
             shard = local(t.detach())
             if shard.numel():
-                self._record(slot, shard)
+                self._pending.append((self._calls, hook.slot, shard))
+                self._calls += 1
 
-    def _record(self, slot: int, t: torch.Tensor) -> None:
-        if self._used[slot]:  # a second output of this module in the step: an extra record
-            self.records.append((slot, torch.aminmax(t)))
+    def _trace(self, hook: _Hook, output: Any) -> None:
+        """Inside a compiled region: no list, dict or buffer is created or filled, only ``hook``'s tuples replaced
+        and the call counter moved (see :class:`_Hook`)."""
+        leaves = [output] if isinstance(output, torch.Tensor) else [t for _, t in floating_leaves(output, "out")]
+        for t in leaves:
+            if not t.is_floating_point() and not t.is_complex():
+                continue
+            shard = t.detach() if type(t) is torch.Tensor else local(t.detach())
+            if shard.numel() == 0:
+                continue
+            hook.rows = (*hook.rows, row_peaks(shard))
+            hook.stamps = (*hook.stamps, self._calls)
+            hook.dtypes = (*hook.dtypes, shard.dtype)
+            self._calls += 1
+
+    def settle(self) -> None:
+        """Reduce the calls recorded since the last settle to one max-|x| each, in execution order, and drop the
+        references to their outputs (no sync; nothing to do when nothing was recorded). Eager outputs and the rows
+        of compiled regions alike go through one ``_foreach_norm(ord=inf)`` per device and dtype and one
+        ``stack``."""
+        calls = [(stamp, slot, t, t.dtype) for stamp, slot, t in self._pending]
+        self._pending.clear()
+        for hook in self._hooks:
+            if hook.rows:
+                calls.extend(zip(hook.stamps, [hook.slot] * len(hook.rows), hook.rows, hook.dtypes))
+                hook.clear()
+        self._calls = 0
+        self._last_out = None
+        if not calls:
             return
-        self._used[slot] = True
-        key = (t.device, t.dtype)
-        slots = self._buffers.get(key)
-        if slots is None:  # once per device and dtype
-            slots = self._buffers[key] = _Slots(len(self.names), t.device, t.dtype)
-        torch.aminmax(t, out=slots.views[slot])  # one kernel per watched output (see checks._extremes)
-        slots.fresh.add(slot)
-        self.records.append((slot, key))
+        calls.sort(key=lambda c: c[0])  # eager calls come sorted; compiled ones join them in place
+        peaks = _max_abs([t for _, _, t, _ in calls])
+        index = len(self._peaks)
+        self._peaks.append(peaks[0].reshape(1) if len(peaks) == 1 else torch.stack(peaks))
+        self._records.extend((slot, (index, i, dtype)) for i, (_, slot, _, dtype) in enumerate(calls))
 
     def total(self, device: torch.device) -> torch.Tensor:
-        """0-d float32: the sum of every recorded min and max (no sync).
-
-        Non-finite when any output was; finite values can only overflow it into a false
-        candidate, which :meth:`first_bad` then clears.
-        """
-        self._settle()
-        if not self.records:
+        """0-d float32: the largest max-|x| of this step's records (no sync). Non-finite when any recorded output
+        was; finite float64 values beyond float32's range count as float32's max."""
+        records = self.records
+        if not records:
             return torch.zeros((), dtype=torch.float32, device=device)
-        # max-|x| in each buffer's own dtype, then to float32 with finite float64 values clamped: NaN and
-        # Inf propagate, huge finite values (1e100 under 64-true) never look non-finite
-        # max-|x| in one kernel (the inf-norm propagates NaN, on the CPU and on CUDA)
-        parts = [as_f32(torch.linalg.vector_norm(s.values, float("inf"))) for s in self._buffers.values()]
-        if any(p.device != device for p in parts):
-            parts = [p.to(device, non_blocking=True) for p in parts]
-        extras = [t for _, where in self.records if isinstance(where[0], torch.Tensor) for t in where]
-        if extras:
-            parts.append(as_f32(torch.stack([t.to(device).double() for t in extras]).abs().amax()))
-        return parts[0] if len(parts) == 1 else torch.stack(parts).amax()
-
-    def _settle(self) -> None:
-        """Rows of blocks that did not run in this step: zero, not an earlier step's range."""
-        for slots in self._buffers.values():
-            slots.clear_stale()
-
-    def _values(self, device: torch.device) -> list[tuple[float, float]]:
-        """Each record's (min, max) on the host. **Syncs.**"""
-        rows = {key: s.values.float().tolist() for key, s in self._buffers.items()}
-        out: list[tuple[float, float]] = []
-        for slot, where in self.records:
-            if isinstance(where[0], torch.Tensor):
-                lo, hi = (float(t) for t in where)
-            else:
-                lo, hi = rows[where][slot]
-            out.append((lo, hi))
-        return out
+        live = self._peaks[records[0][1][0] :]  # the settles of the records not forgotten (a prefix is dropped)
+        total = (live[0] if len(live) == 1 else torch.cat(live)).amax()
+        return total if total.device == device else total.to(device, non_blocking=True)
 
     def record_tensors(self, start: int = 0, stop: int | None = None) -> list[torch.Tensor]:
-        """The device (min, max) tensors of ``records[start:stop]``, in order (no sync)."""
-        out: list[torch.Tensor] = []
-        for slot, where in self.records[start:stop]:
-            out.extend(where if isinstance(where[0], torch.Tensor) else self._buffers[where].views[slot])
-        return out
+        """The 0-d max-|x| device tensors of ``records[start:stop]``, in order (views: no kernel, no sync)."""
+        return [self._peaks[b][i] for _, (b, i, _) in self.records[start:stop]]
 
     def ranges(self) -> list[tuple[tuple[torch.device, torch.dtype], torch.Tensor]]:
-        """This step's ``[blocks, 2]`` (min, max) buffer per (device, dtype) of output, zeros where a block did
-        not record (no sync; read by the overflow headroom of ``core/spike.py``)."""
-        self._settle()
-        return [(key, s.values) for key, s in self._buffers.items()]
+        """Per (device, dtype) of output, this step's ``[blocks, 1]`` max-|x| per watched block (its largest call),
+        zeros where a block did not record in that dtype (no sync; read by the overflow headroom of
+        ``detect/spike.py``). Two or three kernels per dtype: a ``stack`` of views and zeros, its ``amax``."""
+        records = self.records
+        if not records:
+            return []
+        n = len(self.names)
+        by_dtype: dict[torch.dtype, list[list[torch.Tensor | None]]] = {}
+        for slot, (b, i, dtype) in records:
+            layers = by_dtype.setdefault(dtype, [])
+            for layer in layers:  # the first layer with this block's row free (a block called k times: k layers)
+                if layer[slot] is None:
+                    layer[slot] = self._peaks[b][i]
+                    break
+            else:
+                layer = [None] * n
+                layer[slot] = self._peaks[b][i]
+                layers.append(layer)
+        device = self._peaks[0].device
+        zero = self._zeros.get(device)
+        if zero is None:  # a 0-d zero per device, made once (never written to)
+            zero = self._zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
+        out = []
+        for dtype, layers in by_dtype.items():
+            rows = torch.stack([zero if p is None else p for layer in layers for p in layer]).view(len(layers), n)
+            out.append(((device, dtype), (rows[0] if len(layers) == 1 else rows.amax(0)).unsqueeze(-1)))
+        return out
 
-    def keep(self) -> tuple[list[tuple[int, Any]], dict[tuple[torch.device, torch.dtype], torch.Tensor]]:
-        """This step's records and a device copy of its buffers, for :meth:`first_bad` a step later (no sync)."""
-        self._settle()
-        return list(self.records), {key: s.values.clone() for key, s in self._buffers.items()}
+    def keep(self) -> tuple[list[tuple[int, Any]], list[torch.Tensor]]:
+        """This step's records and their device values, for :meth:`first_bad` a step later (no sync, no kernel: each
+        settle's values are a tensor of their own, never written again)."""
+        return list(self.records), list(self._peaks)
 
     def first_bad(
-        self, kept: tuple[list[tuple[int, Any]], dict[Any, torch.Tensor]] | None = None
-    ) -> list[tuple[str, float, float]]:
-        """Modules whose output went non-finite, first in execution order, with (min, max). **Syncs.**
+        self, kept: tuple[list[tuple[int, Any]], list[torch.Tensor]] | None = None
+    ) -> list[tuple[str, float]]:
+        """``(name, max_abs)`` of each module whose output went non-finite, first in execution order. **Syncs**
+        (one read of every record's value).
 
         ``kept``: what :meth:`keep` returned for an earlier step, instead of the current records.
         """
-        records = self.records if kept is None else kept[0]
+        records, peaks = (self.records, self._peaks) if kept is None else kept
         if not records:
             return []
-        if kept is None:
-            values = self._values(torch.device("cpu"))
-        else:
-            rows = {key: t.float().tolist() for key, t in kept[1].items()}
-            values = [
-                (float(where[0]), float(where[1])) if isinstance(where[0], torch.Tensor) else tuple(rows[where][slot])
-                for slot, where in records
-            ]
+        device = peaks[0].device
+        flat = peaks[0] if len(peaks) == 1 else torch.cat([p.to(device) for p in peaks])
+        values = flat.tolist()  # the one read
+        starts = [0]
+        for p in peaks[:-1]:
+            starts.append(starts[-1] + len(p))
         seen: set[int] = set()
         bad = []
-        for (slot, _), (lo, hi) in zip(records, values):
-            if slot in seen:
-                continue
-            if not (_finite(lo) and _finite(hi)):
+        for slot, (b, i, _) in records:
+            value = values[starts[b] + i]
+            if slot not in seen and not math.isfinite(value):
                 seen.add(slot)
-                bad.append((self.names[slot], lo, hi))
+                bad.append((self.names[slot], value))
         return bad
-
-
-def _finite(x: float) -> bool:
-    return x == x and x not in (float("inf"), float("-inf"))

@@ -82,8 +82,8 @@ class StepView:
         findings = [Finding("nonfinite_param", n, dict(before), rank, site=s) for s, n in _by_site(reader, state_bad)]
         return StateLook(state_bad, findings, grad_bad, buffer_bad, amp_overflow)
 
-    def bad_blocks(self, watch: Any) -> list[tuple[str, float, float]]:
-        """The watched blocks whose output went non-finite, in execution order, with their min and max."""
+    def bad_blocks(self, watch: Any) -> list[tuple[str, float]]:
+        """The watched blocks whose output went non-finite, in execution order, with their max-|x|."""
         return watch.first_bad(None) if watch is not None else []
 
     def op_records(self, recorder: StepRecorder) -> list[Any]:
@@ -254,14 +254,12 @@ def _where_in(tensor: torch.Tensor, batch: Any, at_least: float | None = None) -
     return found
 
 
-def output_finding(bad_blocks: list[tuple[str, float, float]], rank: int) -> Finding | None:
-    """The first watched block whose output went non-finite (with its min and max, and the next few bad ones)."""
+def output_finding(bad_blocks: list[tuple[str, float]], rank: int) -> Finding | None:
+    """The first watched block whose output went non-finite (with its max-|x|, and the next few bad ones)."""
     if not bad_blocks:
         return None
-    first, lo, hi = bad_blocks[0]
-    return Finding(
-        "nonfinite_output", [first], {"min": lo, "max": hi, "also": [m for m, _, _ in bad_blocks[1:6]]}, rank
-    )
+    first, max_abs = bad_blocks[0]
+    return Finding("nonfinite_output", [first], {"max_abs": max_abs, "also": [m for m, _ in bad_blocks[1:6]]}, rank)
 
 
 def op_findings(
@@ -349,7 +347,9 @@ def _replay(
     """The step's replay, with the per-step watch off (the replay watches every module itself), from the buffers the
     step started from (``start_buffers``: a value written into a buffer during the step, in ``training_step`` before
     the forward pass, is then made again by the write, which the replay names at its line); the live buffers are put
-    back afterwards."""
+    back afterwards. A replay from the start buffers that stays finite is run once more from the live ones: a buffer
+    written between the step's start and its forward pass by code the replay does not re-run (the module's own
+    ``on_train_batch_start``) made the value, which is then no fault of the device."""
     watch = recorder.watch
     watching = watch.enabled if watch is not None else False
     if watch is not None:
@@ -360,12 +360,23 @@ def _replay(
         live = {n: names[n].detach().clone() for n in start_buffers if n in names}
         loop.module.load_state_dict(start_buffers, strict=False)
     try:
-        return replay_batch(loop, batch, batch_idx, rng)
+        rep = replay_batch(loop, batch, batch_idx, rng)
+        if live and rep.reproduced is False and _differ(live, start_buffers):
+            loop.module.load_state_dict(live, strict=False)
+            again = replay_batch(loop, batch, batch_idx, rng)
+            rep = again if again.reproduced is not False else rep
+        return rep
     finally:
         if live:
             loop.module.load_state_dict(live, strict=False)
         if watch is not None:
             watch.enabled = watching
+
+
+def _differ(live: dict[str, torch.Tensor], start: dict[str, torch.Tensor] | None) -> bool:
+    """Whether a buffer is not what it was at the step's start (after a hit only: one read per buffer)."""
+    start = start or {}
+    return any(n in start and not torch.equal(t, start[n].to(t.device)) for n, t in live.items())
 
 
 def _reproduction(

@@ -74,7 +74,7 @@ class LateView(StepView):
         state_bad, rank = group.first_rank(loop, bad)
         return StateLook(state_bad, [Finding("nonfinite_param", state_bad, {}, rank)] if state_bad else [])
 
-    def bad_blocks(self, watch: Any) -> list[tuple[str, float, float]]:
+    def bad_blocks(self, watch: Any) -> list[tuple[str, float]]:
         return watch.first_bad(self.kept_watch) if watch is not None and self.kept_watch is not None else []
 
     def op_records(self, recorder: Any) -> list[Any]:

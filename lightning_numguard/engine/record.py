@@ -230,7 +230,10 @@ class StepRecorder:
                 log.debug("numguard op guard was not on top of the mode stack", exc_info=True)
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        """Keep the loss of this micro-batch for the step's read."""
+        """Keep the loss of this micro-batch for the step's read; the forward's watched outputs are reduced now, so the
+        watch holds none of them through the backward pass."""
+        if self.watch is not None:
+            self.watch.settle()
         rec = self.record
         if rec is not None and rec.check_step is not None:
             rec.check_step = replace(rec.check_step, loss=loss.detach())

@@ -242,3 +242,27 @@ def test_a_nan_written_into_a_buffer_in_training_step_is_named_with_its_write(tm
 def _line_of(text: str) -> int:
     lines = Path(__file__).read_text().splitlines()
     return next(i for i, line in enumerate(lines, 1) if text in line and "def " not in line)
+
+
+class HookWrites(Net):
+    """Writes a negative value into a buffer in the module's own ``on_train_batch_start``, which runs after the
+    guard's batch start and which a replay of the step does not run again; the forward pass takes its root."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x * torch.sqrt(self.temperature))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.global_step == 2:
+            self.temperature.fill_(-1.0)
+
+
+def test_a_buffer_written_in_a_hook_before_the_forward_is_no_fault_of_the_device(tmp_path: Path) -> None:
+    """The replay from the step's start buffers stays finite (the hook's write is not made again); from the live
+    buffers it makes the NaN: the code's, named at its op and line, never a transient fault of the device."""
+    model = HookWrites()
+    guard = NumGuardCallback(dirpath=str(tmp_path), action="skip", emit_warnings=False)
+    quiet_trainer([guard], max_steps=4).fit(model, _data(4))
+    root = next(e for e in guard.events if e.get("root_cause", True))
+    assert root["step"] == 2 and root["op"] == "sqrt", root
+    assert "device_fault" not in root["details"] and root["details"].get("reproduced") is not False, root["details"]
+    assert "transient fault of the device" not in root["message"]
