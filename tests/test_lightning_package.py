@@ -163,10 +163,16 @@ def test_checkpoint_state_moves_between_the_two_packages(tmp_path: Path) -> None
     pl_trainer.fit(PLModel(bad_step=-1), _data(), ckpt_path=ckpt)
     assert l_trainer.global_step == 8 and pl_trainer.global_step == 16  # it trained on from the checkpoint
     assert pl_cb.counters == l_cb.counters and pl_cb.counters["rollbacks"] == 1
-    # the state moved whole; the spike window then took the second fit's 8 steps on top of the first's
-    assert {k: v for k, v in pl_cb.state_dict().items() if k != "spike"} == {
-        k: v for k, v in l_cb.state_dict().items() if k != "spike"
+    # the state moved whole; the spike window then took the second fit's 8 steps on top of the first's, and the
+    # events files name the first run's, then the resumed run's own
+    moved = ("spike", "events_files")
+    assert {k: v for k, v in pl_cb.state_dict().items() if k not in moved} == {
+        k: v for k, v in l_cb.state_dict().items() if k not in moved
     }
+    assert pl_cb.state_dict()["events_files"] == [
+        *l_cb.state_dict()["events_files"],
+        str(tmp_path / "pl" / "numguard" / "events.jsonl"),
+    ]
     assert l_window is not None and min(l_window) > 0
     assert _valid(pl_cb.state_dict()) == [n + 8 for n in l_window]
 

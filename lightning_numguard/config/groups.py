@@ -118,8 +118,10 @@ class SpikeConfig:
     sigma: PositiveFloat = field(
         default=10.0,
         metadata=_doc(
-            "a value spikes when its cube root is more than this many robust standard deviations (the upper-half MAD, "
-            "at least 5 % of the centre) above the median of the window's cube roots"
+            "a value spikes when its cube root is more than this many robust standard deviations (the 95th "
+            "percentile's distance above the median over 1.645, at least 10 % of the centre for the loss and 25 % for "
+            "the gradient norm: at 10, a spike is at least 8x the median loss or 43x the median gradient norm) above "
+            "the median of the window's cube roots"
         ),
     )
     window: NonNegativeInt = field(

@@ -34,6 +34,7 @@ __all__ = [
     "COMPILED_HINT",
     "COVERAGE_PROBLEMS",
     "DEVICE_FAULT_HINT",
+    "THIS_RANK_HINT",
     "FILL_VALUES",
     "FORWARD_OP_HINTS",
     "INPUTS_ALREADY_BAD_HINT",
@@ -240,6 +241,12 @@ DEVICE_FAULT_HINT = (
     "nothing in the model or the data needs changing: the step was recovered like any other; a device that keeps "
     "doing it is faulty (silent data corruption), and NumGuard halts with SuspectedHardwareError after "
     "recovery.max_device_faults faults on one rank, naming the node to exclude"
+)
+THIS_RANK_HINT = (
+    "unless code runs differently on this rank (a branch on the rank, a rank's own data, state or seed), nothing in "
+    "the model or the data needs changing: the step was recovered like any other; a device that keeps doing it is "
+    "faulty, and NumGuard halts with SuspectedHardwareError after recovery.max_device_faults faults on one rank, "
+    "naming the node to exclude"
 )
 COMPILED_HINT = (
     "confirm by training without torch.compile; to find the kernel, run with TORCHINDUCTOR_NAN_ASSERTS=1 or bisect "
@@ -727,8 +734,9 @@ def event_hint(kind: str, details: Mapping[str, Any]) -> str:
     after = details.get("after")
     if after and (kind in _DOWNSTREAM_KINDS or (kind == "nonfinite_param" and details.get("when") == AFTER_FORWARD)):
         return consequence_hint(after)
-    if kind in _DOWNSTREAM_KINDS and details.get("device_fault"):  # it did not come back when the step was re-run
-        return DEVICE_FAULT_HINT
+    fault = details.get("device_fault")
+    if kind in _DOWNSTREAM_KINDS and fault:  # it did not come back when the step was re-run (or only on its rank)
+        return THIS_RANK_HINT if isinstance(fault, Mapping) and fault.get("verdict") == "this_rank" else DEVICE_FAULT_HINT
     if kind in _DOWNSTREAM_KINDS and details.get("compiled"):
         return COMPILED_HINT
     replay = details.get("replay")

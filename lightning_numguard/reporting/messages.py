@@ -287,10 +287,13 @@ def _reproduction(s: _Say, what: str) -> str | None:
         )
     if fault.get("verdict") == "this_rank":
         neighbour = (s.details.get("neighbour") or {}).get("rank", "?")
+        traced = f" (op `{s.op}`" if s.op else ""
+        traced += (f" in `{s.module}`" if s.module else "") + (f" at {s.source}" if s.source else "")
+        traced += ")" if s.op else ""
         return (
-            f"{what} {s.at}, again when rank {fault.get('rank')} re-ran the step, but not when rank {neighbour} re-ran "
-            f"the same micro-batch with the same weights and RNG: not a fault of the code or the data; a fault of "
-            f"this rank's device — {where}"
+            f"{what} {s.at}, again when rank {fault.get('rank')} re-ran the step{traced}, but not when rank "
+            f"{neighbour} re-ran the same micro-batch with the same weights and RNG: not a fault of the data; a fault "
+            f"of this rank's device, or of code that runs only on this rank — {where}"
         )
     if s.details.get("compiled"):
         return (

@@ -284,7 +284,7 @@ class Recovery:
         """Write the (restored, finite) live state as the loop's own checkpoint, atomically.
 
         A loop whose state is local shards (``ModelParallelStrategy``) writes a folder: it is written under a
-        temporary name too, then put in place of the previous one by rank 0 behind a barrier.
+        temporary name too, then put in place of the previous one by rank 0; every rank waits for it at a barrier.
         """
         final = self.ckpt_path
         if final is None:
@@ -296,7 +296,7 @@ class Recovery:
         loop.save_checkpoint(tmp)  # collective: every rank calls it (after rank 0 cleared tmp)
         if loop.is_zero:
             replace(tmp, final)
-        if loop.world_size > 1 and loop.local_shards:  # a folder, written by every rank
+        if loop.world_size > 1:  # every rank then finds the file in place (its halt message says where it is)
             loop.barrier("numguard_last_finite")
 
     def swap_checkpoint(self, loop: Loop, checkpoint: dict[str, Any], unchecked: set[str]) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,7 +64,8 @@ def _guards(trainer: pl.Trainer) -> list[NumGuardCallback]:
 
 
 def _norm(text: str) -> str:
-    return " ".join(text.split())
+    """Whitespace folded, and argparse's line breaks after a hyphen ("non-" / "finite") joined."""
+    return re.sub(r"(?<=\w)- (?=\w)", "-", " ".join(text.split()))
 
 
 @pytest.fixture(autouse=True)
