@@ -34,13 +34,13 @@ __all__ = [
     "COMPILED_HINT",
     "COVERAGE_PROBLEMS",
     "DEVICE_FAULT_HINT",
-    "THIS_RANK_HINT",
     "FILL_VALUES",
     "FORWARD_OP_HINTS",
     "INPUTS_ALREADY_BAD_HINT",
     "KIND_HINTS",
     "MASKED_ROW_HINT",
     "OP_DOMAIN_HINTS",
+    "THIS_RANK_HINT",
     "CulpritFacts",
     "canonical_op",
     "consequence_hint",
@@ -736,7 +736,8 @@ def event_hint(kind: str, details: Mapping[str, Any]) -> str:
         return consequence_hint(after)
     fault = details.get("device_fault")
     if kind in _DOWNSTREAM_KINDS and fault:  # it did not come back when the step was re-run (or only on its rank)
-        return THIS_RANK_HINT if isinstance(fault, Mapping) and fault.get("verdict") == "this_rank" else DEVICE_FAULT_HINT
+        this_rank = isinstance(fault, Mapping) and fault.get("verdict") == "this_rank"
+        return THIS_RANK_HINT if this_rank else DEVICE_FAULT_HINT
     if kind in _DOWNSTREAM_KINDS and details.get("compiled"):
         return COMPILED_HINT
     replay = details.get("replay")
