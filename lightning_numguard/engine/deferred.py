@@ -107,8 +107,14 @@ class LateView(StepView):
         """The micro-batches' records are gone: the window is named as a whole."""
 
     def marked(self, finding: Finding, read_at: int) -> Finding:
-        """A finding of this step as its event says it: read late, at step ``read_at``."""
-        return replace(finding, details={**finding.details, "deferred": True, "read_at_step": read_at})
+        """A finding of this step as its event says it: read late, at step ``read_at``; a value the forward or backward
+        pass made while the step's kept totals say a buffer went non-finite during it (the weights, the optimizer
+        state and the buffers it started from finite) says so (``buffer_written``): a write into a buffer, which the
+        late read cannot name."""
+        details = {**finding.details, "deferred": True, "read_at_step": read_at}
+        if finding.kind in _MADE and _written_during(self.norms):
+            details["buffer_written"] = True
+        return replace(finding, details=details)
 
 
 #: The finding of each part of the ``NORMS`` slot read late: kind, what it names, site and details.
@@ -119,6 +125,20 @@ _NORM_PARTS: dict[str, tuple[str, str, str | None, dict[str, Any]]] = {
     "params": ("nonfinite_param", "a parameter", "param", {}),
     "opt_state": ("nonfinite_param", "the optimizer state", "optimizer_state", {}),
 }
+
+
+#: the kinds whose value the forward or backward pass made (a buffer written during the step may be their source)
+_MADE = ("nonfinite_output", "nonfinite_loss", "nonfinite_grad")
+
+
+def _written_during(norms: tuple[list[str], torch.Tensor] | None) -> bool:
+    """Whether the kept totals of a step say that a buffer went non-finite during it, the rest of the state finite
+    (a host read, after a hit only)."""
+    if norms is None:
+        return False
+    names, totals = norms
+    bad = {n for n, v in zip(names, totals.reshape(-1).tolist()) if not math.isfinite(v)}
+    return "live_buffers" in bad and not bad & {"start_buffers", "params", "opt_state"}
 
 
 def _norms_placeholder(norms: tuple[list[str], torch.Tensor] | None, rank: int) -> Finding:

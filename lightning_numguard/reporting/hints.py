@@ -31,6 +31,7 @@ from lightning_numguard.detect import registry
 from lightning_numguard.diagnose.findings import AFTER_FORWARD
 
 __all__ = [
+    "BUFFER_WRITTEN_LATE_HINT",
     "COMPILED_HINT",
     "COVERAGE_PROBLEMS",
     "DEVICE_FAULT_HINT",
@@ -241,6 +242,12 @@ DEVICE_FAULT_HINT = (
     "nothing in the model or the data needs changing: the step was recovered like any other; a device that keeps "
     "doing it is faulty (silent data corruption), and NumGuard halts with SuspectedHardwareError after "
     "recovery.max_device_faults faults on one rank, naming the node to exclude"
+)
+BUFFER_WRITTEN_LATE_HINT = (
+    "a buffer went non-finite during this step while the weights and the buffers it started from were finite: a "
+    "value written into a buffer (in training_step or a hook before the forward pass: `fill_`, an in-place update) "
+    'or by the forward pass; read one step late (sync_mode="deferred") the step is gone, so neither the buffer nor '
+    'the write is named: run the same data with sync_mode="every_step" to name them at their line'
 )
 THIS_RANK_HINT = (
     "unless code runs differently on this rank (a branch on the rank, a rank's own data, state or seed), nothing in "
@@ -734,6 +741,8 @@ def event_hint(kind: str, details: Mapping[str, Any]) -> str:
     after = details.get("after")
     if after and (kind in _DOWNSTREAM_KINDS or (kind == "nonfinite_param" and details.get("when") == AFTER_FORWARD)):
         return consequence_hint(after)
+    if kind in _DOWNSTREAM_KINDS and details.get("buffer_written"):
+        return BUFFER_WRITTEN_LATE_HINT
     fault = details.get("device_fault")
     if kind in _DOWNSTREAM_KINDS and fault:  # it did not come back when the step was re-run (or only on its rank)
         this_rank = isinstance(fault, Mapping) and fault.get("verdict") == "this_rank"

@@ -266,3 +266,25 @@ def test_a_buffer_written_in_a_hook_before_the_forward_is_no_fault_of_the_device
     assert root["step"] == 2 and root["op"] == "sqrt", root
     assert "device_fault" not in root["details"] and root["details"].get("reproduced") is not False, root["details"]
     assert "transient fault of the device" not in root["message"]
+
+
+class FusedNet(Net):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01, fused=True)  # sync_mode="deferred" skips through it
+
+
+def test_a_nan_written_into_a_buffer_read_one_step_late_says_a_buffer_was_written(tmp_path: Path) -> None:
+    """The same write under ``sync_mode="deferred"``: the step is read one step late, gone by then, and the device
+    skip put the buffer back; its kept totals still say a buffer went bad during the step, the weights and the
+    buffers it started from finite. Before: the generic advice for the first module ("look in this module for
+    division by a zero std ...")."""
+    model = FusedNet()
+    model.poison_at = 2
+    guard = NumGuardCallback(dirpath=str(tmp_path), sync_mode="deferred", emit_warnings=False)
+    quiet_trainer([guard], max_steps=5).fit(model, _data(5))
+    root = next(e for e in guard.events if e.get("root_cause", True))
+    assert root["step"] == 2 and root["details"]["deferred"] is True and root["details"]["buffer_written"] is True
+    assert "a buffer went non-finite during this step" in root["message"], root["message"]
+    assert 'sync_mode="every_step" to name them' in root["message"]
+    assert "division by a zero std" not in root["message"]
+    assert _finite(model) and bool(torch.isfinite(model.temperature))
