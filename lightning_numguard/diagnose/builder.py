@@ -349,7 +349,8 @@ def _replay(
     the forward pass, is then made again by the write, which the replay names at its line); the live buffers are put
     back afterwards. A replay from the start buffers that stays finite is run once more from the live ones: a buffer
     written between the step's start and its forward pass by code the replay does not re-run (the module's own
-    ``on_train_batch_start``) made the value, which is then no fault of the device."""
+    ``on_train_batch_start``) made the value, which is then no fault of the device (one process: a replay is
+    collective under sharding, and the ranks' verdicts differ)."""
     watch = recorder.watch
     watching = watch.enabled if watch is not None else False
     if watch is not None:
@@ -361,7 +362,7 @@ def _replay(
         loop.module.load_state_dict(start_buffers, strict=False)
     try:
         rep = replay_batch(loop, batch, batch_idx, rng)
-        if live and rep.reproduced is False and _differ(live, start_buffers):
+        if live and rep.reproduced is False and loop.world_size == 1 and _differ(live, start_buffers):
             loop.module.load_state_dict(live, strict=False)
             again = replay_batch(loop, batch, batch_idx, rng)
             rep = again if again.reproduced is not False else rep

@@ -110,9 +110,11 @@ class LateView(StepView):
         """A finding of this step as its event says it: read late, at step ``read_at``; a value the forward or backward
         pass made while the step's kept totals say a buffer went non-finite during it (the weights, the optimizer
         state and the buffers it started from finite) says so (``buffer_written``): a write into a buffer, which the
-        late read cannot name."""
+        late read cannot name. Root causes only, and in one process only: the kept totals are each rank's own, and
+        every rank must record the same events."""
         details = {**finding.details, "deferred": True, "read_at_step": read_at}
-        if finding.kind in _MADE and _written_during(self.norms):
+        root = "after" not in finding.details
+        if finding.kind in _MADE and root and _one_process() and _written_during(self.norms):
             details["buffer_written"] = True
         return replace(finding, details=details)
 
@@ -129,6 +131,12 @@ _NORM_PARTS: dict[str, tuple[str, str, str | None, dict[str, Any]]] = {
 
 #: the kinds whose value the forward or backward pass made (a buffer written during the step may be their source)
 _MADE = ("nonfinite_output", "nonfinite_loss", "nonfinite_grad")
+
+
+def _one_process() -> bool:
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or (
+        torch.distributed.get_world_size() == 1
+    )
 
 
 def _written_during(norms: tuple[list[str], torch.Tensor] | None) -> bool:

@@ -105,7 +105,7 @@ def test_yaml_null_and_nested_values(tmp_path: Path) -> None:
         tmp_path,
         "{action: warn, max_abs_input: null, dirpath: "
         + str(tmp_path / "ng")
-        + ", ignore_modules: ['head*'], check_optimizer_coverage: 'off', replay: false}",
+        + ", watch: {ignore: ['head*']}, check_optimizer_coverage: 'off', recovery: {replay: false}}",
     )
     (cb,) = _guards(_cli(["--config", str(cfg)]).trainer)
     assert cb.action == "warn"
@@ -195,11 +195,11 @@ def test_bad_type_fails_at_parse_time(
     ("init_args", "match"),
     [
         (
-            "{sync_mode: deferred, retry_transient: true}",
+            "{sync_mode: deferred, recovery: {retry_transient: true}}",
             r"`recovery.retry_transient=True` re-runs a batch .* one or the other",
         ),
         # a limit that spans two arguments: no one argument's type can carry it (issue 27)
-        ("{spike_warmup: 500}", r"`spikes.warmup` must be None or an integer in \[1, spikes.window=128\], got 500"),
+        ("{spikes: {warmup: 500}}", r"`spikes.warmup` must be None or an integer in \[1, spikes.window=128\], got 500"),
     ],
 )
 def test_bad_value_of_right_type_fails_at_instantiation(tmp_path: Path, init_args: str, match: str) -> None:
@@ -219,7 +219,7 @@ def test_bad_value_of_right_type_fails_at_instantiation(tmp_path: Path, init_arg
 
 def test_fit_subcommand_runs_with_the_configured_callback(tmp_path: Path) -> None:
     extra = "  max_steps: 4\nmodel:\n  site: loss\n  step: 2\n"
-    cfg = _write_config(tmp_path, "{action: skip, replay: false}", extra=extra)
+    cfg = _write_config(tmp_path, "{action: skip, recovery: {replay: false}}", extra=extra)
     with pytest.warns(NumGuardWarning, match=r"the loss is non-finite at step 2 on rank 0"):
         cli = _cli(["fit", "--config", str(cfg)], model=FaultModel, data=FaultDataModule, run=True)
     assert cli.trainer.state.finished
