@@ -22,6 +22,7 @@ leaf module. See ``docs/performance.md``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -63,7 +64,16 @@ class LateView(StepView):
     kept_ops: list[Any] | None = None
     #: the parts of the ``NORMS`` slot (``"grads"``, ``"live_buffers"``, ...) and their totals then
     norms: tuple[list[str], torch.Tensor] | None = None
+    #: the loop's number of ranks (each rank's kept totals are its own)
+    world_size: int = 1
     late: ClassVar[bool] = True
+
+    @functools.cached_property
+    def buffer_written(self) -> bool:
+        """Whether the step's kept totals say a buffer went non-finite during it, the weights, the optimizer state and
+        the buffers it started from finite (one process only: every rank must record the same events). Read once,
+        after a hit, when a finding first asks."""
+        return self.world_size == 1 and _written_during(self.norms)
 
     def look(self, loop: Loop, reader: Any, exact: bool) -> StateLook:
         """The state now, one step after the fault: what a rollback would judge (the step's gradients are gone)."""
@@ -114,7 +124,7 @@ class LateView(StepView):
         every rank must record the same events."""
         details = {**finding.details, "deferred": True, "read_at_step": read_at}
         root = "after" not in finding.details
-        if finding.kind in _MADE and root and _one_process() and _written_during(self.norms):
+        if finding.kind in _MADE and root and self.buffer_written:
             details["buffer_written"] = True
         return replace(finding, details=details)
 
@@ -131,12 +141,6 @@ _NORM_PARTS: dict[str, tuple[str, str, str | None, dict[str, Any]]] = {
 
 #: the kinds whose value the forward or backward pass made (a buffer written during the step may be their source)
 _MADE = ("nonfinite_output", "nonfinite_loss", "nonfinite_grad")
-
-
-def _one_process() -> bool:
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or (
-        torch.distributed.get_world_size() == 1
-    )
 
 
 def _written_during(norms: tuple[list[str], torch.Tensor] | None) -> bool:
@@ -336,7 +340,9 @@ class Deferred(ReadSchedule):
         n = p.reader.extras_at
         reading = Reading(flags.decode(values[:n], loop.world_size), {}, values[n:])
         forced = rec.skip_forced or reading.flags.seen(flags.QUARANTINE)
-        decision = p.judge(loop, LateView(rec, reading, kept_watch=kept[0], kept_ops=kept[1], norms=kept[2]), due=False)
+        decision = p.judge(
+            loop, LateView(rec, reading, kept[0], kept[1], kept[2], world_size=loop.world_size), due=False
+        )
         self.candidates.judged(step, decision)
         self.skip.schedule_back(loop, step, decision.skips and not forced)
         if decision.restore and optimizer is not None:  # the step in flight started from the state to replace
