@@ -148,6 +148,11 @@ def main() -> None:
     }
     report = {name: fit(out / name) for name, fit in fits.items()}
     (out / f"rank{rank}.json").write_text(json.dumps(report))
+    # Without this, gloo's worker threads can outlive the interpreter's finalisation and abort the process after a
+    # successful run ("terminate called without an active exception", exit -6; pytorch/pytorch#190489). Every rank
+    # runs this (Fabric relaunches the script for rank 1).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
