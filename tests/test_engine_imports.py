@@ -42,13 +42,7 @@ def discover_core_modules(core_dir: Path, doors: tuple[str, ...] = DOORS) -> dic
     return found
 
 
-#: Modules that still import Lightning while the engine is moved out of the Trainer's terms (emptied by that move)
-NOT_YET_MOVED = frozenset(
-    """decide.repeats detect.coverage_check diagnose.builder diagnose.rerun engine.deferred engine.flow engine.group
-    engine.micro engine.pipeline engine.read engine.record engine.schedule reporting.amp reporting.ledger reporting.report
-    reporting.series state.gather state.recovery state.retry state.snapshots""".split()  # noqa: SIM905
-)
-CORE_MODULES = {k: v for k, v in discover_core_modules(CORE_DIR).items() if k not in NOT_YET_MOVED}
+CORE_MODULES = discover_core_modules(CORE_DIR)
 
 BLOCKER = textwrap.dedent(
     f"""
