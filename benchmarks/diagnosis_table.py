@@ -3,9 +3,9 @@
 Usage: ``python -m benchmarks.diagnosis_table --out docs/diagnosis.md --readme README.md`` (``--readme`` replaces
 the short table between ``<!-- DIAGNOSIS TABLE -->`` and ``<!-- /DIAGNOSIS TABLE -->``).
 
-The real-model rows (``tests/diagnosis/real/``) and the project's own scenarios (``tests/diagnosis/scenarios.py``)
-run in this process, the FSDP2 row in 2 launched gloo processes. ``tests/diagnosis/real/test_real_models.py``
-checks that the committed blocks are what this script writes.
+The real-model rows (``instruments/diagnosis/real/``) and the project's own scenarios
+(``instruments/diagnosis/scenarios.py``) run in this process, the FSDP2 row in 2 launched gloo processes.
+``tests/diagnosis/real/test_real_models.py`` checks that the committed blocks are what this script writes.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import re
 import tempfile
 from pathlib import Path
 
-from benchmarks.markdown import replace_block
+from instruments.diagnosis.real import FSDP2_ROW, ROWS
+from instruments.diagnosis.real.harness import Row, run_detect_anomaly, run_fsdp2, run_guarded
+from instruments.diagnosis.real.table import full_table, short_table, versions
+from instruments.diagnosis.scenarios import CASES, scenario_table
+from instruments.diagnosis.scenarios import run_detect_anomaly as scenario_anomaly
+from instruments.markdown import replace_block
 from lightning_numguard.reporting.logs import explain_log
-from tests.diagnosis.real import FSDP2_ROW, ROWS
-from tests.diagnosis.real.harness import Row, run_detect_anomaly, run_fsdp2, run_guarded
-from tests.diagnosis.real.table import full_table, short_table, versions
-from tests.diagnosis.scenarios import CASES, scenario_table
-from tests.diagnosis.scenarios import run_detect_anomaly as scenario_anomaly
 
 INTRO = """# Diagnosis: what the guard names first
 
@@ -33,10 +33,11 @@ from what the script writes fails `test_committed_tables_are_current`.
 ## Real model code
 
 Each row is a real `Trainer.fit` (CPU, {steps} steps, quiet) of code the project did not write (Hugging Face
-`transformers` models from tiny random configs, Lightning's `demos`) or of user-style code (`tests/diagnosis/real/`),
-with `NumGuardCallback(action="skip")`; the fault comes in at step 1 through the data, a weight, a hook or a config
-value. The guard's answer is its **root-cause event** (the first event not marked a consequence). What is expected
-is read from the scenario's source, never written down: the line ending in `# FAULT: <tag>` in the scenario file,
+`transformers` models from tiny random configs, Lightning's `demos`) or of user-style code
+(`instruments/diagnosis/real/`), with `NumGuardCallback(action="skip")`; the fault comes in at step 1 through the
+data, a weight, a hook or a config value. The guard's answer is its **root-cause event** (the first event not marked
+a consequence). What is expected is read from the scenario's source, never written down: the line ending in
+`# FAULT: <tag>` in the scenario file,
 or the line of the faulty call in the installed library's class, and the module that line runs in (`""` is the
 LightningModule itself). A row is right when the event's kind, module, op and `file:line` are the fault's; for a
 leaf (a parameter or batch field already non-finite), when its kind and `where` name it. An op of the
@@ -60,7 +61,7 @@ seen, rarely where it was made.
 <!-- ANOMALY TABLE -->
 <!-- /ANOMALY TABLE -->
 
-## The project's own scenarios (`tests/diagnosis/scenarios.py`)
+## The project's own scenarios (`instruments/diagnosis/scenarios.py`)
 
 <!-- SCENARIO TABLE -->
 <!-- /SCENARIO TABLE -->

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import logging
 import os
 import platform
 import statistics
@@ -32,8 +31,9 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
 
-from benchmarks import bench_models
 from benchmarks.variants import incidents, make_variant
+from instruments import bench_models
+from instruments.bench_models import bench_trainer, quiet
 from instruments.syncs import SyncCounter
 
 __all__ = ["StepClock", "bench_trainer", "count_syncs", "environment", "log", "quiet", "run_fit", "time_model"]
@@ -42,17 +42,6 @@ __all__ = ["StepClock", "bench_trainer", "count_syncs", "environment", "log", "q
 def log(msg: str) -> None:
     """Progress goes to stderr; the tables alone go to stdout."""
     print(msg, file=sys.stderr, flush=True)
-
-
-def quiet() -> None:
-    """Silence Lightning's info logs and the warnings every benchmark fit would repeat."""
-    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=r".*GPU available but not used.*")
-    warnings.filterwarnings("ignore", message=r".*isinstance.treespec, LeafSpec.*")
-    warnings.filterwarnings("ignore", message=r".*Tensor Cores.*")
-    warnings.filterwarnings("ignore", message=r".*anomaly detection.*")
 
 
 class StepClock:
@@ -125,25 +114,6 @@ class _EndStamp(Callback):
 def step_clock_name(device: str) -> str:
     """The name of the step clock printed with the tables: the one every verdict uses."""
     return "CUDA events" if device == "cuda" else "perf_counter wall time"
-
-
-def bench_trainer(root: str, steps: int, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
-    """A one-device ``Trainer`` that runs ``steps`` training steps and nothing else: no logger, checkpoint, progress
-    bar, summary or validation (``kwargs`` override, e.g. ``accelerator`` and ``precision``)."""
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_steps": steps,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-        "limit_val_batches": 0,
-        "default_root_dir": root,
-        "callbacks": callbacks,
-    }
-    return pl.Trainer(**(options | kwargs))
 
 
 def run_fit(

@@ -5,7 +5,7 @@
 Each named function below is wrapped with ``time.thread_time`` (inclusive times: a part is also counted in its
 caller) for one fit per model and variant on one torch thread, the steps after ``--warmup`` only. Unlike cProfile,
 which multiplies the cost of every Python call, the wrappers cost about a microsecond per call, so the hook totals
-compare with :class:`benchmarks.floor.FloorGuard`'s ``step_hook_ms``. On a shared machine a tiny op's time varies
+compare with :class:`instruments.floor.FloorGuard`'s ``step_hook_ms``. On a shared machine a tiny op's time varies
 several-fold between runs: compare variants of the same run, and totals rather than single small rows.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import bench_models
 from benchmarks.harness import StepClock, quiet, run_fit
+from instruments import bench_models
 
 __all__ = ["TARGETS", "hook_times"]
 
@@ -69,10 +69,10 @@ TARGETS = (
     "lightning_numguard.detect.watch:OutputWatch.reset",
     "lightning_numguard.detect.watch:OutputWatch.settle",
     "lightning_numguard.detect.flags:stack_raw",
-    "benchmarks.floor:FloorGuard.on_train_batch_start",
-    "benchmarks.floor:FloorGuard.on_before_backward",
-    "benchmarks.floor:FloorGuard.on_before_optimizer_step",
-    "benchmarks.floor:_SumHook.__call__",
+    "instruments.floor:FloorGuard.on_train_batch_start",
+    "instruments.floor:FloorGuard.on_before_backward",
+    "instruments.floor:FloorGuard.on_before_optimizer_step",
+    "instruments.floor:_SumHook.__call__",
 )
 #: The guard's entry points: their sum is its time per step (the op guard's wrappers time the op they wrap too).
 HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step")

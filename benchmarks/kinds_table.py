@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.markdown import replace_block
+from instruments.markdown import replace_block
 from lightning_numguard.detect.registry import kinds_table
 
 __all__ = ["main"]

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import bench_models
 from benchmarks.tables import GRAD_CHECK_TARGET, SNAPSHOT_TARGET_INTERVAL, SNAPSHOT_TARGET_PCT, micro_tables
+from instruments import bench_models
 from lightning_numguard.detect import checks
 from lightning_numguard.detect.opguard import OpGuard
 from lightning_numguard.detect.watch import OutputWatch

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks import bench_models
+from instruments import bench_models
 from lightning_numguard.detect.opguard import OpGuard
 
 __all__ = ["main"]

@@ -9,8 +9,8 @@ import os
 import pstats
 from typing import Any
 
-from benchmarks import bench_models
 from benchmarks.harness import StepClock, run_fit
+from instruments import bench_models
 
 __all__ = ["guard_breakdown", "profile_default"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import bench_models
+from instruments import bench_models
 from lightning_numguard.state.snapshot import capture
 
 __all__ = ["main"]

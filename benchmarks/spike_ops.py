@@ -16,9 +16,9 @@ from typing import Any
 import pytorch_lightning as pl
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from instruments.faults import FaultData, FaultModel, loader, quiet_trainer
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.detect import spike_guard as _spike
-from tests.helpers import FaultData, FaultModel, loader, quiet_trainer
 
 FIRST, LAST = 10, 30
 

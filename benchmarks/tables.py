@@ -34,7 +34,7 @@ GRAD_CHECK_TARGET = 0.25  # x the AdamW step
 OPGUARD_TARGET = 1.01  # the LM forward (+ loss) inside the op guard vs without it (micro d)
 SNAPSHOT_TARGET_PCT = 1.0  # % of a step, amortised at the default interval
 SNAPSHOT_TARGET_INTERVAL = 50  # NumGuardCallback's default snapshot_every_n_steps
-#: The variant of ``benchmarks.floor`` under each judged guard variant: the same reads and nothing else.
+#: The variant of ``instruments.floor`` under each judged guard variant: the same reads and nothing else.
 FLOORS = {"numguard_default": "floor_default", "numguard_all": "floor_all"}
 
 

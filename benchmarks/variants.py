@@ -16,7 +16,7 @@ Variants:
   spike_detection               Lightning's ``SpikeDetection`` callback (loss spikes, ``mode="min"``)
   naive_isfinite                ``bool(torch.isfinite(p.grad).all())`` per parameter tensor,
                                 in ``on_before_optimizer_step``
-  floor_default                 ``benchmarks.floor.FloorGuard()``: only the reads the defaults make (inputs, block
+  floor_default                 ``instruments.floor.FloorGuard()``: only the reads the defaults make (inputs, block
                                 outputs, loss, gradients), one host read, no machinery: the floor under the defaults
   floor_all                     ``FloorGuard(every=True)``: parameters and optimizer state too (the floor under
                                 ``numguard_all``)
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from pytorch_lightning.callbacks import Callback, SpikeDetection
 
-from benchmarks.floor import FloorGuard
+from instruments.floor import FloorGuard
 from lightning_numguard.callbacks import NumGuardCallback
 
 __all__ = ["ALL_CHECKS", "DEFAULT_CHECKS", "VARIANTS", "NaiveIsFinite", "incidents", "make_variant"]

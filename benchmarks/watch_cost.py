@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import bench_models
+from instruments import bench_models
 from lightning_numguard.detect.watch import OutputWatch
 
 __all__ = ["main"]

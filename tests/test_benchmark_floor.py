@@ -1,4 +1,4 @@
-"""The benchmark's floor (``benchmarks.floor.FloorGuard``) is a real check: it must see what it claims to read."""
+"""The benchmark's floor (``instruments.floor.FloorGuard``) is a real check: it must see what it claims to read."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.floor import FloorGuard
+from instruments.floor import FloorGuard
 from lightning_numguard.detect.watch import select_modules
 from tests.helpers import FaultData, FaultModel, all_finite, loader, trainer
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.event_fields import table
+from instruments.event_fields import table
 from lightning_numguard.reporting.events import REQUIRED_FIELDS, Event, field_docs
 
 ROOT = Path(__file__).resolve().parents[1]

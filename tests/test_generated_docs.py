@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import arguments_table, event_fields, readme_table
+from instruments import arguments_table, event_fields, readme_table
 from lightning_numguard.detect.registry import kinds_table
 
 ROOT = Path(__file__).resolve().parents[1]

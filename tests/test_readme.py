@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from benchmarks.readme_table import table
+from instruments.readme_table import table
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

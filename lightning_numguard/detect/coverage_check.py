@@ -1,51 +1,88 @@
-"""Optimizer coverage: the problems found at fit start and at the first optimizer step, as events."""
+"""The optimizer's coverage of the trainable parameters: a built-in check that looks at the fit on the host.
+
+Once per fit, at its start (trainable parameters in no optimizer, frozen ones in one, parameters in two groups)
+and at its first optimizer step (trainable parameters that got no gradient). No device value and no read: it reads
+``requires_grad`` and ``.grad is None`` only. ``check_optimizer_coverage`` turns it off (``"off"``) or makes its
+findings end the fit (``"error"``).
+
+Imports neither torch nor the reporting at module level: :mod:`~lightning_numguard.detect.registry` declares it
+(``numguard explain`` reads the declaration without torch).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from lightning_numguard.detect.coverage import NO_GRAD_IN_FIRST_STEP, check_coverage, never_got_grad
-from lightning_numguard.diagnose.findings import Finding
-from lightning_numguard.engine.loop import Loop
-from lightning_numguard.errors import NumGuardError
-from lightning_numguard.reporting.hints import coverage_problem
-from lightning_numguard.reporting.ledger import Ledger
+from lightning_numguard.detect.check import Check, CheckStep
+from lightning_numguard.errors import NumGuardConfigError
 
-__all__ = ["CoverageCheck"]
+if TYPE_CHECKING:
+    from lightning_numguard.diagnose.findings import Finding
+
+__all__ = ["OptimizerCoverage"]
+
+_MODES = ("warn", "error")
 
 
-class CoverageCheck:
-    """Reports optimizer coverage problems once per fit; ``mode="error"`` raises after recording them."""
+class OptimizerCoverage(Check):
+    """Optimizer coverage problems, reported once per fit (``mode="error"``: the fit raises after recording them).
 
-    def __init__(self, mode: str) -> None:
+    Example:
+        >>> OptimizerCoverage(mode="error")
+        OptimizerCoverage(mode='error')
+        >>> OptimizerCoverage(mode="loud")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_numguard.errors.NumGuardConfigError: `check_optimizer_coverage` must be one of ... got 'loud'
+    """
+
+    name = "optimizer coverage"
+    kind = "optimizer_coverage"
+    what = "trainable parameters in no optimizer, frozen ones in one, parameters in two groups or without gradients"
+    short_hint = "build the optimizer from the trainable parameters"
+    hint = (
+        "build the optimizer from `[p for p in model.parameters() if p.requires_grad]` and give every trainable "
+        "parameter exactly one param group"
+    )
+    advisory = True
+    _builtin: ClassVar[bool] = True
+
+    def __init__(self, mode: str = "warn") -> None:
+        if mode not in _MODES:
+            raise NumGuardConfigError(
+                f"`check_optimizer_coverage` must be one of ['off', *{list(_MODES)}], got {mode!r}"
+            )
         self.mode = mode
-        self.grads_checked = False
+        self.fatal = mode == "error"
 
-    def at_fit_start(self, loop: Loop, ledger: Ledger) -> None:
+    @classmethod
+    def for_fit(cls, config: Any) -> OptimizerCoverage | None:
+        mode = config.check_optimizer_coverage
+        return None if mode == "off" else cls(mode)
+
+    def at_fit_start(self, step: CheckStep) -> list[Finding]:
         """Trainable parameters in no optimizer, frozen ones in one, parameters in two groups."""
-        if self.mode == "off":
-            return
-        problems = check_coverage(loop.module, loop.optimizers).problems()
-        self._report(loop, ledger, [_finding(code, names) for code, names in problems])
+        from lightning_numguard.detect.coverage import check_coverage
 
-    def at_first_step(self, loop: Loop, optimizer: Any, ledger: Ledger) -> None:
-        """Once per fit, at the first optimizer step: trainable parameters that got no gradient."""
-        if self.grads_checked or self.mode == "off":
-            return
-        self.grads_checked = True
-        missing = never_got_grad(loop.module, [p for g in optimizer.param_groups for p in g["params"]])
-        if missing:
-            self._report(loop, ledger, [_finding(NO_GRAD_IN_FIRST_STEP, missing)])
+        problems = check_coverage(step.loop.module, step.loop.optimizers).problems()
+        return [_finding(code, names) for code, names in problems]
 
-    def _report(self, loop: Loop, ledger: Ledger, findings: list[Finding]) -> None:
-        if not findings:
-            return
-        events = [ledger.event(loop, f, loop.step, "none") for f in findings]
-        ledger.record(loop, events)
-        if self.mode == "error":
-            raise NumGuardError("NumGuard: " + " | ".join(e["message"] for e in events))
+    def at_first_optimizer_step(self, step: CheckStep) -> list[Finding]:
+        """Trainable parameters of the optimizer about to step that got no gradient."""
+        from lightning_numguard.detect.coverage import NO_GRAD_IN_FIRST_STEP, never_got_grad
+
+        params = [p for g in step.optimizer.param_groups for p in g["params"]]
+        missing = never_got_grad(step.loop.module, params)
+        return [_finding(NO_GRAD_IN_FIRST_STEP, missing)] if missing else []
+
+    def message(self, where: str, details: Mapping[str, Any], at: str) -> str:
+        return f"{details.get('problem', 'optimizer coverage problem')}: {where}"
 
 
 def _finding(code: str, names: list[str]) -> Finding:
+    from lightning_numguard.diagnose.findings import Finding
+    from lightning_numguard.reporting.hints import coverage_problem
+
     problem, hint = coverage_problem(code)
     return Finding("optimizer_coverage", names, {"problem": problem, "hint": hint, "code": code})

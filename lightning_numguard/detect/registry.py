@@ -3,44 +3,46 @@
 ``KINDS`` and ``ADVISORY_KINDS`` (:mod:`~lightning_numguard.reporting.events`), the hint of every kind
 (:data:`~lightning_numguard.reporting.hints.KIND_HINTS`) and the README's table of event kinds
 (``python -m benchmarks.kinds_table --write README.md``) are derived from :data:`CHECKS`; the one other table keyed
-by kind is the built-in kinds' sentences (:data:`~lightning_numguard.reporting.messages.SENTENCES`, which a test holds
-to :data:`CHECKS`).
+by kind is the fused kinds' sentences (:data:`~lightning_numguard.reporting.messages.SENTENCES`, which a test holds
+to the fused checks of :data:`CHECKS`).
 
 The order of :data:`CHECKS` is the causal order of a step: the order findings of one step are recorded in, so the
 first is the root cause (a check whose kind is reported later in the step comes later here).
 
-A check that is not one of the built-in fused reductions is one subclass of :class:`Check` in one file: it says
-where it records (:attr:`Check.records_at`), what 0-d device value it folds into the step's packed read
-(:meth:`Check.record`), how its findings are built after a hit (:meth:`Check.findings`), its arguments (its
-constructor, validated there) and its sentence (:meth:`Check.message`). ``NumGuardCallback(extra_checks=[...])``
-registers it (:func:`register`); the step's one read, the judge, the events, the hints and the docs' tables then
-treat it like a built-in check (``ARCHITECTURE.md``, "Adding a check").
+A check that is not one of the fused reductions is one subclass of :class:`Check` in one file (what a check is:
+:mod:`~lightning_numguard.detect.check`): where it records and what 0-d device value it folds into the step's packed
+read, or what it finds on the host once per fit; how its findings are built; its arguments (its constructor,
+validated there) and its sentence (:meth:`Check.message`). A built-in one is listed once, in :data:`DEFAULTS`
+(enabled by default; :meth:`Check.for_fit` builds it from the guard's config), and its instance in :data:`CHECKS`
+gives its place in the causal order. A user's is passed as ``NumGuardCallback(extra_checks=[...])``, which
+registers it (:func:`register`). The step's one read, the judge, the events, the hints and the docs' tables then
+treat both like the fused checks (``ARCHITECTURE.md``, "Adding a check").
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any
 
+from lightning_numguard.detect.check import HOOKS, HOST_HOOKS, Check, CheckStep, Hook
+from lightning_numguard.detect.coverage_check import OptimizerCoverage
 from lightning_numguard.errors import NumGuardConfigError
-
-if TYPE_CHECKING:
-    import torch
-
-    from lightning_numguard.diagnose.findings import Finding
 
 __all__ = [
     "CHECKS",
     "CHECK_BY_KIND",
+    "DEFAULTS",
     "HOOKS",
+    "HOST_HOOKS",
     "SITES",
     "Check",
     "CheckStep",
+    "Hook",
     "advisory_kinds",
     "arguments_table",
     "check_of",
+    "fit_checks",
     "is_advisory",
     "kind_hints",
     "kinds",
@@ -50,162 +52,13 @@ __all__ = [
     "register",
 ]
 
-#: Where a check records, in the step's order: batch start, the loss before backward, before the optimizer step.
-Hook = Literal["batch_start", "loss", "optimizer_step"]
-HOOKS: tuple[str, ...] = ("batch_start", "loss", "optimizer_step")
 
-
-@dataclass(frozen=True)
-class CheckStep:
-    """What a check sees of the step it records or explains (``loss``, detached, from the ``"loss"`` hook on;
-    ``optimizer`` at the ``"optimizer_step"`` hook; ``None`` before).
-
-    ``loop`` is the guarded loop in torch terms (:class:`~lightning_numguard.engine.loop.Loop`): ``module`` is
-    its root module (the ``LightningModule`` under a ``Trainer``), ``trainer`` the ``Trainer`` when there is one.
-    """
-
-    loop: Any
-    batch: Any
-    batch_idx: int
-    step: int
-    loss: torch.Tensor | None = None
-    optimizer: Any = None
-
-    @property
-    def module(self) -> torch.nn.Module:
-        """The root module of the step (the ``LightningModule``, the model handed to Fabric or ``attach``)."""
-        return self.loop.module
-
-    @property
-    def trainer(self) -> Any:
-        """The Lightning ``Trainer`` running the step, or ``None`` (a Fabric or plain loop)."""
-        return getattr(self.loop, "trainer", None)
-
-    @property
-    def pl_module(self) -> torch.nn.Module:
-        """The root module (the ``LightningModule`` under a ``Trainer``): the same as :attr:`module`."""
-        return self.module
-
-
-class Check:
-    """One check of a training step, and the event kind its findings carry.
-
-    The built-in checks (:data:`CHECKS`) are declarations: their recording and reduction are the step's fused
-    parts (one ``_foreach_norm`` covers parameters, buffers, optimizer state and gradients at once, one input value
-    serves both input checks), so :attr:`records_at` is ``None``. A new check subclasses this class, sets the
-    class attributes below and :attr:`records_at`, and implements :meth:`record` and :meth:`findings`; its
-    arguments are its constructor's, validated there (raise ``NumGuardConfigError`` naming the argument).
-
-    Example:
-        >>> import torch
-        >>> from lightning_numguard.diagnose.findings import Finding
-        >>> class LossAbove(Check):
-        ...     name, kind, records_at, after = "loss above a threshold", "loss_above", "loss", "nonfinite_loss"
-        ...     what, short_hint = "the loss above `threshold`", "look at this batch"
-        ...     hint = "the loss left its expected range: look at this batch"
-        ...     def __init__(self, threshold: float = 10.0) -> None:
-        ...         self.threshold = threshold
-        ...     def record(self, step):
-        ...         return step.loss.detach().float() > self.threshold
-        ...     def findings(self, step):
-        ...         return [Finding(self.kind, ["loss"], {"value": float(step.loss), "threshold": self.threshold})]
-        >>> LossAbove(2.0).arguments()
-        {'threshold': 2.0}
-    """
-
-    #: what is checked, in words
-    name: str = ""
-    #: the event kind of its findings
-    kind: str = ""
-    #: what went bad when it fires (one cell of the README's table)
-    what: str = ""
-    #: the hint, in short (one cell of the README's table)
-    short_hint: str = ""
-    #: the one sentence of advice every event of this kind carries (``reporting/hints``)
-    hint: str = ""
-    #: advisory: it warns ahead of trouble, is never counted as an incident nor acted on
-    advisory: bool = False
-    #: where it records (:data:`HOOKS`); ``None``: a built-in check, recorded by the step's fused parts
-    records_at: ClassVar[Hook | None] = None
-    #: its value is "seen" when ``"positive"`` (a 0/1 flag, a count) or ``"nonfinite"`` (a total NaN/Inf propagates)
-    seen_when: ClassVar[Literal["positive", "nonfinite"]] = "positive"
-    #: its findings come after this kind's in a step's causal order (``None``: after every built-in kind)
-    after: ClassVar[str | None] = None
-    #: what a finding names when the step is read one step late (``sync_mode="deferred"``) and its records are gone
-    placeholder: str = ""
-
-    def __init__(
-        self,
-        name: str | None = None,
-        kind: str | None = None,
-        what: str | None = None,
-        short_hint: str | None = None,
-        hint: str | None = None,
-        advisory: bool | None = None,
-        placeholder: str | None = None,
-    ) -> None:
-        declared: dict[str, str | bool | None] = {"name": name, "kind": kind, "what": what, "hint": hint}
-        declared |= {"short_hint": short_hint, "advisory": advisory, "placeholder": placeholder}
-        for key, value in declared.items():
-            if value is not None:
-                setattr(self, key, value)
-
-    def __repr__(self) -> str:
-        if type(self) is Check:
-            return f"Check({self.kind!r})"
-        args = ", ".join(f"{k}={v!r}" for k, v in self.arguments().items())
-        return f"{type(self).__name__}({args})"
-
-    # ------------------------------------------------------------------ behaviour of a check that is not built in
-
-    def record(self, step: CheckStep) -> torch.Tensor | None:
-        """The check's 0-d device value for this step, folded into the step's one read; no host read here.
-
-        Called at :attr:`records_at` (once per micro-batch under gradient accumulation: the values are combined,
-        ``max`` for ``"positive"``, a sum for ``"nonfinite"``). ``None``: nothing to record this time.
-        """
-        raise NotImplementedError(f"{type(self).__name__}.record: a check that is not built in records a value")
-
-    def findings(self, step: CheckStep) -> list[Finding]:
-        """After its value was seen: what went bad, exactly (host reads allowed, after a hit only).
-
-        Default: one finding naming :attr:`placeholder` (or :attr:`name`).
-        """
-        from lightning_numguard.diagnose.findings import Finding
-
-        return [Finding(self.kind, [self.placeholder or self.name], {})]
-
-    def message(self, where: str, details: Mapping[str, Any], at: str) -> str:
-        """The event's sentence, without its hint (``where``: the names, quoted; ``at``: "at step N on rank R")."""
-        return f"{self.name}: {where} {at}"
-
-    def arguments(self) -> dict[str, Any]:
-        """The check's arguments (its constructor's parameters) and their values, for its ``repr`` and the docs."""
-        if type(self) is Check:
-            return {}
-        params = inspect.signature(type(self).__init__).parameters
-        return {
-            n: getattr(self, n, p.default)
-            for n, p in params.items()
-            if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        }
-
-    @property
-    def builtin(self) -> bool:
-        """Whether the step's fused parts record it (``records_at`` is ``None``)."""
-        return self.records_at is None
-
+#: The built-in checks that are not fused reductions: each a :class:`Check` subclass in one file, enabled by default
+#: (:meth:`Check.for_fit` builds a fit's instance from the guard's config, ``None`` where the config turns it off).
+DEFAULTS: tuple[type[Check], ...] = (OptimizerCoverage,)
 
 CHECKS: tuple[Check, ...] = (
-    Check(
-        "optimizer coverage",
-        "optimizer_coverage",
-        "trainable parameters in no optimizer, frozen ones in one, parameters in two groups or without gradients",
-        "build the optimizer from the trainable parameters",
-        "build the optimizer from `[p for p in model.parameters() if p.requires_grad]` and give every trainable "
-        "parameter exactly one param group",
-        advisory=True,
-    ),
+    OptimizerCoverage(),
     Check(
         "batch inputs",
         "nonfinite_input",
@@ -329,13 +182,13 @@ def register(check: Check) -> Check:
     Raises ``NumGuardConfigError`` for a check that does not declare what a check must, or whose kind is a built-in
     kind or another class's. Registering a check of the same class again replaces it (its arguments may differ).
     """
-    if not isinstance(check, Check) or check.builtin:
+    if not isinstance(check, Check) or check.builtin or (check.records_at is None and not check.looks_at_fit):
         raise NumGuardConfigError(
             f"`extra_checks` takes instances of lightning_numguard.Check subclasses with `records_at` set to one of "
-            f"{list(HOOKS)}, got {check!r}"
+            f"{list(HOOKS)}, or overriding one of {list(HOST_HOOKS)}, got {check!r}"
         )
     name = type(check).__name__
-    if check.records_at not in HOOKS:
+    if check.records_at is not None and check.records_at not in HOOKS:
         raise NumGuardConfigError(f"{name}.records_at must be one of {list(HOOKS)}, got {check.records_at!r}")
     if check.seen_when not in ("positive", "nonfinite"):
         raise NumGuardConfigError(f"{name}.seen_when must be 'positive' or 'nonfinite', got {check.seen_when!r}")
@@ -367,6 +220,13 @@ def known(extra: Iterable[Check] = ()) -> tuple[Check, ...]:
             at += 1  # after the checks registered earlier at the same place
         out.insert(at, check)
     return tuple(out)
+
+
+def fit_checks(config: Any) -> tuple[Check, ...]:
+    """The checks of a fit of ``config`` beside the fused ones: the enabled :data:`DEFAULTS`, then
+    ``config.extra_checks``."""
+    enabled = (cls.for_fit(config) for cls in DEFAULTS)
+    return (*(c for c in enabled if c is not None), *(config.extra_checks or ()))
 
 
 def check_of(kind: str) -> Check | None:
@@ -414,5 +274,6 @@ def arguments_table(checks: Iterable[Check]) -> str:
     for c in checks:
         if not c.builtin:
             args = ", ".join(f"`{k}={v!r}`" for k, v in c.arguments().items()) or "none"
-            lines.append(f"| `{type(c).__name__}`: {c.name} | `{c.kind}` | `{c.records_at}` | {args} |")
+            at = f"`{c.records_at}`" if c.records_at is not None else "once per fit (host)"
+            lines.append(f"| `{type(c).__name__}`: {c.name} | `{c.kind}` | {at} | {args} |")
     return "\n".join(lines)

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from lightning_numguard.config.arguments import GuardConfig
-from lightning_numguard.detect.coverage_check import CoverageCheck
+from lightning_numguard.detect import registry
 from lightning_numguard.detect.spike_guard import STATEFUL_KEY
 from lightning_numguard.engine.deferred import Deferred
+from lightning_numguard.engine.fit_checks import FitChecks
 from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.pipeline import StepPipeline
 from lightning_numguard.engine.schedule import EveryStep, ReadSchedule
@@ -43,7 +44,7 @@ class StepFlow:
         ``halt_dirpath``)."""
         self.settings = settings
         self.pipeline = StepPipeline.build(settings, dirpath, halt_dirpath)
-        self.coverage = CoverageCheck(settings.check_optimizer_coverage)
+        self.fit_checks = FitChecks(registry.fit_checks(settings))
         self.progress = FitProgress()
         sigma = settings.spikes.sigma if self.pipeline.spike.window is not None else None
         self.series = RunSeries(self.pipeline.reporter, sigma)
@@ -81,7 +82,7 @@ class StepFlow:
             stateful[STATEFUL_KEY] = p.spike.window
         p.snapshots.track(stateful)
         p.reader.resolve(loop.module, stateful)
-        self.coverage.at_fit_start(loop, p.ledger)
+        self.fit_checks.at_fit_start(loop, p.ledger)
         p.announce_spikes(loop)
 
     def at_train_start(self, loop: Loop) -> None:
@@ -160,7 +161,7 @@ class StepFlow:
         if rec.read_done:  # a further optimizer of a clean batch: its gradients only
             recorder.forget_forward()
         if not rec.skip_forced:  # both read schedules: the gradients are known here, read or not
-            self.coverage.at_first_step(loop, optimizer, self.pipeline.ledger)
+            self.fit_checks.at_first_optimizer_step(loop, optimizer, rec.batch, rec.batch_idx, self.pipeline.ledger)
         recorder.at_optimizer_step(optimizer)
         self.schedule.at_optimizer_step(loop, optimizer)
 

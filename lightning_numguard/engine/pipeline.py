@@ -346,7 +346,8 @@ def _broken(findings: list[Finding]) -> str | None:
 def _instruments(s: GuardConfig, spike: SpikeGuard, conventions: InputConventions) -> tuple[StepRecorder, StepRead]:
     """A fit's step recorder and read: the recorder leaves out the fields declared conventions; the read carries the
     spike statistics after its flags."""
+    per_step = tuple(c for c in registry.fit_checks(s) if c.records_at is not None)  # the rest look at the fit once
     recorder = StepRecorder(
-        list(s.check), s.watch.modules, s.watch.ignore, s.watch.depth, conventions.ignored, tuple(s.extra_checks or ())
+        list(s.check), s.watch.modules, s.watch.ignore, s.watch.depth, conventions.ignored, per_step
     )
     return recorder, StepRead(list(s.check), s.max_abs_input, recorder, spike)

@@ -69,7 +69,7 @@ def incident_message(
     """
     at = f"at step {step} on rank {rank}"
     names = _names(where)
-    check = registry.check_of(kind) if kind not in KIND_HINTS else None  # a check passed as extra_checks
+    check = registry.check_of(kind)  # its own sentence when it is no fused check (SENTENCES has those)
     hint = event_hint(kind, details) if kind in KIND_HINTS or check is not None else ""
     checked = set(details.get("checked") or ())
     replay = details.get("replay") or {}
@@ -427,10 +427,6 @@ def _param(s: _Say) -> str:
     return f"non-finite values in {what + ' ' if what else ''}{s.names} {when + ' ' if when else ''}{s.at}"
 
 
-def _coverage(s: _Say) -> str:
-    return f"{s.details.get('problem', 'optimizer coverage problem')}: {s.names}"
-
-
 def _spike(s: _Say) -> str:
     details = s.details
     what = "the loss" if s.kind == "loss_spike" else "the global gradient norm"
@@ -471,7 +467,6 @@ SENTENCES: dict[str, Callable[[_Say], str]] = {
     "nonfinite_loss": _loss,
     "nonfinite_grad": _grad,
     "nonfinite_param": _param,
-    "optimizer_coverage": _coverage,
     "loss_spike": _spike,
     "grad_norm_spike": _spike,
     "overflow_risk": _overflow,

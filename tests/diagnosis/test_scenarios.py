@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.diagnosis.scenarios import CASES, Case, message_holds, run_guarded
+from instruments.diagnosis.scenarios import CASES, Case, message_holds, run_guarded
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

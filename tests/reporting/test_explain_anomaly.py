@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from instruments.diagnosis.real import ROWS
+from instruments.diagnosis.real.harness import FORWARD_KINDS, Row, marker_line, run_detect_anomaly, run_guarded
 from lightning_numguard.reporting.explain import ExitCode, explain
 from lightning_numguard.reporting.logs import explain_log, format_log_report
-from tests.diagnosis.real import ROWS
-from tests.diagnosis.real.harness import FORWARD_KINDS, Row, marker_line, run_detect_anomaly, run_guarded
 
 USER_CODE = next(r for r in ROWS if r.name == "tab_rms_sqrt0").file
 

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from instruments.diagnosis.real.harness import marker_line
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.reporting.logs import Match, explain_log, format_log_report
-from tests.diagnosis.real.harness import marker_line
 from tests.helpers import quiet_trainer
 
 BAD = 1  #: the global step of every fault

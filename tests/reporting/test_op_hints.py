@@ -25,9 +25,9 @@ from pytorch_lightning.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from instruments.diagnosis.real.harness import marker_line
 from lightning_numguard import NumGuardCallback
 from lightning_numguard.reporting.hints import KIND_HINTS, event_hint
-from tests.diagnosis.real.harness import marker_line
 from tests.helpers import quiet_trainer
 
 BAD = 1  #: the global step (and batch) of every fault

@@ -15,9 +15,18 @@ from typing import Any
 
 import pytest
 
-from tests.diagnosis.real import FSDP2_ROW, ROWS
-from tests.diagnosis.real.harness import ROOT, Expected, Result, Row, marker_line, run_fsdp2, run_guarded, wrong_fields
-from tests.diagnosis.real.table import full_table, short_table, versions
+from instruments.diagnosis.real import FSDP2_ROW, ROWS
+from instruments.diagnosis.real.harness import (
+    ROOT,
+    Expected,
+    Result,
+    Row,
+    marker_line,
+    run_fsdp2,
+    run_guarded,
+    wrong_fields,
+)
+from instruments.diagnosis.real.table import full_table, short_table, versions
 
 REPO = Path(__file__).resolve().parents[3]
 _RESULTS: dict[str, Result] = {}
@@ -105,7 +114,7 @@ def _block(text: str, name: str) -> str:
 @pytest.mark.timeout(900)
 def test_committed_tables_are_current() -> None:
     """``docs/diagnosis.md`` and the README's short table are what ``benchmarks/diagnosis_table.py`` writes now."""
-    from tests.diagnosis.scenarios import scenario_table
+    from instruments.diagnosis.scenarios import scenario_table
 
     results = [result(row) for row in [*ROWS, FSDP2_ROW]]
     doc = (REPO / "docs" / "diagnosis.md").read_text(encoding="utf-8")

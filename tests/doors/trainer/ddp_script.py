@@ -1,6 +1,8 @@
 """Run by test_ddp.py in a subprocess: real DDP (gloo, 2 CPU processes), a fault on one rank only.
 
 Usage: python ddp_script.py OUT_DIR SITE FAULT_RANK ACTION [PRECISIONS]
+   or: python ddp_script.py OUT_DIR --pack NAME=SITE:FAULT_RANK:ACTION[:PRECISIONS] ...  (every fit in one launch,
+       in sequence, each under OUT_DIR/NAME: one process group for them all; a halting one goes last)
 PRECISIONS: comma-separated (``16-mixed`` runs under a CPU GradScaler), and then SITE may be comma-separated
 too: one fit per site and precision, in sequence in the same processes, each under OUT_DIR/SITE/PRECISION.
 SITE ``accumulate``: ``accumulate_grad_batches=2`` and NaN inputs in batch 3 (a window's second micro-batch);
@@ -70,7 +72,18 @@ def precision_args(precision: str | None) -> dict[str, Any]:
 
 
 def main() -> None:
-    root, site, fault_rank, action = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    root = Path(sys.argv[1])
+    if sys.argv[2] != "--pack":
+        return run(root, sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5] if len(sys.argv) > 5 else None)
+    for spec in sys.argv[3:]:  # NAME=SITE:FAULT_RANK:ACTION[:PRECISIONS], each into OUT_DIR/NAME, in sequence
+        name, _, fields = spec.partition("=")
+        site, fault_rank, action, *precisions = fields.split(":")
+        out = root / name
+        out.mkdir(parents=True, exist_ok=True)
+        run(out, site, int(fault_rank), action, precisions[0] if precisions else None)
+
+
+def run(root: Path, site: str, fault_rank: int, action: str, precisions: str | None) -> None:
     if site in ("sharded", "sharded_async"):
         return sharded_main(root, fault_rank, action, asynchronous=site == "sharded_async")
     if site == "deferred_sharded":
@@ -78,11 +91,11 @@ def main() -> None:
     if site == "spike":
         return spike_main(root, fault_rank, action)
     warnings.simplefilter("ignore")
-    if len(sys.argv) == 5:
+    if precisions is None:
         fit(root, site, fault_rank, action, None)
         return
     for one_site in site.split(","):
-        for precision in sys.argv[5].split(","):
+        for precision in precisions.split(","):
             out = root / one_site / precision
             out.mkdir(parents=True, exist_ok=True)
             fit(out, one_site, fault_rank, action, precision)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.compiled import CompiledMLP, batches, compile_counts, extra_per_graph
+from instruments.compiled import CompiledMLP, batches, compile_counts, extra_per_graph
 
 pytest.importorskip("torch._inductor")
 pytestmark = pytest.mark.slow  # each test compiles a model twice (with and without the guard): 1-4 min under load

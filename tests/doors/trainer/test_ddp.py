@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,34 +22,65 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_ddp(
-    tmp_path: Path, site: str, fault_rank: int, action: str, *precisions: str, exit_ok: bool = True
-) -> list[dict]:
+def launch(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
     env["MASTER_PORT"] = str(_free_port())  # a fixed port can still be in TIME_WAIT from the previous launch
-    args = [sys.executable, str(SCRIPT), str(tmp_path), site, str(fault_rank), action]
-    if precisions:
-        args.append(",".join(precisions))
-    proc = subprocess.run(
-        args,
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(root), *args], cwd=root, env=env, capture_output=True, text=True, timeout=600
     )
-    failed = f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    assert (proc.returncode == 0) == exit_ok, failed
-    if not exit_ok:  # a halt fails the run: NonFiniteError, not a crash of the launch
-        assert "NonFiniteError: NumGuard halted training" in proc.stderr, failed
-    if precisions:
-        return []  # one fit per site and precision: read with ``ranks_of``
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+#: Every fit of this file, in one launch (one process group: launching it costs more than most of its fits), each
+#: into its own folder; the halting one goes last, so that the process ends with its NonFiniteError.
+PACK = {
+    "input": "input:1:rollback",
+    "param": "param:1:rollback",
+    "op": "op:1:skip",
+    "accumulate": "accumulate:1:rollback",
+    "manual": "manual:1:rollback",
+    "sharded": "sharded:1:rollback",
+    "sharded_async": "sharded_async:1:rollback",
+    "deferred_sharded": "deferred_sharded:1:rollback",
+    "bf16_64": "input,accumulate,manual:1:rollback:bf16-mixed,64-true",
+    "fp16": "input,grad,accumulate,manual,compile:1:rollback:16-mixed",
+    "spike": "spike:1:rollback",
+    "loss_halt": "loss:0:halt",
+}
+
+
+@dataclass
+class Pack:
+    root: Path
+    proc: subprocess.CompletedProcess[str]
+
+    def __call__(self, name: str) -> Path:
+        """The folder of fit ``name``; fails with the launch's output when the fit wrote nothing (an earlier one
+        crashed the launch)."""
+        out = self.root / name
+        written = list(out.rglob("rank*.json")) + list(out.glob("*.pt"))
+        assert written, (
+            f"{name} wrote nothing: exit {self.proc.returncode}\n{self.proc.stdout[-2000:]}\n{self.proc.stderr[-4000:]}"
+        )
+        return out
+
+    def ranks(self, name: str) -> list[dict]:
+        return ranks_of(self(name))
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory: pytest.TempPathFactory) -> Pack:
+    root = tmp_path_factory.mktemp("ddp")
+    proc = launch(root, "--pack", *(f"{name}={spec}" for name, spec in PACK.items()))
+    # the last fit halts: NonFiniteError on every rank ends the launch, never a crash before it
+    assert proc.returncode != 0 and "NonFiniteError: NumGuard halted training" in proc.stderr, (
+        f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    )
+    return Pack(root, proc)
 
 
 @pytest.mark.ddp
-def test_input_fault_on_rank_1_rolls_back_every_rank_together(tmp_path):
-    ranks = run_ddp(tmp_path, "input", 1, "rollback")
+def test_input_fault_on_rank_1_rolls_back_every_rank_together(pack):
+    ranks = pack.ranks("input")
     for r in ranks:
         assert r["finite"] and r["same_as_rank0"]
         assert r["counters"]["rollbacks"] == 1 and r["counters"]["skipped_steps"] == 1
@@ -59,14 +91,14 @@ def test_input_fault_on_rank_1_rolls_back_every_rank_together(tmp_path):
     assert first["kind"] == "nonfinite_input" and first["rank"] == 1 and first["step"] == 2
     assert first["where"] == ["batch['x']"]
     # rank 0 alone writes the file, once
-    lines = (tmp_path / "ng" / "events.jsonl").read_text().splitlines()
+    lines = (pack("input") / "ng" / "events.jsonl").read_text().splitlines()
     assert [json.loads(x) for x in lines] == ranks[0]["events"]
 
 
 @pytest.mark.ddp
-def test_a_weight_one_rank_made_nan_is_named_with_that_rank(tmp_path):
+def test_a_weight_one_rank_made_nan_is_named_with_that_rank(pack):
     """DDP all-reduces the gradients, so every rank's gradient flag is set; the weight was NaN on rank 1 alone."""
-    ranks = run_ddp(tmp_path, "param", 1, "rollback")
+    ranks = pack.ranks("param")
     for r in ranks:
         assert r["finite"] and r["same_as_rank0"]
         assert r["counters"]["rollbacks"] == 1
@@ -77,8 +109,8 @@ def test_a_weight_one_rank_made_nan_is_named_with_that_rank(tmp_path):
 
 
 @pytest.mark.ddp
-def test_loss_fault_on_rank_0_halts_every_rank(tmp_path):
-    ranks = run_ddp(tmp_path, "loss", 0, "halt", exit_ok=False)  # the process exits non-zero
+def test_loss_fault_on_rank_0_halts_every_rank(pack):
+    ranks = pack.ranks("loss_halt")  # the launch exits non-zero (the fixture holds it)
     for r in ranks:
         assert r["finite"] and r["same_as_rank0"]
         assert r["global_step"] == 3  # stopped together after the bad step
@@ -86,12 +118,12 @@ def test_loss_fault_on_rank_0_halts_every_rank(tmp_path):
         assert r["raised"].startswith("NonFiniteError: NumGuard halted training at step 2"), r["raised"]
         assert "ckpt_path=" in r["raised"]
     assert ranks[0]["events"][0]["kind"] == "nonfinite_loss" and ranks[0]["events"][0]["rank"] == 0
-    assert (tmp_path / "ng" / "last_finite.ckpt").exists()
+    assert (pack("loss_halt") / "ng" / "last_finite.ckpt").exists()
 
 
 @pytest.mark.ddp
-def test_op_domain_on_rank_1_is_defused_and_ranks_stay_in_step(tmp_path):
-    ranks = run_ddp(tmp_path, "op", 1, "skip")
+def test_op_domain_on_rank_1_is_defused_and_ranks_stay_in_step(pack):
+    ranks = pack.ranks("op")
     for r in ranks:
         assert r["finite"] and r["same_as_rank0"]
         assert r["counters"]["skipped_steps"] == 1
@@ -102,10 +134,10 @@ def test_op_domain_on_rank_1_is_defused_and_ranks_stay_in_step(tmp_path):
 
 
 @pytest.mark.ddp
-def test_accumulation_fault_in_one_micro_batch_of_rank_1(tmp_path):
+def test_accumulation_fault_in_one_micro_batch_of_rank_1(pack):
     """accumulate 2: batch 3 (window 1's second micro-batch) is NaN on rank 1 only. Every rank decides together
     at the window's step, and the event names rank 1 and batch 3 on every rank (before: rank 0 said batch 2)."""
-    ranks = run_ddp(tmp_path, "accumulate", 1, "rollback")
+    ranks = pack.ranks("accumulate")
     for r in ranks:
         assert r["finite"] and r["same_as_rank0"]
         assert r["counters"]["rollbacks"] == 1 and r["counters"]["skipped_steps"] == 1
@@ -117,9 +149,9 @@ def test_accumulation_fault_in_one_micro_batch_of_rank_1(tmp_path):
 
 
 @pytest.mark.ddp
-def test_manual_two_optimizers_fault_on_rank_1_ranks_stay_in_step(tmp_path):
+def test_manual_two_optimizers_fault_on_rank_1_ranks_stay_in_step(pack):
     """A GAN under manual optimization; its discriminator loss is NaN at batch 2 on rank 1 only."""
-    ranks = run_ddp(tmp_path, "manual", 1, "rollback")
+    ranks = pack.ranks("manual")
     for r in ranks:
         assert r["finite"] and r["same_as_rank0"]
         assert r["counters"]["skipped_steps"] == 1
@@ -148,15 +180,15 @@ def _bitwise(a, b) -> bool:
 
 
 @pytest.mark.ddp
-def test_sharded_snapshots_hold_half_per_rank_and_restore_bitwise_like_full_copies(tmp_path):
+def test_sharded_snapshots_hold_half_per_rank_and_restore_bitwise_like_full_copies(pack):
     """snapshot_sharding="auto" vs "off", the same faulty run (AdamW state NaN on rank 1 at step 3, a snapshot every
     2 steps, a checkpoint every step): each rank holds about half the parameter and optimizer bytes, and the
     checkpoint swap and the rollback (both gather from the two ranks) give bitwise the weights, buffers and AdamW
     state of full copies (buffers, which differ per rank, are kept whole: sharding them too fails this test)."""
     import torch
 
-    run_ddp(tmp_path, "sharded", 1, "rollback")
-    load = lambda mode, r: torch.load(tmp_path / f"sharded_{mode}_rank{r}.pt", weights_only=False)  # noqa: E731
+    out = pack("sharded")
+    load = lambda mode, r: torch.load(out / f"sharded_{mode}_rank{r}.pt", weights_only=False)  # noqa: E731
     auto, off = [load("auto", r) for r in (0, 1)], [load("off", r) for r in (0, 1)]
     for r in (0, 1):
         a, o = auto[r], off[r]
@@ -175,14 +207,14 @@ def test_sharded_snapshots_hold_half_per_rank_and_restore_bitwise_like_full_copi
 
 
 @pytest.mark.ddp
-def test_asynchronous_sharded_snapshots_restore_bitwise_like_synchronous_full_copies(tmp_path):
+def test_asynchronous_sharded_snapshots_restore_bitwise_like_synchronous_full_copies(pack):
     """The sharded run above with snapshot_async=True (each rank's slices copied by a worker thread from batch start
     on): the checkpoint swap and the rollback still give bitwise the weights, buffers and AdamW state of synchronous
     full copies."""
     import torch
 
-    run_ddp(tmp_path, "sharded_async", 1, "rollback")
-    load = lambda mode, r: torch.load(tmp_path / f"sharded_{mode}_rank{r}.pt", weights_only=False)  # noqa: E731
+    out = pack("sharded_async")
+    load = lambda mode, r: torch.load(out / f"sharded_{mode}_rank{r}.pt", weights_only=False)  # noqa: E731
     for r in (0, 1):
         a, o = load("auto", r), load("off", r)
         assert a["counters"]["rollbacks"] == 1 and a["counters"] == o["counters"] and a["events"] == o["events"]
@@ -222,35 +254,33 @@ def assert_rolled_back_together(ranks: list[dict], site: str) -> None:
 
 
 @pytest.mark.ddp
-def test_bf16_and_64_true_faults_on_rank_1(tmp_path):
+def test_bf16_and_64_true_faults_on_rank_1(pack):
     """One launch, six fits in sequence: NaN inputs, NaN inputs in an accumulation window's second micro-batch,
     and a manual-optimization GAN's NaN loss (under the default replay), each under bf16-mixed and 64-true."""
-    run_ddp(tmp_path, "input,accumulate,manual", 1, "rollback", "bf16-mixed", "64-true")
+    out = pack("bf16_64")
     for site in ("input", "accumulate", "manual"):
         for precision in ("bf16-mixed", "64-true"):
-            assert_rolled_back_together(ranks_of(tmp_path / site / precision), site)
+            assert_rolled_back_together(ranks_of(out / site / precision), site)
 
 
 @pytest.mark.ddp
-def test_fp16_gradscaler_faults_and_overflow_on_rank_1(tmp_path):
+def test_fp16_gradscaler_faults_and_overflow_on_rank_1(pack):
     """16-mixed under a CPU GradScaler, one launch, five fits: the three faults above and a NaN inside a
     ``torch.compile``d head are incidents, rolled back on every rank; a non-finite gradient on rank 1 only
     (all-reduced to every rank) is the scaler's overflow, skipped by the scaler on every rank alike, no incident."""
-    run_ddp(tmp_path, "input,grad,accumulate,manual,compile", 1, "rollback", "16-mixed")
+    out = pack("fp16")
     for site in ("input", "accumulate", "manual", "compile"):
-        assert_rolled_back_together(ranks_of(tmp_path / site / "16-mixed"), site)
+        assert_rolled_back_together(ranks_of(out / site / "16-mixed"), site)
     if hasattr(torch.compiler, "set_stance"):  # rank 1's replay ran the compiled head eagerly and found the op
-        assert (
-            "op `log1p` in `head._orig_mod`" in ranks_of(tmp_path / "compile" / "16-mixed")[0]["events"][0]["message"]
-        )
-    for r in ranks_of(tmp_path / "grad" / "16-mixed"):
+        assert "op `log1p` in `head._orig_mod`" in ranks_of(out / "compile" / "16-mixed")[0]["events"][0]["message"]
+    for r in ranks_of(out / "grad" / "16-mixed"):
         assert r["finite"] and r["same_as_rank0"]
         assert r["counters"]["amp_overflow_steps"] == 1 and r["counters"]["incidents"] == 0, r["counters"]
         assert not r["events"] and r["global_step"] == 5
 
 
 @pytest.mark.ddp
-def test_deferred_sync_shards_its_snapshot_ring_and_rolls_back_late_bitwise_like_full_copies(tmp_path):
+def test_deferred_sync_shards_its_snapshot_ring_and_rolls_back_late_bitwise_like_full_copies(pack):
     """sync_mode="deferred", snapshot_sharding="auto" vs "off", the same faulty run (fused AdamW's exp_avg_sq NaN on
     rank 1 at step 3, a snapshot every 2 steps, a checkpoint every step, 10 steps): every snapshot the ring holds is
     about half the bytes on each rank; the checkpoint swaps and the late rollback read at step 5 gather it, and the
@@ -258,8 +288,8 @@ def test_deferred_sync_shards_its_snapshot_ring_and_rolls_back_late_bitwise_like
     copies; a new candidate reuses the spare's slices; the guard reads nothing on the host on a clean step."""
     import torch
 
-    run_ddp(tmp_path, "deferred_sharded", 1, "rollback")
-    load = lambda mode, r: torch.load(tmp_path / f"deferred_{mode}_rank{r}.pt", weights_only=False)  # noqa: E731
+    out = pack("deferred_sharded")
+    load = lambda mode, r: torch.load(out / f"deferred_{mode}_rank{r}.pt", weights_only=False)  # noqa: E731
     auto, off = [load("auto", r) for r in (0, 1)], [load("off", r) for r in (0, 1)]
     for r in (0, 1):
         a, o = auto[r], off[r]
@@ -326,11 +356,9 @@ def test_deferred_sync_shards_its_snapshot_ring_and_rolls_back_late_bitwise_like
 
 
 @pytest.fixture(scope="module")
-def spike_launch(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One launch of the ``spike`` site (four fits: a spike action, then a check of one's own, in both sync modes)."""
-    out = tmp_path_factory.mktemp("spike")
-    run_ddp(out, "spike", 1, "rollback")
-    return out
+def spike_launch(pack: Pack) -> Path:
+    """The ``spike`` site's four fits: a spike action, then a check of one's own, in both sync modes."""
+    return pack("spike")
 
 
 @pytest.mark.ddp

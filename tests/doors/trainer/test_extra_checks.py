@@ -138,7 +138,7 @@ def test_read_late_the_step_is_skipped_on_the_device_and_the_check_named(tmp_pat
 def test_on_a_hugging_face_gpt2_one_batch_weighted_1000x_is_rolled_back(tmp_path: Path) -> None:
     """Model code nobody here wrote: a tiny random GPT-2 whose per-token loss weights come from the data; the weights of
     step 1's batch are 1000x (finite). The check names that step alone and the default action rolls it back."""
-    from tests.diagnosis.real.hf import BAD, BATCH, HFModule, gpt2, samples, tokens
+    from instruments.diagnosis.real.hf import BAD, BATCH, HFModule, gpt2, samples, tokens
 
     def weight(i: int) -> torch.Tensor:
         return torch.full((8,), 1000.0 if i // BATCH == BAD // BATCH else 1.0)
@@ -213,7 +213,7 @@ def test_a_lightning_cli_yaml_file_configures_it(tmp_path: Path, monkeypatch: py
 def test_a_check_of_ones_own_costs_its_own_ops_and_nothing_else() -> None:
     """Counted at the dispatcher (``benchmarks/op_count.py``): the toy check adds its one comparison per step (its bool
     rides the step's one stack as it is); the guard adds nothing else for it."""
-    from benchmarks.op_count import FIRST, LAST, count_ops
+    from instruments.op_count import FIRST, LAST, count_ops
 
     steps = LAST - FIRST
     plain = count_ops("mlp", {}, last=LAST)

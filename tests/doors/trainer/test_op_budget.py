@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.op_count import BUDGET, FIRST, LAST, SPIKE_BUDGET, count_ops
+from instruments.op_count import BUDGET, FIRST, LAST, SPIKE_BUDGET, count_ops
 
 
 @pytest.mark.parametrize("model", ["mlp", "lm"])

@@ -81,7 +81,7 @@ def test_gradients_missing_or_sparse_are_left_out_and_the_rest_still_checked():
 def test_state_goes_through_the_rewriting_check_only_while_no_snapshot_copies_it(tmp_path):
     """On the CPU the fused check writes the same bits back: every check reads (and rewrites) the state unchanged,
     finds a NaN weight, and is not used while an asynchronous snapshot may be copying the state on a thread."""
-    from benchmarks.op_count import OpCounter
+    from instruments.op_count import OpCounter
     from lightning_numguard import NumGuardCallback
     from tests.helpers import FaultData, FaultModel, loader, trainer
 

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import (
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.op_count import FIRST, count_ops
+from instruments.op_count import FIRST, count_ops
 from instruments.syncs import SyncCounter
 from lightning_numguard import NumGuardCallback, NumGuardConfigError
 from tests.helpers import FaultData, FaultModel, SyncWindow, all_finite, loader, spike_window, trainer
@@ -335,12 +335,12 @@ def test_a_clean_run_of_each_benchmark_model_raises_no_spike(tmp_path, name, bat
     """At the default sigma, window and warm-up, over 192 steps (128 judged), with a quarter of each model's batch
     or less: smaller batches make noisier, heavier-tailed losses (the harder case) and a faster test. The deep model
     keeps 24 of its 96 blocks."""
-    from benchmarks.bench_models import build, dataloader
+    from instruments.bench_models import build, dataloader
 
     spec = build(name, n_batches=64)
     spec.batches = [(x[:batch], y[:batch]) for x, y in spec.batches]
     if name == "deep":  # a quarter of its 96 blocks: the same residual family, four times faster
-        from benchmarks.bench_models import BenchModule, DeepNet
+        from instruments.bench_models import BenchModule, DeepNet
 
         torch.manual_seed(0)
         spec.module = BenchModule(DeepNet(depth=24))

@@ -17,7 +17,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.spike_table import markov_tokens, schedule
+from instruments.spike_table import markov_tokens, schedule
 from lightning_numguard import NumGuardCallback
 from tests.helpers import spike_window, trainer
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import spike_table as st
+from instruments import spike_table as st
 
 
 def _published_row(client: str) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from importlib.metadata import version
 
-from tests.diagnosis.real.harness import ROOT, Leaf, Result, marker_line
+from instruments.diagnosis.real.harness import ROOT, Leaf, Result, marker_line
 
 HEADER = (
     "| # | model | fault | the fault is at | guard: kind | guard: module | guard: op | guard: line | right? |\n"

@@ -1,7 +1,7 @@
 """The FSDP2 row, launched: the user-style ``TinyGPT`` sharded with ``fully_shard`` over 2 gloo CPU processes
 (``ModelParallelStrategy``); at ``BAD_STEP`` rank 1 writes a NaN into its local shard of one weight.
 
-Usage: ``python -m tests.diagnosis.real.fsdp2_script OUT_DIR``; each rank writes ``OUT_DIR/rank{r}.json`` (the
+Usage: ``python -m instruments.diagnosis.real.fsdp2_script OUT_DIR``; each rank writes ``OUT_DIR/rank{r}.json`` (the
 guard's events, or the traceback of a fit that raised).
 """
 
@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.diagnosis.real.harness import BAD_STEP, Leaf, Row
-from tests.diagnosis.real.user_code import TinyGPT, gpt_data
+from instruments.diagnosis.real.harness import BAD_STEP, Leaf, Row
+from instruments.diagnosis.real.user_code import TinyGPT, gpt_data
 
 SHARD_RANK = 1
 SHARDED_WEIGHT = "blocks.0.mlp.fc1.weight"
@@ -55,8 +55,8 @@ def main() -> None:
     import pytorch_lightning as pl
     from pytorch_lightning.strategies import ModelParallelStrategy
 
+    from instruments.faults import quiet_trainer
     from lightning_numguard import NumGuardCallback
-    from tests.helpers import quiet_trainer
 
     out = Path(sys.argv[1])
     warnings.simplefilter("ignore")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.diagnosis.real.harness import BAD_STEP, Leaf, LibrarySite, Marker, Row, fp16_autocast
+from instruments.diagnosis.real.harness import BAD_STEP, Leaf, LibrarySite, Marker, Row, fp16_autocast
 
 VOCAB, SEQ, N, BATCH = 100, 8, 16, 4
 BAD = BAD_STEP * BATCH + 1  # a sample of the batch of BAD_STEP

@@ -28,7 +28,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from tests.helpers import quiet_trainer
+from instruments.faults import quiet_trainer
 
 BAD_STEP = 1  #: every fault is injected at this global step (step 0 runs clean)
 ROOT = ""  #: the module name of the LightningModule itself (``named_modules`` spells it so)

@@ -12,7 +12,7 @@ from pytorch_lightning.demos.transformer import LightningTransformer, Transforme
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.diagnosis.real.harness import BAD_STEP, Leaf, Marker, Row
+from instruments.diagnosis.real.harness import BAD_STEP, Leaf, Marker, Row
 
 VOCAB = 50
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers import quiet_trainer
+from instruments.faults import quiet_trainer
 
 BAD_STEP = 1
 

@@ -9,7 +9,9 @@ language model (~134M parameters) for the CUDA run.
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,3 +271,33 @@ def dataloader(spec: ModelSpec) -> torch.utils.data.DataLoader:  # type: ignore[
 def lm_tokens_per_step(spec: ModelSpec) -> int:
     x, _ = spec.batches[0]
     return int(math.prod(x.shape))
+
+
+def quiet() -> None:
+    """Silence Lightning's info logs and the warnings every benchmark fit would repeat."""
+    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=r".*GPU available but not used.*")
+    warnings.filterwarnings("ignore", message=r".*isinstance.treespec, LeafSpec.*")
+    warnings.filterwarnings("ignore", message=r".*Tensor Cores.*")
+    warnings.filterwarnings("ignore", message=r".*anomaly detection.*")
+
+
+def bench_trainer(root: str, steps: int, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
+    """A one-device ``Trainer`` that runs ``steps`` training steps and nothing else: no logger, checkpoint, progress
+    bar, summary or validation (``kwargs`` override, e.g. ``accelerator`` and ``precision``)."""
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": steps,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+        "default_root_dir": root,
+        "callbacks": callbacks,
+    }
+    return pl.Trainer(**(options | kwargs))

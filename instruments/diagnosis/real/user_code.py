@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.diagnosis.real.harness import BAD_STEP, Leaf, Marker, Row, fp16_autocast
+from instruments.diagnosis.real.harness import BAD_STEP, Leaf, Marker, Row, fp16_autocast
 
 VOCAB, DIM, HEADS, SEQ = 64, 32, 4, 8
 
