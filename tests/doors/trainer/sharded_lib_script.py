@@ -1,8 +1,9 @@
 """Run by test_sharded_lib.py in a subprocess: ModelParallelStrategy (FSDP2, tensor parallel, 2-D) on CPU/gloo.
 
-Usage: python sharded_lib_script.py OUT_DIR LAYOUT SCENARIOS
-LAYOUT: ``fsdp`` (2 ranks, ``fully_shard``), ``tp`` (2 ranks, ``parallelize_module``), ``2d`` (4 ranks, both).
-SCENARIOS: comma-separated, run one after another in the same processes, each under OUT_DIR/SCENARIO:
+Usage: python sharded_lib_script.py OUT_DIR LAYOUT/SCENARIO[,LAYOUT/SCENARIO...]
+LAYOUT: ``fsdp`` (2 ranks, ``fully_shard``), ``tp`` (2 ranks, ``parallelize_module``), ``2d`` (4 ranks, both); the
+layouts of one launch share its world size. The runs go one after another in the same processes, each under
+OUT_DIR/LAYOUT/SCENARIO. SCENARIO:
 
 * ``plain``: no guard; ``clean``: the guard with its defaults (rollback), no fault;
 * ``param``: a NaN written into rank 1's local shard of ``body.0.weight`` at step 2 (rollback);
@@ -296,9 +297,10 @@ def run(out: Path, layout: str, name: str) -> None:
 
 def main() -> None:
     warnings.simplefilter("ignore")
-    out, layout = Path(sys.argv[1]), sys.argv[2]
-    for scenario in sys.argv[3].split(","):
-        run(out / scenario, layout, scenario)
+    out = Path(sys.argv[1])
+    for spec in sys.argv[2].split(","):  # LAYOUT/SCENARIO, in sequence, in the one process group
+        layout, scenario = spec.split("/")
+        run(out / layout / scenario, layout, scenario)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,24 +26,45 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def launch(tmp_path: Path, layout: str, scenarios: list[str]) -> dict[str, list[dict]]:
+def launch(root: Path, layouts: list[str]) -> None:
+    """One launch (one process group) running every scenario of ``layouts`` in sequence, each into
+    ``root/layout/scenario``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
     env["MASTER_PORT"] = str(_free_port())
+    runs = ",".join(f"{layout}/{s}" for layout in layouts for s in SCENARIOS[layout])
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), layout, ",".join(scenarios)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
+        [sys.executable, str(SCRIPT), str(root), runs], cwd=root, env=env, capture_output=True, text=True, timeout=480
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    world = 4 if layout == "2d" else 2
-    return {s: [json.loads((tmp_path / s / f"rank{r}.json").read_text()) for r in range(world)] for s in scenarios}
 
 
-def weights(tmp_path: Path, scenario: str) -> dict[str, torch.Tensor]:
-    return torch.load(tmp_path / scenario / "weights.pt")
+#: the layouts of one world size share a launch (starting one costs more than most of its fits)
+WORLD = {"fsdp": 2, "tp": 2, "2d": 4}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``launched(layout)``: the folder of that layout's scenarios; each world size is launched once."""
+    done: dict[int, Path] = {}
+
+    def folder(layout: str) -> Path:
+        world = WORLD[layout]
+        if world not in done:
+            root = tmp_path_factory.mktemp(f"world{world}")
+            launch(root, [name for name, w in WORLD.items() if w == world])
+            done[world] = root
+        return done[world] / layout
+
+    return folder
+
+
+def results(root: Path, layout: str) -> dict[str, list[dict]]:
+    scenarios = SCENARIOS[layout]
+    return {s: [json.loads((root / s / f"rank{r}.json").read_text()) for r in range(WORLD[layout])] for s in scenarios}
+
+
+def weights(root: Path, scenario: str) -> dict[str, torch.Tensor]:
+    return torch.load(root / scenario / "weights.pt")
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -89,8 +111,9 @@ SCENARIOS = {
 
 @pytest.mark.ddp
 @pytest.mark.parametrize("layout", ["fsdp", "tp", "2d"])
-def test_every_action_on_local_shards(tmp_path, layout):
-    out = launch(tmp_path, layout, SCENARIOS[layout])
+def test_every_action_on_local_shards(launched, layout):
+    tmp_path = launched(layout)
+    out = results(tmp_path, layout)
     # a clean run with the defaults ends bitwise where the guard-free run does
     assert not out["clean"][0]["events"] and same(weights(tmp_path, "plain"), weights(tmp_path, "clean"))
     # with the flags of the local shards in the one all-reduced read: one host read per step on every rank
