@@ -105,3 +105,19 @@ def test_the_architecture_names_no_symbol_the_code_lacks():
     source = "\n".join(p.read_text(encoding="utf-8") for p in files if p.name != "test_architecture.py")
     unused = sorted(c for c in constants if len(re.findall(rf"\b{c}\b", source)) < 3)
     assert not unused, unused
+
+
+def test_every_module_of_the_package_is_drawn_in_the_layers():
+    """The layer map draws what the code is: each module in a room is one of its parts, each top-level module is named."""
+    parts = set(layer_parts())
+    layers = DOC.split("## Layers", 1)[1].split("```", 2)[1]
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).with_suffix("")
+        if "__pycache__" in rel.parts or rel.name in ("__init__", "__main__", "__about__"):
+            continue
+        if len(rel.parts) > 1 and rel.as_posix() not in parts:
+            missing.append(rel.as_posix())
+        elif len(rel.parts) == 1 and not re.search(rf"\b{re.escape(rel.name)}(\.py)?\b", layers):
+            missing.append(rel.as_posix())
+    assert not missing, missing
