@@ -116,8 +116,8 @@ def test_every_module_of_the_package_is_drawn_in_the_layers():
         rel = path.relative_to(PACKAGE).with_suffix("")
         if "__pycache__" in rel.parts or rel.name in ("__init__", "__main__", "__about__"):
             continue
-        if len(rel.parts) > 1 and rel.as_posix() not in parts:
-            missing.append(rel.as_posix())
-        elif len(rel.parts) == 1 and not re.search(rf"\b{re.escape(rel.name)}(\.py)?\b", layers):
+        if (len(rel.parts) > 1 and rel.as_posix() not in parts) or (
+            len(rel.parts) == 1 and not re.search(rf"\b{re.escape(rel.name)}(\.py)?\b", layers)
+        ):
             missing.append(rel.as_posix())
     assert not missing, missing

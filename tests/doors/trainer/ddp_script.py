@@ -71,11 +71,13 @@ def precision_args(precision: str | None) -> dict[str, Any]:
     return {"precision": precision} if precision else {}
 
 
-def main() -> None:
-    root = Path(sys.argv[1])
-    if sys.argv[2] != "--pack":
-        return run(root, sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5] if len(sys.argv) > 5 else None)
-    for spec in sys.argv[3:]:  # NAME=SITE:FAULT_RANK:ACTION[:PRECISIONS], each into OUT_DIR/NAME, in sequence
+def main(argv: list[str] | None = None) -> None:
+    """The command line without the program (``sys.argv[1:]``, or what ``pack_script.py`` hands over)."""
+    args = sys.argv[1:] if argv is None else argv
+    root = Path(args[0])
+    if args[1] != "--pack":
+        return run(root, args[1], int(args[2]), args[3], args[4] if len(args) > 4 else None)
+    for spec in args[2:]:  # NAME=SITE:FAULT_RANK:ACTION[:PRECISIONS], each into OUT_DIR/NAME, in sequence
         name, _, fields = spec.partition("=")
         site, fault_rank, action, *precisions = fields.split(":")
         out = root / name

@@ -295,15 +295,18 @@ def run(out: Path, layout: str, name: str) -> None:
         torch.save(weights, out / f"weights{rank}.pt")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line without the program (``sys.argv[1:]``, or what ``pack_script.py`` hands over)."""
+    args = sys.argv[1:] if argv is None else argv
     warnings.simplefilter("ignore")
-    out = Path(sys.argv[1])
-    for spec in sys.argv[2].split(","):  # LAYOUT/SCENARIO, in sequence, in the one process group
+    out = Path(args[0])
+    for spec in args[1].split(","):  # LAYOUT/SCENARIO, in sequence, in the one process group
         layout, scenario = spec.split("/")
         run(out / layout / scenario, layout, scenario)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # gloo's worker threads can outlive the interpreter's finalisation and abort a successful run (see ddp_script.py)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -225,10 +225,12 @@ def fit(root: Path, layout: str, name: str) -> None:
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result, default=str))
 
 
-def main() -> None:
-    root, runs = Path(sys.argv[1]), [run.split("/") for run in sys.argv[2].split(",")]
+def main(argv: list[str] | None = None) -> None:
+    """The command line without the program (``sys.argv[1:]``, or what ``pack_script.py`` hands over)."""
+    args = sys.argv[1:] if argv is None else argv
+    root, runs = Path(args[0]), [run.split("/") for run in args[1].split(",")]
     if len({math.prod(LAYOUTS[layout]) for layout, _ in runs}) != 1:
-        raise SystemExit(f"the layouts of one launch must have the same world size: {sys.argv[2]}")
+        raise SystemExit(f"the layouts of one launch must have the same world size: {args[1]}")
     warnings.simplefilter("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

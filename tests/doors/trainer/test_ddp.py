@@ -1,37 +1,20 @@
-"""Real DDP: two gloo processes on the CPU, a fault on one rank only."""
+"""Real DDP: two gloo processes on the CPU, a fault on one rank only (``ddp_script.py``, in the launch of 2 ranks)."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).with_name("ddp_script.py")
+from tests.doors.trainer.launches import Launch
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def launch(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
-    env["MASTER_PORT"] = str(_free_port())  # a fixed port can still be in TIME_WAIT from the previous launch
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), str(root), *args], cwd=root, env=env, capture_output=True, text=True, timeout=600
-    )
-
-
-#: Every fit of this file, in one launch (one process group: launching it costs more than most of its fits), each
-#: into its own folder; the halting one goes last, so that the process ends with its NonFiniteError.
+#: Every fit of this file, each into its own folder, in the one launch of 2 ranks (``launches.py``: starting processes
+#: costs more than most fits); the halting one goes last, so that the launch ends with its NonFiniteError.
 PACK = {
     "input": "input:1:rollback",
     "param": "param:1:rollback",
@@ -68,14 +51,11 @@ class Pack:
 
 
 @pytest.fixture(scope="module")
-def pack(tmp_path_factory: pytest.TempPathFactory) -> Pack:
-    root = tmp_path_factory.mktemp("ddp")
-    proc = launch(root, "--pack", *(f"{name}={spec}" for name, spec in PACK.items()))
-    # the last fit halts: NonFiniteError on every rank ends the launch, never a crash before it
-    assert proc.returncode != 0 and "NonFiniteError: NumGuard halted training" in proc.stderr, (
-        f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    )
-    return Pack(root, proc)
+def pack(launched: Callable[[int], Launch]) -> Pack:
+    run = launched(2)
+    # the DDP pack goes last in the launch and its last fit halts: NonFiniteError on every rank ends the launch
+    assert run.proc.returncode != 0 and "NonFiniteError: NumGuard halted training" in run.proc.stderr, run.output()
+    return Pack(run.folder("ddp_script"), run.proc)
 
 
 @pytest.mark.ddp

@@ -1,7 +1,7 @@
 """Real ``ModelParallelStrategy`` runs: FSDP2 (2 ranks), tensor parallel (2 ranks) and 2-D (4 ranks), gloo on the CPU.
 
-One launch per world size (2: FSDP2 and tensor parallel; 4: 2-D) runs all of its scenarios in sequence (``sharded_script.py``); each test reads the per-rank
-results of the scenarios it compares. Faults are on global rank 1 at global step 2 (see the script's docstring):
+The scenarios run in the one launch of their world size (2: FSDP2 and tensor parallel; 4: 2-D; ``launches.py``), in
+sequence (``sharded_script.py``); each test reads the per-rank results of the scenarios it compares. Faults are on global rank 1 at global step 2 (see the script's docstring):
 a NaN in rank 1's local shard of ``fc1.weight``, a NaN output of ``act`` on rank 1, NaN inputs in data-parallel
 rank 1's batch 2. ``omit`` is a guard-free run whose data left batch 2 out on every data-parallel rank (``omit12``:
 batches 1 and 2): a step-2 skip, or a rollback of an output fault to the snapshot taken at step 2's read, is exact
@@ -12,18 +12,13 @@ rollback restores the snapshot of step 1 (the state after batch 0) and ends wher
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.doors.trainer.test_ddp import _free_port
+from tests.doors.trainer.launches import Launch
 
-SCRIPT = Path(__file__).with_name("sharded_script.py")
 WORLD = {"fsdp2": 2, "tp": 2, "2d": 4}
 #: the scenarios of each layout; the layouts of one world size run in one launch (a process costs seconds of
 #: imports, a fit of the tiny model about one)
@@ -37,28 +32,17 @@ Results = Callable[[str, str], list[dict[str, Any]]]
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory: pytest.TempPathFactory) -> Results:
-    """``sharded(layout, scenario)``: every rank's result of that scenario; each world size is launched once."""
-    done: dict[int, Path] = {}
-    failed: dict[int, str] = {}  # a launch that failed fails every test of its world size, without a second launch
+def sharded(launched: Callable[[int], Launch]) -> Results:
+    """``sharded(layout, scenario)``: every rank's result of that scenario, from the launch of its world size."""
 
     def results(layout: str, scenario: str) -> list[dict[str, Any]]:
         world = WORLD[layout]
-        assert world not in failed, failed[world]
-        if world not in done:
-            root = tmp_path_factory.mktemp(f"world{world}")
-            runs = [f"{name}/{s}" for name, w in WORLD.items() if w == world for s in SCENARIOS[name].split(",")]
-            try:
-                launch(root, ",".join(runs))
-            except (AssertionError, subprocess.TimeoutExpired) as err:
-                failed[world] = f"the launch of {world} ranks failed: {err}"
-                raise
-            done[world] = root
-        root = done[world] / layout
+        run = launched(world)
+        root = run.folder("sharded_script") / layout
         ranks = []
         for r in range(world):
             path = root / scenario / f"rank{r}.json"
-            assert path.exists(), f"{layout}/{scenario}: rank {r} wrote no result"
+            assert path.exists(), f"{layout}/{scenario}: rank {r} wrote no result\n{run.output()}"
             result = json.loads(path.read_text())
             halted = scenario == "halt" and "NonFiniteError: NumGuard halted training" in result.get("error", "")
             assert "error" not in result or halted, f"{layout}/{scenario} raised on rank {r}:\n{result['error']}"
@@ -66,20 +50,6 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Results:
         return ranks
 
     return results
-
-
-def launch(root: Path, runs: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
-    env["MASTER_PORT"] = str(_free_port())
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(root), runs],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
 
 
 def assert_same_on_every_rank(ranks: list[dict[str, Any]], *keys: str) -> None:

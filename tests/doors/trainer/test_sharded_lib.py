@@ -1,66 +1,33 @@
 """ModelParallelStrategy with real processes (gloo, CPU): FSDP2, tensor parallel and 2-D, through local shards.
 
-The library's own checks of issue 17 (the acceptance tests are test_sharded.py). Each launch runs several fits in
-the same process group (``sharded_lib_script.py``); a NaN is written into one rank's local shard.
+The library's own checks of issue 17 (the acceptance tests are test_sharded.py). The fits run in the one launch of
+their world size (``launches.py``, ``sharded_lib_script.py``); a NaN is written into one rank's local shard.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).with_name("sharded_lib_script.py")
+from tests.doors.trainer.launches import Launch
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def launch(root: Path, layouts: list[str]) -> None:
-    """One launch (one process group) running every scenario of ``layouts`` in sequence, each into
-    ``root/layout/scenario``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
-    env["MASTER_PORT"] = str(_free_port())
-    runs = ",".join(f"{layout}/{s}" for layout in layouts for s in SCENARIOS[layout])
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(root), runs], cwd=root, env=env, capture_output=True, text=True, timeout=480
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-
-
-#: the layouts of one world size share a launch (starting one costs more than most of its fits)
+#: the world size of each layout: the layouts of one world size run in the same launch (``launches.py``)
 WORLD = {"fsdp": 2, "tp": 2, "2d": 4}
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """``launched(layout)``: the folder of that layout's scenarios; each world size is launched once."""
-    done: dict[int, Path] = {}
-
-    def folder(layout: str) -> Path:
-        world = WORLD[layout]
-        if world not in done:
-            root = tmp_path_factory.mktemp(f"world{world}")
-            launch(root, [name for name, w in WORLD.items() if w == world])
-            done[world] = root
-        return done[world] / layout
-
-    return folder
-
-
-def results(root: Path, layout: str) -> dict[str, list[dict]]:
-    scenarios = SCENARIOS[layout]
-    return {s: [json.loads((root / s / f"rank{r}.json").read_text()) for r in range(WORLD[layout])] for s in scenarios}
+def results(run: Launch, layout: str) -> tuple[Path, dict[str, list[dict]]]:
+    """The folder of ``layout``'s scenarios, and every rank's result of each (a missing one fails with the launch's
+    output)."""
+    root = run.folder("sharded_lib_script") / layout
+    out = {}
+    for s in SCENARIOS[layout]:
+        paths = [root / s / f"rank{r}.json" for r in range(WORLD[layout])]
+        assert all(p.exists() for p in paths), f"{layout}/{s} wrote no result\n{run.output()}"
+        out[s] = [json.loads(p.read_text()) for p in paths]
+    return root, out
 
 
 def weights(root: Path, scenario: str) -> dict[str, torch.Tensor]:
@@ -112,8 +79,7 @@ SCENARIOS = {
 @pytest.mark.ddp
 @pytest.mark.parametrize("layout", ["fsdp", "tp", "2d"])
 def test_every_action_on_local_shards(launched, layout):
-    tmp_path = launched(layout)
-    out = results(tmp_path, layout)
+    tmp_path, out = results(launched(WORLD[layout]), layout)
     # a clean run with the defaults ends bitwise where the guard-free run does
     assert not out["clean"][0]["events"] and same(weights(tmp_path, "plain"), weights(tmp_path, "clean"))
     # with the flags of the local shards in the one all-reduced read: one host read per step on every rank

@@ -1,39 +1,33 @@
 """Reproducible or not, across ranks (issue 33): real DDP on 2 and 4 gloo processes, a fault of one rank's device,
 transient or persistent, and a fault of the data, told apart online by a neighbour rank re-running the bad rank's
-micro-batch. Three fits per launched process group (``trust_ddp_script.py``)."""
+micro-batch. Three fits per world size (``trust_ddp_script.py``), in the one launch of that world size (``launches.py``)."""
 
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).with_name("trust_ddp_script.py")
+from tests.doors.trainer.launches import Launch
+
 HOST = socket.gethostname()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _launch(tmp_path: Path, world: int, fault_rank: int) -> dict[str, list[dict[str, Any]]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
-    env["MASTER_PORT"] = str(_free_port())
-    args = [sys.executable, str(SCRIPT), str(tmp_path), str(world), str(fault_rank)]
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return {
-        mode: [json.loads((tmp_path / mode / f"rank{r}.json").read_text()) for r in range(world)]
-        for mode in ("transient", "persistent", "data")
-    }
+def _fits(launched: Callable[[int], Launch], world: int, fault_rank: int) -> dict[str, list[dict[str, Any]]]:
+    """Every rank's result of the three fits of ``world`` ranks (``trust_ddp_script.py`` in that world's launch, whose
+    faulty rank is the last: ``launches.py``)."""
+    assert fault_rank == world - 1
+    run = launched(world)
+    root = run.folder("trust_ddp_script")
+    out = {}
+    for mode in ("transient", "persistent", "data"):
+        paths = [root / mode / f"rank{r}.json" for r in range(world)]
+        assert all(p.exists() for p in paths), f"{mode} wrote no result\n{run.output()}"
+        out[mode] = [json.loads(p.read_text()) for p in paths]
+    return out
 
 
 def _root(events: list[dict[str, Any]], step: int) -> dict[str, Any]:
@@ -42,8 +36,8 @@ def _root(events: list[dict[str, Any]], step: int) -> dict[str, Any]:
 
 @pytest.mark.ddp
 @pytest.mark.parametrize(("world", "fault_rank"), [(2, 1), (4, 3)], ids=["2-ranks", "4-ranks"])
-def test_a_neighbour_rank_tells_a_faulty_device_from_bad_data(tmp_path: Path, world: int, fault_rank: int) -> None:
-    fits = _launch(tmp_path, world, fault_rank)
+def test_a_neighbour_rank_tells_a_faulty_device_from_bad_data(launched: Any, world: int, fault_rank: int) -> None:
+    fits = _fits(launched, world, fault_rank)
     neighbour = (fault_rank + 1) % world
     device = {"rank": fault_rank, "host": HOST, "device": "cpu"}
     for ranks in fits.values():  # every rank has the same record

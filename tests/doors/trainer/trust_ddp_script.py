@@ -107,8 +107,10 @@ def fit(out: Path, mode: str, world: int, fault_rank: int) -> None:
 _FIELDS = ("rank", "host", "device", "faults")
 
 
-def main() -> None:
-    root, world, fault_rank = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+def main(argv: list[str] | None = None) -> None:
+    """The command line without the program (``sys.argv[1:]``, or what ``pack_script.py`` hands over)."""
+    args = sys.argv[1:] if argv is None else argv
+    root, world, fault_rank = Path(args[0]), int(args[1]), int(args[2])
     warnings.simplefilter("ignore")
     for mode in MODES:
         out = root / mode
