@@ -1,0 +1,101 @@
+"""The guard's host time per step, the device work taken out: the table of ``docs/performance.md``.
+
+    python -m benchmarks.host_time [--rounds 5] [--steps 60] [--write docs/performance.md]
+
+Two models of one shape, the benchmark MLP (512-768-768-768-10, 1.6M parameters, batch 128) and the same
+four-``Linear`` network 8 wide (batch 4), whose kernels cost next to nothing: on the tiny one the step time added to
+the plain step is the host time the guard adds, what a launch-bound GPU step pays. Interleaved rounds of whole
+fits on one torch thread (``baseline``, ``numguard_default``, ``floor_default``), thread CPU time per step (a shared
+machine's other tenants do not inflate it), median over the steps after the warm-up, then over rounds; the added
+time is the median over rounds of each round's difference with its own baseline. The last column is the guard's
+own hooks, timed inside them (``benchmarks.hook_profile``), in microseconds per step, and the largest parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+import torch
+
+from benchmarks.harness import quiet, time_model
+from benchmarks.hook_profile import hook_times
+from instruments import bench_models
+from instruments.markdown import replace_block
+
+VARIANTS = ["baseline", "numguard_default", "floor_default"]
+
+
+def tiny_mlp(n_batches: int) -> bench_models.ModelSpec:
+    """The benchmark MLP's four ``Linear`` layers and GELUs, 8 wide, batch 4: kernels that cost next to nothing."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    net = bench_models.MLP(d_in=8, hidden=8, classes=4)
+    w = torch.randn(8, 4, generator=g)
+    batches = []
+    for _ in range(n_batches):
+        x = torch.randn(4, 8, generator=g)
+        batches.append((x, (x @ w).argmax(1)))
+    module = bench_models.BenchModule(net)
+    init = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    n = sum(p.numel() for p in module.parameters())
+    return bench_models.ModelSpec("tiny", module, init, batches, n, "MLP 8-8-8-8-4 (GELU), batch 4")
+
+
+def measure(spec: bench_models.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
+    timed = time_model(spec, VARIANTS, args)
+    base = timed["baseline"]["rounds"]
+    out: dict[str, Any] = {"description": spec.description}
+    for v in VARIANTS:
+        rounds = timed[v]["rounds"]
+        added = [1e3 * (x["median_cpu_step_ms"] - b["median_cpu_step_ms"]) for x, b in zip(rounds, base)]
+        out[v] = {
+            "cpu_step_ms": statistics.median(x["median_cpu_step_ms"] for x in rounds),
+            "added_us": statistics.median(added),
+            "ratio": timed[v]["cpu_ratio_median"],
+        }
+    profile = hook_times(spec, "numguard_default", args)
+    parts = sorted(((us, k.split(":", 1)[1]) for k, (us, _) in profile["rows"].items()), reverse=True)
+    out["hooks_us"] = profile["hooks_us"]
+    out["parts"] = [(name, us) for us, name in parts if "." in name and not name.startswith("NumGuardCallback.")][:4]
+    return out
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "| model | plain step (thread CPU) | guard: step, added, ratio | floor: step, added, ratio "
+        "| the guard's hooks, timed inside (largest parts) |",
+        "|---|---:|---|---|---|",
+    ]
+    for name, r in results.items():
+        g, f = r["numguard_default"], r["floor_default"]
+        parts = ", ".join(f"`{n}` {us:.0f}" for n, us in r["parts"])
+        lines.append(
+            f"| {name}: {r['description']} | {r['baseline']['cpu_step_ms']:.2f} ms "
+            f"| {g['cpu_step_ms']:.2f} ms, +{g['added_us']:.0f} µs, {g['ratio']:.2f}× "
+            f"| {f['cpu_step_ms']:.2f} ms, +{f['added_us']:.0f} µs, {f['ratio']:.2f}× "
+            f"| {r['hooks_us']:.0f} µs ({parts}) |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host_time", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--write", metavar="MARKDOWN", help="replace the host_time block of this file")
+    args = p.parse_args(argv)
+    args.device, args.precision = "cpu", "32"
+    torch.set_num_threads(1)
+    quiet()
+    specs = [tiny_mlp(args.steps + 2), bench_models.build("mlp", args.steps + 2, "cpu")]
+    text = table({spec.name: measure(spec, args) for spec in specs})
+    print(text)
+    if args.write:
+        replace_block(args.write, "host_time", text)
+
+
+if __name__ == "__main__":
+    main()
