@@ -108,7 +108,8 @@ class Check:
     hint: str = ""
     #: advisory: it warns ahead of trouble, is never counted as an incident nor acted on
     advisory: bool = False
-    #: where it records (:data:`HOOKS`); ``None``: a built-in check, recorded by the step's fused parts
+    #: where it records (:data:`HOOKS`); ``None``: no per-step value (a fused declaration, recorded by the step's
+    #: fused parts, or a check that only looks at the fit on the host)
     records_at: ClassVar[Hook | None] = None
     #: its value is "seen" when ``"positive"`` (a 0/1 flag, a count) or ``"nonfinite"`` (a total NaN/Inf propagates)
     seen_when: ClassVar[Literal["positive", "nonfinite"]] = "positive"
@@ -143,7 +144,7 @@ class Check:
         args = ", ".join(f"{k}={v!r}" for k, v in self.arguments().items())
         return f"{type(self).__name__}({args})"
 
-    # ------------------------------------------------------------------ behaviour of a check that is not built in
+    # ------------------------------------------------------------------ per step, on the device (no fused check)
 
     def record(self, step: CheckStep) -> torch.Tensor | None:
         """The check's 0-d device value for this step, folded into the step's one read; no host read here.
@@ -180,8 +181,9 @@ class Check:
     # ------------------------------------------------------------------ once per fit, on the host
 
     def at_fit_start(self, step: CheckStep) -> Sequence[Finding]:
-        """Once per fit, before its first step: what the host alone can tell (the module, the optimizers, their
-        attributes); no device value and no read. Each finding becomes an event at once. Default: none."""
+        """Once per fit, before its first step: what the host alone can tell (``step.module``,
+        ``step.loop.optimizers``, their attributes; ``step.batch`` is ``None``); no device value and no read. Each
+        finding becomes an event at once. Default: none."""
         return ()
 
     def at_first_optimizer_step(self, step: CheckStep) -> Sequence[Finding]:
