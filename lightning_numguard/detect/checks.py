@@ -34,10 +34,13 @@ from lightning_numguard._compat import foreach_nonfinite_, foreach_norm_f32
 from lightning_numguard.dtensor import has_dtensor, local
 
 __all__ = [
+    "InputEnds",
     "TotalPlan",
     "as_f32",
     "bad_positions",
     "confirm_nonfinite",
+    "finfo_max",
+    "input_ends",
     "input_maxima",
     "is_checkable",
     "max_abs",
@@ -45,6 +48,8 @@ __all__ = [
     "norm_candidates",
     "norm_total",
     "tensor_stats",
+    "unmasked_of",
+    "unmasked_on_host",
 ]
 
 
@@ -261,7 +266,7 @@ def max_abs_total(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
 _FINFO_MAX: dict[torch.dtype, float] = {}
 
 
-def _finfo_max(dtype: torch.dtype) -> float:
+def finfo_max(dtype: torch.dtype) -> float:
     """``torch.finfo(dtype).max``, looked up once per dtype."""
     value = _FINFO_MAX.get(dtype)
     if value is None:
@@ -290,18 +295,63 @@ def unmasked_input_max(tensors: Sequence[torch.Tensor], device: torch.device) ->
     """0-d float32 on ``device``: the second value of :func:`input_maxima` alone; no sync.
 
     Non-finite exactly when :func:`max_abs_total` is (a mask is a finite extreme), so the step's input check and
-    its suspicious-input check both read it: one ``aminmax`` per input tensor and four ops per dtype in all. A dtype's
-    extreme is dropped with ``fmod(|x|, finfo.max)``, exact (``|x|`` below the extreme stays as it is, the extreme
-    gives 0) and one kernel; a non-finite input gives NaN here (``inf`` too: the input check looks at it exactly).
+    its suspicious-input check both read it: :func:`unmasked_of` the :func:`input_ends`.
     """
-    ends = _input_ends(tensors, device)
-    if not ends:
+    return unmasked_of(input_ends(tensors, device), device)
+
+
+#: per dtype, the 0-d ``(min, max)`` of each checkable input tensor of that dtype (on the step's device)
+InputEnds = list[tuple[torch.dtype, list[torch.Tensor]]]
+
+
+def input_ends(tensors: Sequence[torch.Tensor], device: torch.device) -> InputEnds:
+    """The :data:`InputEnds` of ``tensors``: one ``aminmax`` per checkable tensor and nothing else; no sync.
+
+    The step keeps them and reduces them at its read: on the host, where one process reads them as they are
+    (:func:`unmasked_on_host`), or on the device (:func:`unmasked_of`).
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        c = _checkable(t)
+        if c is not None:
+            by_dtype.setdefault(c.dtype, []).extend(_extremes(c.detach()))
+    for dtype, parts in by_dtype.items():
+        if any(p.device != device for p in parts):
+            by_dtype[dtype] = [p.to(device=device, non_blocking=True) for p in parts]
+    return list(by_dtype.items())
+
+
+def unmasked_of(ends: InputEnds, device: torch.device) -> torch.Tensor:
+    """0-d float32 on ``device``: the largest ``|x|`` of the :data:`InputEnds` ``ends`` (several micro-batches' alike)
+    with each dtype's own finite extreme counted as 0, NaN where one is non-finite; no sync.
+
+    Four ops per dtype: a dtype's extreme is dropped with ``fmod(|x|, finfo.max)``, exact (``|x|`` below the extreme
+    stays as it is, the extreme gives 0) and one kernel; a non-finite input gives NaN here (``inf`` too: the input
+    check looks at it exactly).
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for dtype, parts in ends:
+        by_dtype.setdefault(dtype, []).extend(parts)
+    if not by_dtype:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return _largest([torch.fmod(e, _finfo_max(dtype)).amax() for e, dtype in ends])
+    return _largest([torch.fmod(torch.stack(p).abs(), finfo_max(d)).amax() for d, p in by_dtype.items()])
+
+
+def unmasked_on_host(values: Sequence[float], modulus: float | None) -> float:
+    """:func:`unmasked_of` on the host, of host-read float32 ends (``modulus``: their dtype's ``finfo.max``) or of
+    values already unmasked on the device (``modulus=None``): NaN when one is not finite, else the largest."""
+    top = 0.0
+    for v in values:
+        if not math.isfinite(v):
+            return math.nan
+        a = abs(v)
+        if modulus is None or a < modulus:
+            top = max(top, a)
+    return top
 
 
 def _unmasked(ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return ends.masked_fill(ends == _finfo_max(dtype), 0).amax()
+    return ends.masked_fill(ends == finfo_max(dtype), 0).amax()
 
 
 def _largest(values: list[torch.Tensor]) -> torch.Tensor:
@@ -311,17 +361,7 @@ def _largest(values: list[torch.Tensor]) -> torch.Tensor:
 
 def _input_ends(tensors: Sequence[torch.Tensor], device: torch.device) -> list[tuple[torch.Tensor, torch.dtype]]:
     """Per dtype: the |min| and |max| of each checkable tensor, in one vector on ``device``, and the dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        c = _checkable(t)
-        if c is not None:
-            by_dtype.setdefault(c.dtype, []).extend(_extremes(c.detach()))
-    out = []
-    for dtype, parts in by_dtype.items():
-        if any(p.device != device for p in parts):
-            parts = [p.to(device=device, non_blocking=True) for p in parts]
-        out.append((torch.stack(parts).abs(), dtype))
-    return out
+    return [(torch.stack(parts).abs(), dtype) for dtype, parts in input_ends(tensors, device)]
 
 
 def confirm_nonfinite(tensors: Sequence[torch.Tensor]) -> list[bool]:

@@ -92,6 +92,7 @@ class SpikeGuard:
         self._marks: dict[tuple[torch.device, int, int], torch.Tensor] = {}  # per device, rank and world: world - rank
         self._calls = 0
         self._single = True  # one process: the raw values need no mark for the reduce
+        self._host_row: tuple[float, float] | None = None  # this step's loss and gradient norm, read on the host
 
     @property
     def enabled(self) -> bool:
@@ -130,13 +131,16 @@ class SpikeGuard:
         device: torch.device,
         rank: int = 0,
         world: int = 1,
+        host_row: bool = False,
     ) -> list[torch.Tensor]:
         """The :data:`~lightning_numguard.detect.spike.EXTRAS` of this rank, before the reduce, as 0-d values that the
         step's one ``stack`` lays after the flags (``core.flags.stack_raw`` / ``pack``); no sync.
 
-        One process: the loss and the gradient norm are written straight into the window's next row (one ``stack``);
-        the statistics are recomputed every :data:`REFRESH_EVERY` steps, the headroom looked at every
-        :data:`HEADROOM_EVERY` steps; everything else is a view. Under several processes the window takes the values
+        One process: the loss and the gradient norm are written straight into the window's next row (one ``stack``),
+        or, ``host_row`` (the step's read is on the host: the gradient norm is the host's, of the per-tensor norms),
+        given by the host after the read (:meth:`take_host_row`, one copy at :meth:`push`); the statistics are
+        recomputed every :data:`REFRESH_EVERY` steps, the headroom looked at every :data:`HEADROOM_EVERY` steps;
+        everything else is a view. Under several processes the window takes the values
         reduced across ranks, at :meth:`push`.
         """
         const = self._constants.get(device)
@@ -155,6 +159,9 @@ class SpikeGuard:
             if window is None:
                 return [_f32(loss), _f32(grad_norm), nan, nan, no_stats[2], no_stats[3], *head, *no_ranks.unbind()]
             stats = window.stats()  # the window before this step
+            if host_row:
+                self._host_row = None  # until the read gives it
+                return [_f32(loss), _f32(grad_norm), *stats.unbind(), *head, *no_ranks.unbind()]
             row = window.write(_f32(loss), _f32(grad_norm))
             return [*row.unbind(), *stats.unbind(), *head, *no_ranks.unbind()]
         raw = torch.stack([loss, grad_norm]).float()
@@ -188,12 +195,22 @@ class SpikeGuard:
         """This step's extras as the read reduced them (on the device; one process: as stacked), for :meth:`push`."""
         self.reduced = values
 
+    def take_host_row(self, loss: float, grad_norm: float) -> None:
+        """This step's host-read loss and gradient norm (one process reading on the host), for :meth:`push`."""
+        self._host_row = (loss, grad_norm)
+
     def push(self) -> None:
         """Batch end: this step's loss and gradient norm join the window (one process: already written by
-        :meth:`extras`; several: the values reduced across ranks, the same on every rank); no sync."""
+        :meth:`extras`, or the host's row, one copy; several: the values reduced across ranks, the same on every
+        rank); no sync."""
         if self.reduced is not None and self.window is not None:
-            self.window.push(None if self._single else self.reduced[:2])
+            if self._host_row is not None:
+                row = torch.tensor(self._host_row, dtype=torch.float32)
+                self.window.push(row.to(self.window.values.device, non_blocking=True))
+            else:
+                self.window.push(None if self._single else self.reduced[:2])
         self.reduced = None
+        self._host_row = None
 
     # ------------------------------------------------------------------ on the host
 

@@ -241,13 +241,14 @@ def _max_abs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 class OutputWatch:
     """Records, per forward call of each watched module, the max-|x| of its floating outputs, on the device.
 
-    Nothing is read back: :meth:`total` folds the step's records into one 0-d value that is non-finite when any
-    watched output was, and :meth:`first_bad` (which syncs; use after a hit) names the first bad module in execution
-    order.
+    Nothing is read back: :meth:`values` are the step's records, one 0-d value each, which one process's read lays
+    in its one vector as they are; :meth:`total` folds them into one 0-d value that is non-finite when any watched
+    output was (the read of several ranks, and the deferred read); :meth:`first_bad` (which syncs; use after a hit)
+    names the first bad module in execution order.
 
     Eager, a hook keeps the output (detached) and its place in the step; :meth:`settle` reduces what the hooks kept
-    to one max-|x| per call, with one ``_foreach_norm(ord=inf)`` per device and dtype and one ``stack``, whatever the
-    number of watched blocks, and drops the references (the step settles at its loss, before the backward pass, and
+    to one max-|x| per call, with one ``_foreach_norm(ord=inf)`` per device and dtype, whatever the number of watched
+    blocks, and drops the references (the step settles at its loss, before the backward pass, and
     at its read). Inside a ``torch.compile``d region a hook traces :func:`row_peaks` of the output, fused by inductor
     into the kernel that computes the output, and leaves the small result on its hook (:class:`_Hook`); the same
     :meth:`settle` reduces those rows. Every call is a record of its own, in execution order across eager code and
@@ -288,7 +289,7 @@ class OutputWatch:
         self._calls = 0  # calls recorded since the last settle: the next call's stamp
         self._pending: list[tuple[int, int, torch.Tensor]] = []  # eager calls not settled: (stamp, slot, output)
         self._records: list[tuple[int, tuple[int, int, torch.dtype]]] = []
-        self._peaks: list[torch.Tensor] = []  # one [calls] float32 vector per settle, in execution order
+        self._peaks: list[list[torch.Tensor]] = []  # per settle, a 0-d float32 max-|x| per call, in execution order
         self._zeros: dict[torch.device, torch.Tensor] = {}  # read outside compiled regions only
         self.enabled = True
 
@@ -377,8 +378,7 @@ class OutputWatch:
     def settle(self) -> None:
         """Reduce the calls recorded since the last settle to one max-|x| each, in execution order, and drop the
         references to their outputs (no sync; nothing to do when nothing was recorded). Eager outputs and the rows
-        of compiled regions alike go through one ``_foreach_norm(ord=inf)`` per device and dtype and one
-        ``stack``."""
+        of compiled regions alike go through one ``_foreach_norm(ord=inf)`` per device and dtype."""
         calls = [(stamp, slot, t, t.dtype) for stamp, slot, t in self._pending]
         self._pending.clear()
         for hook in self._hooks:
@@ -390,20 +390,27 @@ class OutputWatch:
         if not calls:
             return
         calls.sort(key=lambda c: c[0])  # eager calls come sorted; compiled ones join them in place
-        peaks = _max_abs([t for _, _, t, _ in calls])
         index = len(self._peaks)
-        self._peaks.append(peaks[0].reshape(1) if len(peaks) == 1 else torch.stack(peaks))
+        self._peaks.append(_max_abs([t for _, _, t, _ in calls]))  # 0-d values, each a tensor of its own
         self._records.extend((slot, (index, i, dtype)) for i, (_, slot, _, dtype) in enumerate(calls))
+
+    def values(self, device: torch.device) -> list[torch.Tensor]:
+        """The 0-d float32 max-|x| of this step's records on ``device``, in order (no kernel where they are there
+        already, no sync): one process's read lays them in its one vector and the host takes their max."""
+        records = self.records
+        if not records:
+            return []
+        live = self._peaks[records[0][1][0] :]  # the settles of the records not forgotten (a prefix is dropped)
+        out = live[0] if len(live) == 1 else [p for peaks in live for p in peaks]
+        return out if out[0].device == device else [p.to(device, non_blocking=True) for p in out]
 
     def total(self, device: torch.device) -> torch.Tensor:
         """0-d float32: the largest max-|x| of this step's records (no sync). Non-finite when any recorded output
         was; finite float64 values beyond float32's range count as float32's max."""
-        records = self.records
-        if not records:
+        values = self.values(device)
+        if not values:
             return torch.zeros((), dtype=torch.float32, device=device)
-        live = self._peaks[records[0][1][0] :]  # the settles of the records not forgotten (a prefix is dropped)
-        total = (live[0] if len(live) == 1 else torch.cat(live)).amax()
-        return total if total.device == device else total.to(device, non_blocking=True)
+        return values[0] if len(values) == 1 else torch.stack(values).amax()
 
     def record_tensors(self, start: int = 0, stop: int | None = None) -> list[torch.Tensor]:
         """The 0-d max-|x| device tensors of ``records[start:stop]``, in order (views: no kernel, no sync)."""
@@ -428,7 +435,7 @@ class OutputWatch:
                 layer = [None] * n
                 layer[slot] = self._peaks[b][i]
                 layers.append(layer)
-        device = self._peaks[0].device
+        device = self._peaks[0][0].device
         zero = self._zeros.get(device)
         if zero is None:  # a 0-d zero per device, made once (never written to)
             zero = self._zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
@@ -438,13 +445,13 @@ class OutputWatch:
             out.append(((device, dtype), (rows[0] if len(layers) == 1 else rows.amax(0)).unsqueeze(-1)))
         return out
 
-    def keep(self) -> tuple[list[tuple[int, Any]], list[torch.Tensor]]:
+    def keep(self) -> tuple[list[tuple[int, Any]], list[list[torch.Tensor]]]:
         """This step's records and their device values, for :meth:`first_bad` a step later (no sync, no kernel: each
-        settle's values are a tensor of their own, never written again)."""
+        record's value is a tensor of its own, never written again)."""
         return list(self.records), list(self._peaks)
 
     def first_bad(
-        self, kept: tuple[list[tuple[int, Any]], list[torch.Tensor]] | None = None
+        self, kept: tuple[list[tuple[int, Any]], list[list[torch.Tensor]]] | None = None
     ) -> list[tuple[str, float]]:
         """``(name, max_abs)`` of each module whose output went non-finite, first in execution order. **Syncs**
         (one read of every record's value).
@@ -454,9 +461,8 @@ class OutputWatch:
         records, peaks = (self.records, self._peaks) if kept is None else kept
         if not records:
             return []
-        device = peaks[0].device
-        flat = peaks[0] if len(peaks) == 1 else torch.cat([p.to(device) for p in peaks])
-        values = flat.tolist()  # the one read
+        device = peaks[0][0].device
+        values = torch.stack([p.to(device) for settled in peaks for p in settled]).tolist()  # the one read
         starts = [0]
         for p in peaks[:-1]:
             starts.append(starts[-1] + len(p))

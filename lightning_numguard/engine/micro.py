@@ -8,7 +8,7 @@ no sync); Python's ``random`` state is the window's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +30,7 @@ class MicroBatch:
 
     batch_idx: int
     batch: Any
-    input_max: torch.Tensor | None = None
+    inputs: list[torch.Tensor] = field(default_factory=list)  # its inputs' 0-d ends: non-finite when an input is
     loss: torch.Tensor | None = None
     first_output: int = 0  # index of its first record in the output watch
     rng: dict[str, Any] | None = None  # the RNG state at its start (see _micro.micro_rng)
@@ -56,12 +56,12 @@ def first_bad(loop: Loop | None, rec: StepRecord, watch: OutputWatch | None) -> 
     every rank names the same position of the window (one all-reduce). Syncs; after a hit only.
     """
     first_micro = rec.micro[0]
-    device = first_micro.input_max.device if first_micro.input_max is not None else torch.device("cpu")
+    device = first_micro.inputs[0].device if first_micro.inputs else torch.device("cpu")
     bounds = [m.first_output for m in rec.micro] + [len(watch.records) if watch is not None else 0]
     totals = []
     for i, m in enumerate(rec.micro):
         outputs = watch.record_tensors(bounds[i], bounds[i + 1]) if watch is not None else []
-        values = [x for x in (m.input_max, m.loss) if x is not None] + outputs
+        values = [*m.inputs, *([m.loss] if m.loss is not None else []), *outputs]
         parts = [as_f32(x.detach().to(device).abs().amax()) for x in values]  # NaN and Inf propagate
         totals.append(torch.stack(parts).amax() if parts else torch.zeros((), device=device))
     finite = torch.isfinite(torch.stack(totals)).tolist()

@@ -11,6 +11,7 @@ host read (:meth:`~StepRead.pack`). After a hit, :meth:`~StepRead.confirmed` and
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -135,16 +136,24 @@ class StepRead:
         """Pack every flag of the step, all-reduce once, read once (the step's one host sync)."""
         self.recorder.mark_read(loop.step, seen=True)
         world = loop.world_size
-        slots, segments, extras = self.slot_values(loop, optimizer, snapshot_due, raw=world == 1)
         n = self.extras_at
         if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
-            vector = flags.stack_raw(list(slots.values()), extras or ())  # the spike statistics in the same stack
-            if extras is not None:
-                self.spike.take_reduced(vector[n:])
+            tail = _Tail()
+            slots, segments, extras = self.slot_values(loop, optimizer, snapshot_due, tail=tail)
+            extras = extras or []
+            vector = flags.stack_raw(list(slots.values()), [*extras, *tail.values])  # spikes and tail: same stack
+            if extras:
+                self.spike.take_reduced(vector[n : n + len(extras)])
             values = vector.tolist()
+            tail.fold(values, n + len(extras), self.max_abs_input is not None)
+            if extras:  # the loss and the gradient norm join the spike window from the host, at batch end
+                if tail.grad_norm is not None:
+                    values[n + 1] = tail.grad_norm
+                self.spike.take_host_row(values[n], values[n + 1])
             built_in = flags.decode_raw(values[: len(flags.SLOTS)], self.max_abs_input)
             seen = flags.StepFlags(built_in.ranks + _extra.seen_raw(self.extra, values[len(flags.SLOTS) : n]))
-            return Reading(seen, segments, values[n:])
+            return Reading(seen, segments, values[n : n + len(extras)])
+        slots, segments, extras = self.slot_values(loop, optimizer, snapshot_due)
         values = self.reduce(loop, slots, extras).tolist()  # the one host read of the step
         return Reading(flags.decode(values[:n], world), segments, values[n:])
 
@@ -167,15 +176,17 @@ class StepRead:
         return reduced
 
     def slot_values(
-        self, loop: Loop, optimizer: Any, snapshot_due: bool, raw: bool = False
+        self, loop: Loop, optimizer: Any, snapshot_due: bool, tail: _Tail | None = None
     ) -> tuple[dict[str, torch.Tensor], dict[str, Named], list[torch.Tensor] | None]:
         """The step's 0-d slot values on the device, in :data:`~lightning_numguard.detect.flags.SLOTS` order, named as
         :func:`~lightning_numguard.detect.flags.pack`'s arguments, and the named tensors of its ``NORMS`` slot; no sync.
 
         Shared by :meth:`read` and :meth:`pack`; the third value is the spike statistics' 0-d extras (or ``None``).
-        ``raw``: the values go to the host as they are (one process), so the ``suspicious`` slot carries the largest
-        unmasked input value and the host compares it with ``max_abs_input`` (:func:`~lightning_numguard.detect.flags.
-        decode_raw`), one kernel fewer; otherwise it is the comparison's bool, on the device.
+        ``tail``: the values go to the host as they are (one process). Then the inputs' ends, the watched outputs'
+        values and the op guard's flags go into ``tail`` as they are, for the host to reduce into their slots after
+        the read (:meth:`_Tail.fold`: no reduction kernel), and the host compares the largest unmasked input value
+        with ``max_abs_input`` (:func:`~lightning_numguard.detect.flags.decode_raw`); otherwise each is reduced here,
+        on the device, and the ``suspicious`` slot is the comparison's bool.
         """
         rec = self.recorder.record
         assert rec is not None
@@ -199,11 +210,14 @@ class StepRead:
         if zero is None:  # a 0-d zero per device, made once (never written to)
             zero = self._zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
         unmasked = zero  # non-finite exactly when an input is: the input slot's total too (no second reduction)
-        if rec.inputs:
-            unmasked = rec.input_unmasked[0] if len(rec.inputs) == 1 else torch.stack(rec.input_unmasked).amax()
         watch = self.recorder.watch
         watch = watch if watch is not None and watch.enabled else None
         opguard = self.recorder.opguard
+        op_flags = [r.flag for r in opguard.records] if opguard is not None else []
+        if tail is not None:  # one process: the host reduces them after the read
+            tail.add_step(rec, watch, op_flags, device)
+        elif rec.inputs:
+            unmasked = checks.unmasked_of([group for _, ends in rec.inputs for group in ends], device)
         losses = [x.to(device, torch.float32) for x in rec.losses]
         loss_total = zero
         if losses:
@@ -211,29 +225,29 @@ class StepRead:
         self.grad_norm = None
         slots = {
             "input_max": unmasked,
-            "norm_total": self.norm_total(segments, device, zero),
-            "output_total": watch.total(device) if watch is not None else zero,
+            "norm_total": self.norm_total(segments, device, zero, tail),
+            "output_total": watch.total(device) if watch is not None and tail is None else zero,
             "loss_total": loss_total,
-            # raw: compared on the host; else a bool, which the pack's one stack makes 0.0/1.0 (no conversion op)
-            "suspicious": zero if self.max_abs_input is None else unmasked if raw else unmasked >= self.max_abs_input,
-            "op": _any_flag([r.flag for r in opguard.records], device)
-            if opguard is not None and opguard.records
-            else zero,
+            # one process: the host folds and compares; else a bool, which the pack's stack makes 0.0/1.0 (no op)
+            "suspicious": zero if self.max_abs_input is None or tail is not None else unmasked >= self.max_abs_input,
+            "op": _any_flag(op_flags, device) if op_flags and tail is None else zero,
             "quarantine": rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
         }
         if self.extra:  # the checks passed as extra_checks: one value each (several ranks: a 0/1 flag to rank-encode)
             values = _extra.slot_values(self.extra, rec.checks, device, zero)
-            values = values if raw else _extra.as_flags(self.extra, values)
+            values = values if tail is not None else _extra.as_flags(self.extra, values)
             slots.update({f"check:{c.kind}": v for c, v in zip(self.extra, values)})
         extras = None
         if self.spike is not None and self.spike.enabled and not rec.spike_read:
             self.recorder.mark_spike_read()  # the step's first read only (a further optimizer: its gradients alone)
             loss = loss_total if losses else None
             rank, world = loop.rank, loop.world_size
-            extras = self.spike.extras(loss, self.grad_norm, watch, device, rank, world)
+            extras = self.spike.extras(loss, self.grad_norm, watch, device, rank, world, host_row=tail is not None)
         return slots, segments, extras
 
-    def norm_total(self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor) -> torch.Tensor:
+    def norm_total(
+        self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor, tail: _Tail | None = None
+    ) -> torch.Tensor:
         """The ``NORMS`` slot's total of ``segments`` (name -> named tensors: ``"grads"``, ``"params"``,
         ``"start_buffers"``, ``"live_buffers"``, ``"opt_state"``), 0-d float32 on ``device``, non-finite when one of
         them is; ``zero`` when there is nothing to check. No sync. The gradients go through the check that may
@@ -243,6 +257,9 @@ class StepRead:
         Each segment's :class:`~lightning_numguard.detect.checks.TotalPlan` is kept while the segment is the same
         list object (the parameters and buffers are resolved once per fit, the optimizer state while its
         tensors stay the same): a step does no per-tensor grouping.
+
+        With the spike statistics on, the gradients' check is their global L2 norm; ``tail`` (one process): each
+        gradient's norm goes to the host, which takes the global norm of them after the read (:meth:`_Tail.fold`).
         """
         totals = []
         parts: list[str] = []  # the segment of each total (a late read names the part that went bad)
@@ -257,6 +274,10 @@ class StepRead:
                     if plan.local:  # DTensors (FSDP2, tensor parallel): this rank's shards; the reduce takes the max
                         grads = [local(t) for t in grads]
                     groups = plan.grouped(grads)
+                    if tail is not None:  # one process: each tensor's norm to the host, which takes their L2 norm
+                        tail.add_norms(spike.tensor_norms(groups, device))
+                        parts.pop()  # not in the device total
+                        continue
                     self.grad_norm = spike.global_norm(groups, device)
                     totals.append(self.grad_norm)
                 elif self._grads_plan is not None:  # grads() found every gradient: its plan and tensor list
@@ -379,6 +400,66 @@ class StepRead:
                         out.append((f"optimizer[{i}].state[{self.param_names.get(id(param), '?')}].{key}", value))
         self._opt_state = (live, out)
         return out
+
+
+class _Tail:
+    """The 0-d values one process's read lays after the spike statistics' extras, in the same ``stack``, for the host
+    to reduce into their slots: the inputs' ends, the watched outputs' max-|x| and the op guard's flags, which the read
+    of several ranks (and the deferred read) reduces on the device first. A value per input tensor, watched call
+    and guarded call costs the host a float to read, where a reduction on the device costs a kernel each."""
+
+    __slots__ = ("grad_norm", "norms", "parts", "values")
+
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+        #: per part: its slot, how many values, and the ``finfo.max`` left out of them (inputs' ends), else ``None``
+        self.parts: list[tuple[int, int, float | None]] = []
+        self.norms: tuple[int, int] | None = None  # where the gradients' norms are in :attr:`values`, and how many
+        #: after :meth:`fold`: the gradients' global L2 norm, when their norms were in the tail
+        self.grad_norm: float | None = None
+
+    def add_norms(self, norms: list[torch.Tensor]) -> None:
+        """The gradients' per-tensor L2 norms (0-d float32): the ``NORMS`` slot's, and the global norm of them."""
+        self.norms = (len(self.values), len(norms))
+        self.add(flags.NORMS, norms)
+
+    def add(self, slot: int, values: list[torch.Tensor], modulus: float | None = None) -> None:
+        if values:
+            self.values.extend(values)
+            self.parts.append((slot, len(values), modulus))
+
+    def add_step(self, rec: Any, watch: Any, op_flags: list[torch.Tensor], device: torch.device) -> None:
+        """The step record's inputs' ends, the watch's values and the op guard's flags."""
+        for _, ends in rec.inputs:
+            self.add_inputs(ends, device)
+        if watch is not None:
+            self.add(flags.OUTPUT, watch.values(device))
+        self.add(flags.OP, [f.to(device) for f in op_flags])
+
+    def add_inputs(self, ends: checks.InputEnds, device: torch.device) -> None:
+        """One micro-batch's input ends: float32 ones as they are, another dtype's reduced on the device first (its
+        values need not fit a float32 vector)."""
+        for dtype, values in ends:
+            if dtype == torch.float32:
+                self.add(flags.INPUT, values, checks.finfo_max(dtype))
+            else:
+                self.add(flags.INPUT, [checks.unmasked_of([(dtype, values)], device)])
+
+    def fold(self, values: list[float], at: int, suspicious: bool) -> None:
+        """Reduce the host-read tail (from ``values[at]``) into its slots of ``values`` (each slot's own value there:
+        0.0, or the ``NORMS`` slot's device total of the state): NaN when a value is not finite, else the largest
+        (the inputs' dtype extremes left out); ``suspicious``: the ``SUSPICIOUS`` slot takes the inputs' value, for
+        the host's comparison. The gradients' norms also give :attr:`grad_norm`."""
+        if self.norms is not None:  # in float64 (float32 would overflow past norms of ~1e19), NaN if one is
+            start, n = self.norms
+            self.grad_norm = math.sqrt(math.fsum(v * v for v in values[at + start : at + start + n]))
+        for slot, n, modulus in self.parts:
+            part = checks.unmasked_on_host(values[at : at + n], modulus)
+            old = values[slot]
+            values[slot] = max(old, part) if math.isfinite(part) and math.isfinite(old) else math.nan
+            at += n
+        if suspicious:
+            values[flags.SUSPICIOUS] = values[flags.INPUT]
 
 
 def _any_flag(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 from lightning_numguard import _compat
 from lightning_numguard.detect import checks
 from lightning_numguard.detect import extra as _extra
+from lightning_numguard.detect.checks import InputEnds
 from lightning_numguard.detect.opguard import OpGuard
 from lightning_numguard.detect.registry import Check, CheckStep
 from lightning_numguard.detect.watch import OutputWatch
@@ -54,10 +55,9 @@ class StepRecord:
     epoch: int
     batch_idx: int
     batch: Any = None
-    # per micro-batch: the floating leaves of the batch and a 0-d value non-finite exactly when one of them is
-    inputs: list[tuple[Named, torch.Tensor]] = field(default_factory=list)
-    # per micro-batch: the max-|x| the suspicious-input check reads (dtype extremes, i.e. masks, left out)
-    input_unmasked: list[torch.Tensor] = field(default_factory=list)
+    # per micro-batch: the floating leaves of the batch and their 0-d ends (min and max per tensor, by dtype), which
+    # the read reduces to the max-|x| both input checks read (dtype extremes, i.e. masks, left out)
+    inputs: list[tuple[Named, InputEnds]] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
     start_buffers: dict[str, torch.Tensor] | None = None
     start_states: dict[str, Any] | None = None
@@ -201,11 +201,10 @@ class StepRecorder:
             if self.ignored_inputs:
                 leaves = [(p, t) for p, t in leaves if p not in self.ignored_inputs]
             if leaves:
-                # non-finite exactly when an input is (a mask is a finite extreme): both input checks read it
-                unmasked = checks.unmasked_input_max([t for _, t in leaves], loop.device)
-                rec.inputs.append((leaves, unmasked))
-                rec.input_unmasked.append(unmasked)
-                micro.input_max = unmasked
+                # one aminmax per tensor; the read reduces the ends (on the host when one process reads them)
+                ends = checks.input_ends([t for _, t in leaves], loop.device)
+                rec.inputs.append((leaves, ends))
+                micro.inputs = [v for _, values in ends for v in values]
         return rec
 
     def enter_ops(self) -> None:
@@ -299,7 +298,7 @@ class StepRecorder:
         """Drop what the forward pass recorded (a further optimizer of the same batch reads its gradients only)."""
         assert self.record is not None
         n_losses, n_outputs = self.record.seen_at_read  # keep what came after the last read (manual optimization)
-        self.record.inputs, self.record.input_unmasked = [], []
+        self.record.inputs = []
         self.record.checks = {}  # the further optimizer's own checks are recorded again at its step
         self.record.losses = self.record.losses[n_losses:]
         if self.watch is not None:
