@@ -88,11 +88,14 @@ class SpikeGuard:
         self.reduced: torch.Tensor | None = None  # this step's reduced extras, on the device (for push)
         self.last: tuple[int, list[float]] | None = None  # the latest host-read extras and their step
         # per device: NaN, the not-judged scores, the headroom's and the ranks' defaults (views made once)
-        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._constants: dict[
+            torch.device, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+        ] = {}
         self._marks: dict[tuple[torch.device, int, int], torch.Tensor] = {}  # per device, rank and world: world - rank
         self._calls = 0
         self._single = True  # one process: the raw values need no mark for the reduce
         self._host_row: tuple[float, float] | None = None  # this step's loss and gradient norm, read on the host
+        self._stats_unbound: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # see _stats_views
 
     @property
     def enabled(self) -> bool:
@@ -146,33 +149,40 @@ class SpikeGuard:
         const = self._constants.get(device)
         if const is None:  # [NaN, 0 x2, +inf x2, 0, -1, 0, 0]: reused every step
             values = torch.tensor([math.nan, 0.0, 0.0, math.inf, math.inf, 0.0, -1.0, 0.0, 0.0], device=device)
-            const = self._constants[device] = (values[0], values[1:5], values[5:7], values[7:9])
+            const = self._constants[device] = (values[0], values[1:5], values[5:7].unbind(), values[7:9].unbind())
         nan, no_stats, no_head, no_ranks = const  # no_stats: centers 0, thresholds +inf (nothing judged)
         self._calls += 1
         due = self.headroom is not None and watch is not None and watch.records and self._calls % HEADROOM_EVERY == 1
-        head = self._headroom(watch, device) if due else (no_head[0], no_head[1])
+        head = self._headroom(watch, device) if due else no_head
         self._single = world == 1
         window = self.window.to(device) if self.window is not None else None
         loss = nan if loss is None else loss.reshape(())
         grad_norm = nan if grad_norm is None else grad_norm
         if self._single:
             if window is None:
-                return [_f32(loss), _f32(grad_norm), nan, nan, no_stats[2], no_stats[3], *head, *no_ranks.unbind()]
-            stats = window.stats()  # the window before this step
+                return [_f32(loss), _f32(grad_norm), nan, nan, no_stats[2], no_stats[3], *head, *no_ranks]
+            stats = self._stats_views(window.stats())  # the window before this step
             if host_row:
                 self._host_row = None  # until the read gives it
-                return [_f32(loss), _f32(grad_norm), *stats.unbind(), *head, *no_ranks.unbind()]
+                return [_f32(loss), _f32(grad_norm), *stats, *head, *no_ranks]
             row = window.write(_f32(loss), _f32(grad_norm))
-            return [*row.unbind(), *stats.unbind(), *head, *no_ranks.unbind()]
+            return [*row.unbind(), *stats, *head, *no_ranks]
         raw = torch.stack([loss, grad_norm]).float()
         # a finite mark for "missing" survives the MAX all-reduce; NaN might not
         raw = raw.nan_to_num(nan=NOT_JUDGED, posinf=NOT_JUDGED, neginf=NOT_JUDGED)
-        stats = window.stats() if window is not None else no_stats
+        judged = window.stats() if window is not None else no_stats
         mark = self._marks.get((device, rank, world))
         if mark is None:  # this rank's mark, made once
             mark = self._marks[(device, rank, world)] = torch.tensor(float(world - rank), device=device)
-        ranks = torch.stack([raw[0] > stats[2], head[1] >= 0]) * mark  # the mark where seen, else 0
-        return [*raw.unbind(), *stats.unbind(), *head, *ranks.unbind()]
+        ranks = torch.stack([raw[0] > judged[2], head[1] >= 0]) * mark  # the mark where seen, else 0
+        return [*raw.unbind(), *judged.unbind(), *head, *ranks.unbind()]
+
+    def _stats_views(self, stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The window statistics' four values as views, made again only when the statistics are (every
+        :data:`REFRESH_EVERY` steps): a view costs the host a microsecond or two each step."""
+        if self._stats_unbound is None or self._stats_unbound[0] is not stats:
+            self._stats_unbound = (stats, stats.unbind())
+        return self._stats_unbound[1]
 
     def _headroom(self, watch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.headroom is not None
