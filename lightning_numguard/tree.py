@@ -45,6 +45,8 @@ def tensor_leaves(obj: Any, prefix: str = "batch") -> Iterator[tuple[str, torch.
 
 def floating_leaves(obj: Any, prefix: str = "batch") -> list[tuple[str, torch.Tensor]]:
     """The floating-point (and complex) tensors of ``obj``; integer and bool tensors are left alone."""
+    if type(obj) in (tuple, list) and all(type(v) is torch.Tensor for v in obj):  # ``(x, y)``: the usual batch
+        return [(f"{prefix}[{i}]", t) for i, t in enumerate(obj) if t.is_floating_point() or t.is_complex()]
     return [(p, t) for p, t in _walk(obj, prefix, 0) if t.is_floating_point() or t.is_complex()]
 
 

@@ -36,6 +36,17 @@ def test_floating_leaves_skip_integers_strings_and_ids():
     assert [p for p, _ in floating_leaves(batch)] == ["batch[0]"]
 
 
+def test_a_flat_batch_of_tensors_takes_the_short_path_and_names_its_leaves_as_the_walk_does():
+    flat = [torch.zeros(2), torch.arange(3), torch.zeros(1, dtype=torch.complex64), torch.ones(1, dtype=torch.float64)]
+    for batch in (tuple(flat), flat):
+        assert [p for p, _ in floating_leaves(batch)] == ["batch[0]", "batch[2]", "batch[3]"]
+        assert [t for _, t in floating_leaves(batch)] == [flat[0], flat[2], flat[3]]
+    nested = (torch.zeros(1), [torch.ones(1)])  # not flat: the walk
+    assert [p for p, _ in floating_leaves(nested, "out")] == ["out[0]", "out[1][0]"]
+    assert [p for p, _ in floating_leaves(Pair(torch.zeros(1), torch.ones(1)))] == ["batch.image", "batch.label"]
+    assert floating_leaves(()) == []
+
+
 def test_a_plain_tensor_and_non_containers():
     assert [p for p, _ in floating_leaves(torch.zeros(1))] == ["batch"]
     assert floating_leaves("just a string") == []

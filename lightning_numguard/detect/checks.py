@@ -340,14 +340,13 @@ def unmasked_of(ends: InputEnds, device: torch.device) -> torch.Tensor:
 def unmasked_on_host(values: Sequence[float], modulus: float | None) -> float:
     """:func:`unmasked_of` on the host, of host-read float32 ends (``modulus``: their dtype's ``finfo.max``) or of
     values already unmasked on the device (``modulus=None``): NaN when one is not finite, else the largest."""
-    top = 0.0
-    for v in values:
-        if not math.isfinite(v):
-            return math.nan
-        a = abs(v)
-        if modulus is None or a < modulus:
-            top = max(top, a)
-    return top
+    if not values:
+        return 0.0
+    if not math.isfinite(sum(values)):  # a NaN or an infinity (float32 values: a float64 sum cannot overflow)
+        return math.nan
+    if modulus is None:
+        return max(0.0, *map(abs, values))
+    return max((a for a in map(abs, values) if a < modulus), default=0.0)
 
 
 def _unmasked(ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

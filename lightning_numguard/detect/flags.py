@@ -119,11 +119,10 @@ def stack_raw(values: Sequence[torch.Tensor], extras: Sequence[torch.Tensor] = (
     One process needs no reduce, so the host can judge the raw values itself (:func:`decode_raw`): one
     ``stack`` instead of :func:`pack`'s eight ops. No sync.
     """
-    values = [*values, *extras]
-    if values[0].dtype == torch.float32 and all(v.dtype in _STACKED for v in values):  # a bool is promoted
-        return torch.stack(values)
-    f32 = torch.float32
-    return torch.stack([v if v.dtype == f32 else v.to(f32) for v in values])
+    # one stack whatever the dtypes (bool flags and narrower floats are promoted as the stack goes), and a float32
+    # cast only where a value was wider (float64: beyond float32's range it is ``inf``, as each value's own cast)
+    raw = torch.stack([*values, *extras])
+    return raw if raw.dtype == torch.float32 else raw.float()
 
 
 def decode_raw(values: Sequence[float], suspicious_at: float | None = None) -> StepFlags:
@@ -135,13 +134,11 @@ def decode_raw(values: Sequence[float], suspicious_at: float | None = None) -> S
     if len(values) != len(SLOTS):
         raise ValueError(f"expected {len(SLOTS)} slot values ({', '.join(SLOTS)}), got {len(values)}")
     n_totals = LOSS + 1  # input, norms, output, loss: seen when non-finite; the rest: seen when positive
-
-    def seen(i: int, v: float) -> bool:
-        if i < n_totals:
-            return not math.isfinite(v)
-        return v >= suspicious_at if i == SUSPICIOUS and suspicious_at is not None else v > 0
-
-    return StepFlags(tuple(0 if seen(i, v) else -1 for i, v in enumerate(values)))
+    isfinite = math.isfinite
+    ranks = [-1 if isfinite(v) else 0 for v in values[:n_totals]] + [0 if v > 0 else -1 for v in values[n_totals:]]
+    if suspicious_at is not None:  # NaN never is
+        ranks[SUSPICIOUS] = 0 if values[SUSPICIOUS] >= suspicious_at else -1
+    return StepFlags(tuple(ranks))
 
 
 def encode_rank(packed: torch.Tensor, rank: int, world: int, width: int | None = None) -> torch.Tensor:

@@ -91,6 +91,8 @@ _TAIL_NORMAL = 1.6448536269514722
 #: A raw value at or beyond this magnitude (and any non-finite value, and the mark :data:`NOT_JUDGED`) is missing
 #: from the window's statistics; the step's own value is still judged on the host.
 _MISSING_AT = 1.0e30
+#: the smallest magnitude float32 rounds to infinity (its largest finite value and half a unit in the last place)
+_F32_OVERFLOW = float(torch.finfo(torch.float32).max) + 2.0**103
 #: The z-score of a value that is not judged (warm-up, or not finite), and the raw value that stands for a
 #: missing one. Finite, so that it survives a ``MAX`` all-reduce.
 NOT_JUDGED = -1.0e30
@@ -183,6 +185,12 @@ def _stats(window: torch.Tensor, warmup: int, sigma: float, rows: slice = slice(
     return torch.cat([center.nan_to_num(0.0, posinf=0.0), threshold])
 
 
+def _f32_range(value: float) -> float:
+    """``value`` as float32 rounds it at the ends of its range: ``±inf`` beyond them (NaN stays NaN), so that numpy's
+    cast into a float32 window does not warn."""
+    return math.copysign(math.inf, value) if abs(value) >= _F32_OVERFLOW else value
+
+
 def zscore(value: float, center: float, threshold: float, sigma: float) -> float | None:
     """A host value's score against host statistics (:func:`_stats`): ``(cbrt(value) - center) / scale``, with
     ``scale = (cbrt(threshold) - center) / sigma``; ``None`` when not judged (warm-up, or ``value`` not finite)."""
@@ -236,6 +244,7 @@ class SpikeWindow:
         self._stats: torch.Tensor | None = None
         self._age = 0  # pushes since the statistics were computed
         self._armed = False  # the statistics were computed with the warm-up complete
+        self._host: tuple[torch.Tensor, Any] | None = None  # a CPU window and a numpy view of it (see push_host)
 
     def to(self, device: torch.device) -> SpikeWindow:
         """Keep the window on ``device`` (once per fit; a no-op when it is there)."""
@@ -275,6 +284,19 @@ class SpikeWindow:
         self.pos = (self.pos + 1) % self.window
         self.count = min(self.count + 1, self.window)
         self._age += 1
+
+    def push_host(self, loss: float, grad_norm: float) -> None:
+        """:meth:`push` of host numbers (one process's read): on the CPU written through a view of the window's own
+        memory, made once per window tensor (no op); elsewhere one copy of a host row. Rounded to float32 as
+        ``torch.tensor`` rounds them (beyond its range: ``inf``). No sync."""
+        values, host = self.values, self._host
+        if host is None or host[0] is not values:  # a new window tensor (load_state_dict, to): a new view
+            if values.device.type != "cpu":
+                self.push(torch.tensor((loss, grad_norm), dtype=torch.float32).to(values.device, non_blocking=True))
+                return
+            host = self._host = (values, values.numpy())
+        host[1][self.pos] = (_f32_range(loss), _f32_range(grad_norm))
+        self.push()
 
     def valid(self) -> list[int]:
         """Valid values per row. **Syncs** (reports and tests only)."""

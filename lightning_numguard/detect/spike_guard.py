@@ -156,7 +156,7 @@ class SpikeGuard:
         head = self._headroom(watch, device) if due else no_head
         self._single = world == 1
         window = self.window.to(device) if self.window is not None else None
-        loss = nan if loss is None else loss.reshape(())
+        loss = nan if loss is None else loss if loss.dim() == 0 else loss.reshape(())
         grad_norm = nan if grad_norm is None else grad_norm
         if self._single:
             if window is None:
@@ -215,8 +215,7 @@ class SpikeGuard:
         rank); no sync."""
         if self.reduced is not None and self.window is not None:
             if self._host_row is not None:
-                row = torch.tensor(self._host_row, dtype=torch.float32)
-                self.window.push(row.to(self.window.values.device, non_blocking=True))
+                self.window.push_host(*self._host_row)
             else:
                 self.window.push(None if self._single else self.reduced[:2])
         self.reduced = None

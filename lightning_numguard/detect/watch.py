@@ -188,9 +188,10 @@ class _Hook:
             return
         # compiled: no identity check (a guard on the module's id would compile a shared block's graph once per
         # block); a deep copy's hooks are inert anyway (__deepcopy__)
-        if not torch.compiler.is_compiling() and id(module) != self.module_id:
-            return
-        watch.record_output(self, output)
+        if torch.compiler.is_compiling():
+            watch.record_output(self, output)
+        elif id(module) == self.module_id:
+            watch.record_eager(self, output)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
         """A deep copy of the model (EMA, SWA) gets an inert hook: its outputs are not this watch's."""
@@ -336,14 +337,18 @@ class OutputWatch:
     def record_output(self, hook: _Hook, output: Any) -> None:
         """One forward call of ``hook``'s module: keep its floating outputs (eager) or trace their row peaks
         (compiled)."""
+        if not torch.compiler.is_compiling():
+            self.record_eager(hook, output)
+            return
         if not self.enabled or not torch.is_grad_enabled():
             return
-        if torch.compiler.is_compiling():
-            if not _in_subgraph():  # a checkpointed block under torch.compile: no record (the next block sees it)
-                self._trace(hook, output)
-            return
-        if in_backward():  # activation checkpointing's recompute: the forward's values again, kept till the read
-            return
+        if not _in_subgraph():  # a checkpointed block under torch.compile: no record (the next block sees it)
+            self._trace(hook, output)
+
+    def record_eager(self, hook: _Hook, output: Any) -> None:
+        """:meth:`record_output` outside a compiled region (the hook's own path there: one check fewer a call)."""
+        if not self.enabled or not torch.is_grad_enabled() or in_backward():
+            return  # in backward: activation checkpointing's recompute, the forward's values again, kept till the read
         if isinstance(output, torch.Tensor):
             if output is self._last_out or not output.is_floating_point():
                 return
@@ -379,9 +384,14 @@ class OutputWatch:
         """Reduce the calls recorded since the last settle to one max-|x| each, in execution order, and drop the
         references to their outputs (no sync; nothing to do when nothing was recorded). Eager outputs and the rows
         of compiled regions alike go through one ``_foreach_norm(ord=inf)`` per device and dtype."""
-        calls = [(stamp, slot, t, t.dtype) for stamp, slot, t in self._pending]
-        self._pending.clear()
-        for hook in self._hooks:
+        pending, hooks = self._pending, self._hooks
+        if not pending and not any(hook.rows for hook in hooks):  # nothing since the last settle (most calls)
+            self._calls = 0
+            self._last_out = None
+            return
+        calls = [(stamp, slot, t, t.dtype) for stamp, slot, t in pending]
+        pending.clear()
+        for hook in hooks:
             if hook.rows:
                 calls.extend(zip(hook.stamps, [hook.slot] * len(hook.rows), hook.rows, hook.dtypes))
                 hook.clear()

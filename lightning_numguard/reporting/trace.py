@@ -56,7 +56,7 @@ class Trace:
         ``NaN``: not judged)."""
         if step % self.stride and step not in self.events:
             return
-        self.points[step] = tuple(_clean(v) for v in values[:4])
+        self.points[step] = tuple(map(_clean, values[:4]))
         if len(self.points) > self.max_points + len(self.events):
             self.stride *= 2
             self.points = {s: v for s, v in self.points.items() if not s % self.stride or s in self.events}

@@ -131,3 +131,28 @@ def test_a_bool_flag_is_stacked_as_one_and_zero():
     raw = [torch.tensor(0.0)] * 4 + [torch.tensor(True), torch.tensor(False), torch.tensor(0.0)]
     vector = flags.stack_raw(raw)
     assert vector.dtype == torch.float32 and vector.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_one_stack_of_mixed_dtypes_casts_to_float32_as_each_value_would():
+    raw = [
+        torch.tensor(1.5),
+        torch.tensor(3.0, dtype=torch.float16),
+        torch.tensor(1e300, dtype=torch.float64),  # beyond float32: inf, as its own cast gives
+        torch.tensor(1.0 + 2**-40, dtype=torch.float64),  # rounded once
+        torch.tensor(2.5, dtype=torch.bfloat16),
+        torch.tensor(True),
+        torch.tensor(7),
+    ]
+    vector = flags.stack_raw(raw[:4], raw[4:])
+    assert vector.dtype == torch.float32
+    assert torch.equal(vector, torch.stack([v.float() for v in raw]))
+
+
+@pytest.mark.parametrize("suspicious_at", [None, 1.0])
+def test_decode_raw_sees_non_finite_totals_and_positive_flags_only(suspicious_at):
+    values = [1.0, NAN, -INF, 5.0, 2.0, 0.0, 1.0]
+    seen = {flags.NORMS, flags.OUTPUT, flags.SUSPICIOUS, flags.QUARANTINE}
+    decoded = flags.decode_raw(values, suspicious_at)
+    assert {s for s in range(len(flags.SLOTS)) if decoded.seen(s)} == seen
+    values[flags.SUSPICIOUS] = NAN if suspicious_at is not None else -1.0  # NaN is never at least the threshold
+    assert not flags.decode_raw(values, suspicious_at).seen(flags.SUSPICIOUS)

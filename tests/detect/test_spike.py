@@ -233,6 +233,32 @@ def test_window_state_round_trips_and_pickles():
         shorter.load_state_dict({"values": [1.0, 2.0], "pos": 0})
 
 
+@pytest.mark.parametrize(
+    "value",
+    [1.1, -2.5, 3.4028235e38, 3.4028235677973366e38, 3.40282357e38, 1e300, -1e300, math.inf, math.nan, NOT_JUDGED],
+)
+def test_host_numbers_join_the_window_rounded_as_torch_rounds_them(value, recwarn):
+    window = SpikeWindow(window=4, warmup=2)
+    window.push_host(value, 2.0)
+    expected = torch.tensor((value, 2.0), dtype=torch.float32)
+    assert torch.equal(window.values[0].nan_to_num(nan=-7.0), expected.nan_to_num(nan=-7.0))
+    assert (window.pos, window.count) == (1, 1)
+    assert not [w for w in recwarn if "overflow" in str(w.message)]  # numpy's cast warns on overflow: not here
+
+
+def test_host_numbers_go_to_the_window_tensor_of_the_moment():
+    window = SpikeWindow(window=4, warmup=2)
+    window.push_host(1.0, 2.0)
+    plain = window.to_plain()
+    window.load_state_dict(plain)  # a new tensor: the view of the old one must not be written
+    old = window.values
+    window.load_state_dict(plain)
+    assert window.values is not old
+    window.push_host(3.0, 4.0)
+    assert window.values[1].tolist() == [3.0, 4.0]
+    assert torch.isnan(old[1]).all()
+
+
 def test_not_judged_survives_a_max_reduce_as_a_finite_number_and_marks_a_missing_value():
     assert math.isfinite(NOT_JUDGED)
     z = SpikeWindow(8, 4).scores(torch.tensor([1.0, 1.0]))
