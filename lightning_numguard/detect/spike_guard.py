@@ -9,9 +9,11 @@ already reported near their dtype's limit). Each optimizer step:
    step) and the largest overflow-headroom ratio of a block not reported yet, as ten float32 values that ride
    after the flag slots in the step's one packed vector (the same ``MAX`` all-reduce: the loss becomes the largest
    of the ranks'; the gradient norm, the same on every rank after DDP's all-reduce, stays as it is, and so do the
-   statistics), as 0-d values in the step's one ``stack`` of the flags. One process: one ``stack`` into the
-   window's next row, the rest views; the statistics are recomputed every :data:`REFRESH_EVERY` steps (issue 25's
-   budget: at most 4 device ops a step, measured by ``benchmarks/spike_ops.py``);
+   statistics), as 0-d values in the step's one ``stack`` of the flags. One process reading on the host: the loss
+   and the gradient norm come from the host (:meth:`~SpikeGuard.take_host_row`), the headroom too
+   (:meth:`~SpikeGuard.host_headroom`, of the watched calls' values the read holds), the rest are views; the
+   statistics are recomputed every :data:`REFRESH_EVERY` steps (issue 25's budget: at most 4 device ops a step,
+   measured by ``benchmarks/spike_ops.py``);
 2. after the read (``sync_mode="every_step"``): :meth:`~SpikeGuard.findings` scores the host-read values on the
    host (:func:`~lightning_numguard.detect.spike.judge`) into ``loss_spike`` / ``grad_norm_spike`` and
    ``overflow_risk`` findings; in ``sync_mode="deferred"`` :meth:`~SpikeGuard.device_flag` (a raw value above its
@@ -96,6 +98,7 @@ class SpikeGuard:
         self._single = True  # one process: the raw values need no mark for the reduce
         self._host_row: tuple[float, float] | None = None  # this step's loss and gradient norm, read on the host
         self._stats_unbound: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # see _stats_views
+        self.host_headroom_due = False  # this step's headroom is the host's, of the read's output values
 
     @property
     def enabled(self) -> bool:
@@ -153,7 +156,9 @@ class SpikeGuard:
         nan, no_stats, no_head, no_ranks = const  # no_stats: centers 0, thresholds +inf (nothing judged)
         self._calls += 1
         due = self.headroom is not None and watch is not None and watch.records and self._calls % HEADROOM_EVERY == 1
-        head = self._headroom(watch, device) if due else no_head
+        # the host's read holds every watched call's max-|x|: it takes the headroom of them (set_host_headroom)
+        self.host_headroom_due = bool(due) and host_row
+        head = self._headroom(watch, device) if due and not host_row else no_head
         self._single = world == 1
         window = self.window.to(device) if self.window is not None else None
         loss = nan if loss is None else loss if loss.dim() == 0 else loss.reshape(())
@@ -196,6 +201,27 @@ class SpikeGuard:
             masks.append(mask)
         ratio, index = spike.headroom([(key[1], rows) for key, rows in ranges], masks, self.headroom)
         return ratio.to(device), index.to(device)
+
+    def host_headroom(self, peaks: list[tuple[Any, list[float]]], names: list[str]) -> tuple[float, float]:
+        """One process reading on the host, when the headroom is due: :func:`~lightning_numguard.detect.spike.headroom`
+        of the host-read block peaks (``OutputWatch.host_ranges``: per output dtype, each block's largest max-|x|),
+        the ``overflow_ratio`` and ``overflow_block`` of the host-read extras, in the device's layout (the buffers
+        laid end to end); a block already reported is left out, as the device's masks leave it out. No op."""
+        self.host_headroom_due = False
+        assert self.headroom is not None
+        best, index, at = 0.0, -1, 0
+        self._layout = []
+        for key, rows in peaks:
+            limit = spike.DTYPE_MAX.get(key[1])
+            if limit is None:
+                continue
+            self._layout.append((key, len(rows)))
+            for slot, peak in enumerate(rows):
+                ratio = peak / limit
+                if ratio > best and math.isfinite(ratio) and names[slot] not in self.reported:  # NaN: the NaN guard's
+                    best, index = ratio, at + slot
+            at += len(rows)
+        return best, float(index if best >= 1.0 / self.headroom else -1)
 
     def device_flag(self, reduced: torch.Tensor) -> torch.Tensor:
         """0-d bool on the device: this step spiked and a spike skips (``sync_mode="deferred"``); no sync."""
@@ -258,7 +284,9 @@ class SpikeGuard:
             index -= n
         if key is None:
             return []
-        self._masks[key][index] = True  # on the device, from a host index: no sync
+        mask = self._masks.get(key)
+        if mask is not None:  # on the device, from a host index: no sync (the host's headroom reads the names)
+            mask[index] = True
         name = watch.names[index]
         if name in self.reported:
             return []

@@ -455,6 +455,28 @@ class OutputWatch:
             out.append(((device, dtype), (rows[0] if len(layers) == 1 else rows.amax(0)).unsqueeze(-1)))
         return out
 
+    def host_ranges(self, values: Sequence[float]) -> list[tuple[tuple[torch.device, torch.dtype], list[float]]]:
+        """:meth:`ranges` on the host, of :meth:`values` read back: per (device, dtype) of output, in the same order,
+        each watched block's largest max-|x| (0.0 where it did not record in that dtype; NaN propagates). No op."""
+        records = self.records
+        if not records:
+            return []
+        first = records[0][1][0]
+        starts, at = [0] * len(self._peaks), 0  # where each settle's values start in ``values``
+        for b in range(first, len(self._peaks)):
+            starts[b], at = at, at + len(self._peaks[b])
+        device = self._peaks[first][0].device
+        n = len(self.names)
+        by_dtype: dict[torch.dtype, list[float]] = {}
+        for slot, (b, i, dtype) in records:
+            rows = by_dtype.get(dtype)
+            if rows is None:
+                rows = by_dtype[dtype] = [0.0] * n
+            value, old = values[starts[b] + i], rows[slot]
+            if old == old and not value <= old:  # larger, or NaN (which stays)
+                rows[slot] = value
+        return [((device, dtype), rows) for dtype, rows in by_dtype.items()]
+
     def keep(self) -> tuple[list[tuple[int, Any]], list[list[torch.Tensor]]]:
         """This step's records and their device values, for :meth:`first_bad` a step later (no sync, no kernel: each
         record's value is a tensor of its own, never written again)."""

@@ -145,7 +145,15 @@ class StepRead:
             if extras:
                 self.spike.take_reduced(vector[n : n + len(extras)])
             values = vector.tolist()
-            tail.fold(values, n + len(extras), self.max_abs_input is not None)
+            at = n + len(extras)
+            if extras and self.spike.host_headroom_due:  # the blocks' headroom, of the watched calls' values as read
+                start, count = tail.outputs
+                watch = self.recorder.watch
+                assert watch is not None  # due only with a watch that recorded
+                peaks = watch.host_ranges(values[at + start : at + start + count])
+                ratio = n + spike.EXTRAS.index("overflow_ratio")
+                values[ratio], values[ratio + 1] = self.spike.host_headroom(peaks, watch.names)
+            tail.fold(values, at, self.max_abs_input is not None)
             if extras:  # the loss and the gradient norm join the spike window from the host, at batch end
                 if tail.grad_norm is not None:
                     values[n + 1] = tail.grad_norm
@@ -408,13 +416,14 @@ class _Tail:
     of several ranks (and the deferred read) reduces on the device first. A value per input tensor, watched call
     and guarded call costs the host a float to read, where a reduction on the device costs a kernel each."""
 
-    __slots__ = ("grad_norm", "norms", "parts", "values")
+    __slots__ = ("grad_norm", "norms", "outputs", "parts", "values")
 
     def __init__(self) -> None:
         self.values: list[torch.Tensor] = []
         #: per part: its slot, how many values, and the ``finfo.max`` left out of them (inputs' ends), else ``None``
         self.parts: list[tuple[int, int, float | None]] = []
         self.norms: tuple[int, int] | None = None  # where the gradients' norms are in :attr:`values`, and how many
+        self.outputs: tuple[int, int] = (0, 0)  # where the watched calls' max-|x| are in :attr:`values`, how many
         #: after :meth:`fold`: the gradients' global L2 norm, when their norms were in the tail
         self.grad_norm: float | None = None
 
@@ -433,7 +442,9 @@ class _Tail:
         for _, ends in rec.inputs:
             self.add_inputs(ends, device)
         if watch is not None:
-            self.add(flags.OUTPUT, watch.values(device))
+            outputs = watch.values(device)
+            self.outputs = (len(self.values), len(outputs))
+            self.add(flags.OUTPUT, outputs)
         self.add(flags.OP, [f.to(device) for f in op_flags])
 
     def add_inputs(self, ends: checks.InputEnds, device: torch.device) -> None:

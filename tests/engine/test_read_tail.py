@@ -115,3 +115,49 @@ def test_the_spike_window_holds_each_steps_global_gradient_norm_and_loss_taken_o
     kept = window.values[: window.count].tolist()  # rows in push order: the window is longer than the fit
     assert [row[1] for row in kept] == pytest.approx(norms.norms, rel=1e-6)
     assert [row[0] for row in kept] == pytest.approx(norms.losses, rel=1e-6)
+
+
+class _Blocks(torch.nn.Module):
+    """Three watched blocks: ``low`` (float16, called twice), ``wide`` (float32) and ``bad`` (float16, NaN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.low = torch.nn.Identity()
+        self.wide = torch.nn.Identity()
+        self.bad = torch.nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.low(x.half() * 3000)  # 12000: 0.18 of float16's limit
+        b = self.low(x.half() * 5000)  # the same block again, larger: its largest call counts
+        c = self.wide(x * 1e37)  # 0.012 of float32's
+        d = self.bad(torch.full_like(x, math.nan).half())  # non-finite: the NaN guard's, never the headroom's
+        return a.float() + b.float() + c + d.float()
+
+
+@pytest.mark.parametrize("reported", [set(), {"low"}])
+def test_the_hosts_headroom_of_the_read_values_is_the_devices(reported):
+    from lightning_numguard.detect.spike import headroom
+    from lightning_numguard.detect.spike_guard import SpikeGuard
+    from lightning_numguard.detect.watch import OutputWatch
+
+    model = _Blocks()
+    watch = OutputWatch(model)
+    watch.attach()
+    with torch.enable_grad():
+        model(torch.full((2, 3), 4.0, requires_grad=True))
+    values = torch.stack(watch.values(CPU)).tolist()  # what one process's read holds
+    guard = SpikeGuard(None, 6.0, 0, 1, 0, headroom=100.0)
+    guard.reported = set(reported)
+    ratio, index = guard.host_headroom(watch.host_ranges(values), watch.names)
+    ranges = [(key, rows) for key, rows in watch.ranges() if key[1] in (torch.float16, torch.float32)]
+    masks = [torch.tensor([name in reported for name in watch.names]) for _ in ranges]
+    device_ratio, device_index = headroom([(key[1], rows) for key, rows in ranges], masks, 100.0)
+    assert index == device_index.item()
+    assert ratio == pytest.approx(device_ratio.item(), rel=1e-6)
+    layout = [(key, rows.shape[0]) for key, rows in ranges]
+    assert guard._layout == layout  # the index means the same block in the overflow finding
+    n = len(watch.names)
+    expected = 20000 / 65504 if not reported else 4e37 / float(torch.finfo(torch.float32).max)
+    assert ratio == pytest.approx(expected, rel=1e-3)
+    name = watch.names[int(index) % n]
+    assert name == ("wide" if reported else "low")

@@ -5,7 +5,7 @@ most ``SPIKE_BUDGET`` are the spike statistics' share; and on the deep residual 
 count does not grow with the number of blocks. Counted with the op guard checking each guarded call first,
 as on an accelerator (on the CPU it checks fewer: the larger count is the budget's), over the steps of the table in
 ``docs/performance.md`` (10-29: a window that holds a refresh of the spike statistics and two looks at the overflow
-headroom, so their occasional ops are in the count).
+headroom, so their occasional ops are in the count; one process takes the headroom on the host, with no op).
 """
 
 from __future__ import annotations
