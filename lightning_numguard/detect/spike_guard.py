@@ -99,6 +99,7 @@ class SpikeGuard:
         self._host_row: tuple[float, float] | None = None  # this step's loss and gradient norm, read on the host
         self._stats_unbound: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # see _stats_views
         self.host_headroom_due = False  # this step's headroom is the host's, of the read's output values
+        self._scored: tuple[list[float], list[float | None]] | None = None  # see scores_of
 
     @property
     def enabled(self) -> bool:
@@ -329,10 +330,18 @@ class SpikeGuard:
         metrics: dict[str, float] = {}
         if math.isfinite(values[1]) and values[1] > NOT_JUDGED:
             metrics["numguard/grad_norm"] = float(values[1])
-        for z, tag in zip(spike.scores(values, self.sigma), ("numguard/loss_zscore", "numguard/grad_norm_zscore")):
+        for z, tag in zip(self.scores_of(values), ("numguard/loss_zscore", "numguard/grad_norm_zscore")):
             if z is not None:
                 metrics[tag] = float(z)
         return metrics
+
+    def scores_of(self, values: list[float]) -> list[float | None]:
+        """:func:`~lightning_numguard.detect.spike.scores` of host-read extras ``values`` (``None``: not judged),
+        computed once per read: :meth:`scalars` and the run's series both use them."""
+        scored = self._scored
+        if scored is None or scored[0] is not values:
+            scored = self._scored = (values, spike.scores(values, self.sigma))
+        return scored[1]
 
     # ------------------------------------------------------------------ state
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -143,6 +144,7 @@ class _Nothing:
     pass
 
 
+_ROWS = operator.attrgetter("rows")  # a hook's rows from compiled regions (any() of them: no Python loop)
 _dead_ref: weakref.ref[Any] = weakref.ref(_Nothing())  # dead at once: what a deep copy's hooks hold
 
 
@@ -223,9 +225,13 @@ def _max_abs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per tensor, its max-|x| as a 0-d float32 tensor on the first tensor's device, in order: one
     ``_foreach_norm(ord=inf)`` per (device, dtype). Finite float64 values beyond float32's range give float32's
     max (finite), never ``inf``; no sync."""
+    keys = [(t.device, t.dtype) for t in tensors]
+    if keys.count(keys[0]) == len(keys):  # one device and dtype (the usual): one call, in order
+        peaks = foreach_max_abs(tensors)
+        return peaks if peaks[0].dtype == torch.float32 else list(as_f32(torch.stack(peaks)).unbind())
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
     device = tensors[0].device
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for (dev, _), members in groups.items():
@@ -326,9 +332,10 @@ class OutputWatch:
     def reset(self) -> None:
         """Forget the records of the current step. No kernel."""
         self._pending.clear()
-        for hook in self._hooks:
-            if hook.rows:
-                hook.clear()
+        if any(map(_ROWS, self._hooks)):  # a compiled region's rows not settled
+            for hook in self._hooks:
+                if hook.rows:
+                    hook.clear()
         self._calls = 0
         self._records.clear()
         self._peaks.clear()
@@ -349,6 +356,14 @@ class OutputWatch:
         """:meth:`record_output` outside a compiled region (the hook's own path there: one check fewer a call)."""
         if not self.enabled or not torch.is_grad_enabled() or in_backward():
             return  # in backward: activation checkpointing's recompute, the forward's values again, kept till the read
+        if type(output) is torch.Tensor:  # the usual output: no DTensor lookup
+            if output is self._last_out or not output.is_floating_point():
+                return
+            self._last_out = output
+            if output.numel():
+                self._pending.append((self._calls, hook.slot, output.detach()))
+                self._calls += 1
+            return
         if isinstance(output, torch.Tensor):
             if output is self._last_out or not output.is_floating_point():
                 return
@@ -385,9 +400,15 @@ class OutputWatch:
         references to their outputs (no sync; nothing to do when nothing was recorded). Eager outputs and the rows
         of compiled regions alike go through one ``_foreach_norm(ord=inf)`` per device and dtype."""
         pending, hooks = self._pending, self._hooks
-        if not pending and not any(hook.rows for hook in hooks):  # nothing since the last settle (most calls)
-            self._calls = 0
-            self._last_out = None
+        self._calls = 0
+        self._last_out = None
+        index = len(self._peaks)
+        if not any(map(_ROWS, hooks)):  # eager calls only (the usual): in execution order already
+            if not pending:  # nothing since the last settle (most calls)
+                return
+            self._peaks.append(_max_abs([t for _, _, t in pending]))  # 0-d values, each a tensor of its own
+            self._records.extend((slot, (index, i, t.dtype)) for i, (_, slot, t) in enumerate(pending))
+            pending.clear()
             return
         calls = [(stamp, slot, t, t.dtype) for stamp, slot, t in pending]
         pending.clear()
@@ -395,13 +416,8 @@ class OutputWatch:
             if hook.rows:
                 calls.extend(zip(hook.stamps, [hook.slot] * len(hook.rows), hook.rows, hook.dtypes))
                 hook.clear()
-        self._calls = 0
-        self._last_out = None
-        if not calls:
-            return
         calls.sort(key=lambda c: c[0])  # eager calls come sorted; compiled ones join them in place
-        index = len(self._peaks)
-        self._peaks.append(_max_abs([t for _, _, t, _ in calls]))  # 0-d values, each a tensor of its own
+        self._peaks.append(_max_abs([t for _, _, t, _ in calls]))
         self._records.extend((slot, (index, i, dtype)) for i, (_, slot, _, dtype) in enumerate(calls))
 
     def values(self, device: torch.device) -> list[torch.Tensor]:

@@ -183,7 +183,9 @@ class StepFlow:
         self.progress.after_step(loop, rec, p.snapshots.snapshot, counters, outcome)
         p.amp.log(loop, p.reporter, counters["amp_overflow_steps"])
         last = p.spike.last  # host numbers: the counters and the spike statistics of the step's one read
-        self.series.after_step(loop, rec.step, events, counters, last, p.spike.scalars())
+        scalars = p.spike.scalars()
+        scores = p.spike.scores_of(last[1]) if last is not None else None  # the scalars' own, not computed again
+        self.series.after_step(loop, rec.step, events, counters, last, scalars, scores)
 
     # ------------------------------------------------------------------ verbs
 

@@ -461,9 +461,9 @@ class _Tail:
         0.0, or the ``NORMS`` slot's device total of the state): NaN when a value is not finite, else the largest
         (the inputs' dtype extremes left out); ``suspicious``: the ``SUSPICIOUS`` slot takes the inputs' value, for
         the host's comparison. The gradients' norms also give :attr:`grad_norm`."""
-        if self.norms is not None:  # in float64 (float32 would overflow past norms of ~1e19), NaN if one is
+        if self.norms is not None:  # in float64, without overflow (float32 would overflow past norms of ~1e19)
             start, n = self.norms
-            self.grad_norm = math.sqrt(math.fsum(v * v for v in values[at + start : at + start + n]))
+            self.grad_norm = math.hypot(*values[at + start : at + start + n])
         for slot, n, modulus in self.parts:
             part = checks.unmasked_on_host(values[at : at + n], modulus)
             old = values[slot]

@@ -60,8 +60,10 @@ class RunSeries:
         counters: dict[str, int],
         last: tuple[int, list[float]] | None,
         spike: dict[str, float],
+        scores: list[float | None] | None = None,
     ) -> None:
-        """Batch end of ``step``: ``last`` is the latest host-read extras and their step, ``spike`` their scalars."""
+        """Batch end of ``step``: ``last`` is the latest host-read extras and their step, ``spike`` their scalars and
+        ``scores`` their z-scores when the caller has them (``None``: computed here)."""
         before, self._seen = self._seen, len(events)
         event_steps = {int(e["step"]) for e in events[before:]}
         zscores = [v for k, v in spike.items() if k.endswith("zscore")]
@@ -73,7 +75,10 @@ class RunSeries:
             self.trace.mark(event_steps)
         if last is not None:  # the extras hold the window's statistics: the trace keeps the scores made of them
             read_at, values = last
-            scores = spike_stats.scores(values, self.sigma) if self.sigma is not None else [None, None]
+            if self.sigma is None:
+                scores = [None, None]
+            elif scores is None:
+                scores = spike_stats.scores(values, self.sigma)
             self.trace.add(read_at, [values[0], values[1], *(math.nan if z is None else z for z in scores)])
         due = bool(loop.loggers) and loop.logs_due()
         if due:  # written beside the loop's own metrics, at its step number
