@@ -248,8 +248,10 @@ def in_backward() -> bool:
     ``torch._C._current_graph_task_id()`` is ``-1`` outside a backward pass; there is no public form. Missing:
     ``False`` (the recomputed outputs are then recorded too: the same values again).
     """
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return _graph_task is not None and _graph_task() != -1
+
+
+_graph_task = getattr(torch._C, "_current_graph_task_id", None)  # looked up once: in_backward runs at every hook call
 
 
 def tracing_a_subgraph() -> bool:

@@ -25,6 +25,7 @@ of the flags makes the verdict global.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -161,26 +162,48 @@ class TotalPlan:
         self.groups = [(dev, dtype, large, small) for (dev, dtype), (large, small) in groups.items()]
         self.members = [large + small for _, _, large, small in self.groups]  # per group: every index, large first
         self.size = len(like)
+        # per group, what picks its tensors (all, the large ones, the small ones) out of a step's list, in C
+        self._picks = [(_picker(large + small), _picker(large), _picker(small)) for _, _, large, small in self.groups]
 
     def grouped(self, tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         """``tensors`` (laid out as this plan's ``like``) split into its groups (one device and dtype each), large
-        tensors first: the groups :func:`~lightning_numguard.detect.spike.global_norm` takes; no per-step grouping."""
-        return [[tensors[i] for i in members] for members in self.members]
+        tensors first: the groups :func:`~lightning_numguard.detect.spike.global_norm` takes; no per-step grouping,
+        and no Python loop over the tensors (``operator.itemgetter``)."""
+        return [_pick(every, tensors) for every, _, _ in self._picks]
 
     def total(self, tensors: Sequence[torch.Tensor], device: torch.device, *, rewritable: bool = False) -> torch.Tensor:
         """:func:`norm_total` of ``tensors`` (laid out as this plan's ``like``); no sync."""
         if self.local:
             tensors = [local(t) for t in tensors]
         sums = []
-        for dev, dtype, large, small in self.groups:
+        for (dev, dtype, _, _), (_, large, small) in zip(self.groups, self._picks):
             if dev.type == "cpu":
-                total = _cpu_total([tensors[i] for i in large], [tensors[i] for i in small], dtype, rewritable)
+                total = _cpu_total(_pick(large, tensors), _pick(small, tensors), dtype, rewritable)
             else:
-                total = torch.stack(foreach_norm_f32([tensors[i] for i in small])).sum()
+                total = torch.stack(foreach_norm_f32(_pick(small, tensors))).sum()
             sums.append(total if dev == device else total.to(device, non_blocking=True))
         if not sums:
             return torch.zeros((), dtype=torch.float32, device=device)
         return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+
+
+#: what :func:`_pick` takes: no index, one index, or an ``itemgetter`` of several (each picklable)
+_Picker = None | int | operator.itemgetter
+
+
+def _picker(indices: list[int]) -> _Picker:
+    """What picks ``[tensors[i] for i in indices]`` out of a list with :func:`_pick`, the loop in C."""
+    if not indices:
+        return None
+    return indices[0] if len(indices) == 1 else operator.itemgetter(*indices)
+
+
+def _pick(picker: _Picker, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if picker is None:
+        return []
+    if type(picker) is int:
+        return [tensors[picker]]
+    return list(picker(tensors))  # type: ignore[operator]
 
 
 def _cpu_total(

@@ -10,10 +10,12 @@ host read (:meth:`~StepRead.pack`). After a hit, :meth:`~StepRead.confirmed` and
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import operator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -27,6 +29,9 @@ from lightning_numguard.engine.record import Named, StepRecorder
 __all__ = ["Reading", "StepRead"]
 
 log = logging.getLogger(__name__)
+
+_GRAD = operator.attrgetter("grad")
+_LAYOUT = operator.attrgetter("layout")
 
 
 @dataclass
@@ -356,14 +361,15 @@ class StepRead:
             cached = (optimizer, layout, labels, checked, checks.TotalPlan(checked))
             self._opt_params[id(optimizer)] = cached
         labels, checked, plan = cached[2], cached[3], cached[4]
-        grads = [p.grad for p in checked]
+        grads = list(map(_GRAD, checked))  # no Python loop over the parameters: map and operator run in C
         strided = torch.strided
-        for g in grads:
-            if g is None or g.layout is not strided:  # a parameter without a gradient, or a sparse one
-                self._grads_plan = None
-                return [(n, g) for n, g in zip(labels, grads) if g is not None and g.layout is strided]
-        self._grads_plan, self._grads = plan, cast("list[torch.Tensor]", grads)  # the usual step: the plan applies
-        return list(zip(labels, self._grads))
+        if any(map(operator.is_, grads, itertools.repeat(None))) or not all(
+            map(operator.is_, map(_LAYOUT, grads), itertools.repeat(strided))
+        ):  # a parameter without a gradient, or a sparse one
+            self._grads_plan = None
+            return [(n, g) for n, g in zip(labels, grads) if g is not None and g.layout is strided]
+        self._grads_plan, self._grads = plan, grads  # the usual step: the plan applies
+        return list(zip(labels, grads))
 
     def segment(self, segment: str, loop: Loop) -> Named:
         """The named tensors of one state segment, for the step's flag or for an exact look after a hit."""
