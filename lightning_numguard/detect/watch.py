@@ -356,14 +356,6 @@ class OutputWatch:
         """:meth:`record_output` outside a compiled region (the hook's own path there: one check fewer a call)."""
         if not self.enabled or not torch.is_grad_enabled() or in_backward():
             return  # in backward: activation checkpointing's recompute, the forward's values again, kept till the read
-        if type(output) is torch.Tensor:  # the usual output: no DTensor lookup
-            if output is self._last_out or not output.is_floating_point():
-                return
-            self._last_out = output
-            if output.numel():
-                self._pending.append((self._calls, hook.slot, output.detach()))
-                self._calls += 1
-            return
         if isinstance(output, torch.Tensor):
             if output is self._last_out or not output.is_floating_point():
                 return

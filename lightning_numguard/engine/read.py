@@ -30,6 +30,8 @@ __all__ = ["Reading", "StepRead"]
 
 log = logging.getLogger(__name__)
 
+#: where the overflow headroom's ratio (and after it the block's index) is among the spike statistics' extras
+_OVERFLOW_AT = spike.EXTRAS.index("overflow_ratio")
 _GRAD = operator.attrgetter("grad")
 _LAYOUT = operator.attrgetter("layout")
 
@@ -156,7 +158,7 @@ class StepRead:
                 watch = self.recorder.watch
                 assert watch is not None  # due only with a watch that recorded
                 peaks = watch.host_ranges(values[at + start : at + start + count])
-                ratio = n + spike.EXTRAS.index("overflow_ratio")
+                ratio = n + _OVERFLOW_AT
                 values[ratio], values[ratio + 1] = self.spike.host_headroom(peaks, watch.names)
             tail.fold(values, at, self.max_abs_input is not None)
             if extras:  # the loss and the gradient norm join the spike window from the host, at batch end
