@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "CLEAN",
     "INPUT",
     "LOCAL_SLOTS",
     "LOSS",
@@ -133,6 +134,13 @@ def decode_raw(values: Sequence[float], suspicious_at: float | None = None) -> S
     """
     if len(values) != len(SLOTS):
         raise ValueError(f"expected {len(SLOTS)} slot values ({', '.join(SLOTS)}), got {len(values)}")
+    # the usual step: the four totals finite (a float64 sum of float32 values cannot overflow) and no flag positive
+    if math.isfinite(values[INPUT] + values[NORMS] + values[OUTPUT] + values[LOSS]):
+        if suspicious_at is None:
+            if max(values[SUSPICIOUS:]) <= 0:
+                return CLEAN
+        elif max(values[OP:]) <= 0 and not values[SUSPICIOUS] >= suspicious_at:
+            return CLEAN
     n_totals = LOSS + 1  # input, norms, output, loss: seen when non-finite; the rest: seen when positive
     isfinite = math.isfinite
     ranks = [-1 if isfinite(v) else 0 for v in values[:n_totals]] + [0 if v > 0 else -1 for v in values[n_totals:]]
@@ -184,11 +192,15 @@ class StepFlags:
     @property
     def any(self) -> bool:
         """Whether any slot was seen."""
-        return any(r >= 0 for r in self.ranks)
+        return max(self.ranks) >= 0
 
     def any_local(self) -> bool:
         """Whether a rank-local slot (inputs, outputs, ops, loss) was seen."""
         return any(self.ranks[s] >= 0 for s in LOCAL_SLOTS)
+
+
+#: the flags of a step in which no slot was seen (one process's usual read: :func:`decode_raw`)
+CLEAN = StepFlags((-1,) * len(SLOTS))
 
 
 def decode(values: Sequence[float], world: int) -> StepFlags:

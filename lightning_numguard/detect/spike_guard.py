@@ -98,6 +98,9 @@ class SpikeGuard:
         self._single = True  # one process: the raw values need no mark for the reduce
         self._host_row: tuple[float, float] | None = None  # this step's loss and gradient norm, read on the host
         self._stats_unbound: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # see _stats_views
+        #: one process reading on the host: the window statistics it last read, and their device tensor
+        self._host_stats: tuple[torch.Tensor | None, list[float]] | None = None
+        self._stats_read: torch.Tensor | None = None  # the statistics whose values this step's read carries
         self.host_headroom_due = False  # this step's headroom is the host's, of the read's output values
         self._scored: tuple[list[float], list[float | None]] | None = None  # see scores_of
 
@@ -147,8 +150,9 @@ class SpikeGuard:
         or, ``host_row`` (the step's read is on the host: the gradient norm is the host's, of the per-tensor norms),
         given by the host after the read (:meth:`take_host_row`, one copy at :meth:`push`); the statistics are
         recomputed every :data:`REFRESH_EVERY` steps, the headroom looked at every :data:`HEADROOM_EVERY` steps;
-        everything else is a view. Under several processes the window takes the values
-        reduced across ranks, at :meth:`push`.
+        everything else is a view. With ``host_row`` only statistics the host has not read yet are returned (the four
+        views after a refresh, else nothing): the host lays out the rest itself (:meth:`host_extras`). Under several
+        processes the window takes the values reduced across ranks, at :meth:`push`.
         """
         const = self._constants.get(device)
         if const is None:  # [NaN, 0 x2, +inf x2, 0, -1, 0, 0]: reused every step
@@ -162,15 +166,22 @@ class SpikeGuard:
         head = self._headroom(watch, device) if due and not host_row else no_head
         self._single = world == 1
         window = self.window.to(device) if self.window is not None else None
+        if self._single and host_row:  # the host holds all but new statistics: see host_extras
+            self._host_row = None  # until the read gives it
+            if window is None:
+                return []
+            current = window.stats()  # the window before this step
+            held = self._host_stats
+            if held is not None and held[0] is current:
+                return []
+            self._stats_read = current
+            return list(self._stats_views(current))
         loss = nan if loss is None else loss if loss.dim() == 0 else loss.reshape(())
         grad_norm = nan if grad_norm is None else grad_norm
         if self._single:
             if window is None:
                 return [_f32(loss), _f32(grad_norm), nan, nan, no_stats[2], no_stats[3], *head, *no_ranks]
             stats = self._stats_views(window.stats())  # the window before this step
-            if host_row:
-                self._host_row = None  # until the read gives it
-                return [_f32(loss), _f32(grad_norm), *stats, *head, *no_ranks]
             row = window.write(_f32(loss), _f32(grad_norm))
             return [*row.unbind(), *stats, *head, *no_ranks]
         raw = torch.stack([loss, grad_norm]).float()
@@ -182,6 +193,19 @@ class SpikeGuard:
             mark = self._marks[(device, rank, world)] = torch.tensor(float(world - rank), device=device)
         ranks = torch.stack([raw[0] > judged[2], head[1] >= 0]) * mark  # the mark where seen, else 0
         return [*raw.unbind(), *judged.unbind(), *head, *ranks.unbind()]
+
+    def host_extras(self, loss: float, read: list[float]) -> list[float]:
+        """One process reading on the host (:meth:`extras` with ``host_row``): the :data:`~lightning_numguard.detect.
+        spike.EXTRAS` as host numbers, of the step's ``loss`` as read in its slot (NaN: none) and the values
+        :meth:`extras` put in the read (``read``). Only new statistics go through the read (every
+        :data:`REFRESH_EVERY` steps, and after a restore); the host keeps them until the next. The gradient norm is
+        NaN until the host's own takes its place, the headroom not looked at (``0.0, -1.0``) until the host's does,
+        the ranks 0."""
+        if read:
+            self._host_stats = (self._stats_read, read)
+        held = self._host_stats
+        stats = held[1] if self.window is not None and held is not None else _NO_STATS
+        return [loss, math.nan, *stats, 0.0, -1.0, 0.0, 0.0]
 
     def _stats_views(self, stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The window statistics' four values as views, made again only when the statistics are (every
@@ -233,17 +257,18 @@ class SpikeGuard:
         self.reduced = values
 
     def take_host_row(self, loss: float, grad_norm: float) -> None:
-        """This step's host-read loss and gradient norm (one process reading on the host), for :meth:`push`."""
+        """This step's host-read loss and gradient norm (one process reading on the host, instead of
+        :meth:`take_reduced`), for :meth:`push`."""
         self._host_row = (loss, grad_norm)
 
     def push(self) -> None:
         """Batch end: this step's loss and gradient norm join the window (one process: already written by
         :meth:`extras`, or the host's row, one copy; several: the values reduced across ranks, the same on every
         rank); no sync."""
-        if self.reduced is not None and self.window is not None:
+        if self.window is not None:
             if self._host_row is not None:
                 self.window.push_host(*self._host_row)
-            else:
+            elif self.reduced is not None:
                 self.window.push(None if self._single else self.reduced[:2])
         self.reduced = None
         self._host_row = None
@@ -359,6 +384,10 @@ class SpikeGuard:
         if self.window is not None and state.get("window"):
             self.window.load_state_dict(state["window"])
         self.spike_steps = spike_steps
+
+
+#: the statistics of no window, as host numbers: centers NaN, thresholds +inf (nothing judged)
+_NO_STATS = (math.nan, math.nan, math.inf, math.inf)
 
 
 def _f32(value: torch.Tensor) -> torch.Tensor:

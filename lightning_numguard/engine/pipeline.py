@@ -13,7 +13,7 @@ records its events.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,8 @@ class StepPipeline:
 
     #: where a halt writes its files when ``dirpath`` is ``None`` (``None``: nowhere)
     halt_dirpath: Path | None = None
+    #: a clean step's decision by (snapshot due, read late): judged once per fit (:meth:`_clean`)
+    _clean_decisions: dict[tuple[bool, bool], Decision] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, s: GuardConfig, dirpath: Path | None, halt_dirpath: Path | None = None) -> StepPipeline:
@@ -151,6 +153,8 @@ class StepPipeline:
             )
         else:
             self.conventions.clean_step()
+            if not spikes and not advisory:  # the usual step: judged once per fit for each (due, late)
+                return self._clean(rec, due, late)
             wanted = self.spike.decide(rec.step) if spikes else None
             if wanted != s.spike_action:
                 escalated = f"{s.spikes.rollback_after} spikes within {s.spikes.window} steps"
@@ -174,6 +178,24 @@ class StepPipeline:
         self.ledger.count(decision.counts)
         if late and decision.action != "none":
             log.info("numguard (deferred) step %s, read at step %s: %s", rec.step, loop.step, decision.action)
+        return decision
+
+    def _clean(self, rec: StepRecord, due: bool, late: bool) -> Decision:
+        """A clean step's judgement: nothing found, so it depends only on whether the snapshot is due and the read
+        late, and is judged once per fit for each (the facts, budget and decision of every other step are built
+        anew). The run of bad steps ends; no counter moves."""
+        decision = self._clean_decisions.get((due, late))
+        if decision is None:
+            facts = Facts(snapshot_due=due, late=late)
+            s = self.settings
+            decision = judge(
+                s.action, facts, self._budget(facts), quarantine=s.recovery.quarantine, retry=s.recovery.retry_transient
+            )
+            assert decision.action == "none", decision  # nothing to carry out
+            assert not decision.counts, decision  # nothing to count
+            self._clean_decisions[(due, late)] = decision
+        self.ledger.judged(False, False)
+        self.recorder.settle(rec, decision, [])
         return decision
 
     def _budget(self, facts: Facts) -> Budget:

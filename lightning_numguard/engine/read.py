@@ -60,6 +60,23 @@ class StepRead:
     ) -> None:
         self.check = check
         self.max_abs_input = max_abs_input
+        every_buffer = "buffers" in check or "params" in check
+        self._every_buffer = every_buffer
+        self._check_grads = "grads" in check
+        #: the state segments of a step's total, by whether the snapshot is due (every one of them then); buffers
+        #: as they were before the forward pass are ``start_buffers``
+        self._wanted = {
+            due: [
+                name
+                for name, on in (
+                    ("params", "params" in check),
+                    ("start_buffers", every_buffer),
+                    ("opt_state", "optimizer_state" in check),
+                )
+                if on or due
+            ]
+            for due in (False, True)
+        }
         self.recorder = recorder
         self.extra = recorder.extra_checks  # the checks passed as extra_checks: a value each after the slots
         self.extras_at = flags.extras_at(len(self.extra))  # where the spike statistics' extras start
@@ -146,12 +163,15 @@ class StepRead:
         n = self.extras_at
         if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
             tail = _Tail()
-            slots, segments, extras = self.slot_values(loop, optimizer, snapshot_due, tail=tail)
-            extras = extras or []
-            vector = flags.stack_raw(list(slots.values()), [*extras, *tail.values])  # spikes and tail: same stack
-            if extras:
-                self.spike.take_reduced(vector[n : n + len(extras)])
+            slots, segments, carried = self.slot_values(loop, optimizer, snapshot_due, tail=tail)
+            read = carried or []  # the spike statistics the host does not hold yet
+            vector = flags.stack_raw(list(slots.values()), [*read, *tail.values])  # spikes and tail: same stack
             values = vector.tolist()
+            extras: list[float] = []
+            if carried is not None:  # the extras as host numbers, in their place (the loss: its slot's, when there)
+                rec = self.recorder.record
+                loss = values[flags.LOSS] if rec is not None and rec.losses else math.nan
+                values[n : n + len(read)] = extras = self.spike.host_extras(loss, values[n : n + len(read)])
             at = n + len(extras)
             if extras and self.spike.host_headroom_due:  # the blocks' headroom, of the watched calls' values as read
                 start, count = tail.outputs
@@ -165,11 +185,12 @@ class StepRead:
                 if tail.grad_norm is not None:
                     values[n + 1] = tail.grad_norm
                 self.spike.take_host_row(values[n], values[n + 1])
-            built_in = flags.decode_raw(values[: len(flags.SLOTS)], self.max_abs_input)
-            seen = flags.StepFlags(built_in.ranks + _extra.seen_raw(self.extra, values[len(flags.SLOTS) : n]))
+            seen = flags.decode_raw(values[: len(flags.SLOTS)], self.max_abs_input)
+            if self.extra:
+                seen = flags.StepFlags(seen.ranks + _extra.seen_raw(self.extra, values[len(flags.SLOTS) : n]))
             return Reading(seen, segments, values[n : n + len(extras)])
-        slots, segments, extras = self.slot_values(loop, optimizer, snapshot_due)
-        values = self.reduce(loop, slots, extras).tolist()  # the one host read of the step
+        slots, segments, device_extras = self.slot_values(loop, optimizer, snapshot_due)
+        values = self.reduce(loop, slots, device_extras).tolist()  # the one host read of the step
         return Reading(flags.decode(values[:n], world), segments, values[n:])
 
     def pack(self, loop: Loop, optimizer: Any, snapshot_due: bool) -> torch.Tensor:
@@ -208,18 +229,12 @@ class StepRead:
         device = loop.device
         # Everything state- and gradient-checked goes into one slot (see norm_total).
         segments: dict[str, Named] = {}
-        every_buffer = "buffers" in self.check or "params" in self.check
-        wanted = {
-            "params": "params" in self.check or snapshot_due,
-            "start_buffers": every_buffer or snapshot_due,  # buffers as they were before the forward pass
-            "opt_state": "optimizer_state" in self.check or snapshot_due,
-        }
-        for name, on in wanted.items():
-            if on and (named := self.segment(name, loop)):
+        for name in self._wanted[snapshot_due]:
+            if named := self.segment(name, loop):
                 segments[name] = named
-        if "grads" in self.check and optimizer is not None:
+        if self._check_grads and optimizer is not None:
             segments["grads"] = self.grads(optimizer)
-        if every_buffer:  # buffers after the forward pass (BatchNorm running stats)
+        if self._every_buffer:  # buffers after the forward pass (BatchNorm running stats)
             segments["live_buffers"] = self.checked_buffers
         zero = self._zeros.get(device)
         if zero is None:  # a 0-d zero per device, made once (never written to)
@@ -424,7 +439,7 @@ class _Tail:
     of several ranks (and the deferred read) reduces on the device first. A value per input tensor, watched call
     and guarded call costs the host a float to read, where a reduction on the device costs a kernel each."""
 
-    __slots__ = ("grad_norm", "norms", "outputs", "parts", "values")
+    __slots__ = ("grad_norm", "norms", "op", "outputs", "parts", "values")
 
     def __init__(self) -> None:
         self.values: list[torch.Tensor] = []
@@ -432,6 +447,7 @@ class _Tail:
         self.parts: list[tuple[int, int, float | None]] = []
         self.norms: tuple[int, int] | None = None  # where the gradients' norms are in :attr:`values`, and how many
         self.outputs: tuple[int, int] = (0, 0)  # where the watched calls' max-|x| are in :attr:`values`, how many
+        self.op: tuple[int, int] = (0, 0)  # where the op guard's flags are in :attr:`values`, how many
         #: after :meth:`fold`: the gradients' global L2 norm, when their norms were in the tail
         self.grad_norm: float | None = None
 
@@ -453,6 +469,7 @@ class _Tail:
             outputs = watch.values(device)
             self.outputs = (len(self.values), len(outputs))
             self.add(flags.OUTPUT, outputs)
+        self.op = (len(self.values), len(op_flags))
         self.add(flags.OP, [f.to(device) for f in op_flags])
 
     def add_inputs(self, ends: checks.InputEnds, device: torch.device) -> None:
@@ -472,6 +489,14 @@ class _Tail:
         if self.norms is not None:  # in float64, without overflow (float32 would overflow past norms of ~1e19)
             start, n = self.norms
             self.grad_norm = math.hypot(*values[at + start : at + start + n])
+        start, n = self.op
+        if math.isfinite(sum(values[at:])) and not sum(values[at + start : at + start + n]):
+            # the usual step: every value finite (float32 values: their float64 sum cannot overflow) and no op flag
+            # set, so no slot is seen; only the inputs' largest value is wanted, for the host's comparison
+            if suspicious:
+                largest = max(values[flags.INPUT], self._largest_input(values, at))
+                values[flags.INPUT] = values[flags.SUSPICIOUS] = largest
+            return
         for slot, n, modulus in self.parts:
             part = checks.unmasked_on_host(values[at : at + n], modulus)
             old = values[slot]
@@ -479,6 +504,15 @@ class _Tail:
             at += n
         if suspicious:
             values[flags.SUSPICIOUS] = values[flags.INPUT]
+
+    def _largest_input(self, values: list[float], at: int) -> float:
+        """The largest unmasked input value of the host-read tail (from ``values[at]``), its values all finite."""
+        largest = 0.0
+        for slot, n, modulus in self.parts:
+            if slot == flags.INPUT:
+                largest = max(largest, checks.unmasked_on_host(values[at : at + n], modulus))
+            at += n
+        return largest
 
 
 def _any_flag(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:

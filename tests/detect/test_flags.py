@@ -156,3 +156,14 @@ def test_decode_raw_sees_non_finite_totals_and_positive_flags_only(suspicious_at
     assert {s for s in range(len(flags.SLOTS)) if decoded.seen(s)} == seen
     values[flags.SUSPICIOUS] = NAN if suspicious_at is not None else -1.0  # NaN is never at least the threshold
     assert not flags.decode_raw(values, suspicious_at).seen(flags.SUSPICIOUS)
+
+
+@pytest.mark.parametrize("suspicious_at", [None, 1.0])
+@pytest.mark.parametrize("slot", range(len(flags.SLOTS)))
+def test_decode_raw_of_a_clean_step_is_clean_and_one_bad_slot_is_seen_alone(slot, suspicious_at):
+    clean = [3.0, 1e38, 0.0, 2.0, 0.5 if suspicious_at is not None else 0.0, 0.0, 0.0]
+    assert flags.decode_raw(clean, suspicious_at) == flags.CLEAN and not flags.CLEAN.any
+    values = list(clean)
+    values[slot] = NAN if slot <= flags.LOSS else 1.0  # a total not finite, a flag set (or the largest input at 1.0)
+    decoded = flags.decode_raw(values, suspicious_at)
+    assert [s for s in range(len(flags.SLOTS)) if decoded.seen(s)] == [slot] and decoded.any

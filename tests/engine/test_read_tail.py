@@ -71,7 +71,8 @@ def test_the_hosts_global_norm_is_the_norm_of_the_tensors_norms_and_nan_when_one
     tail.add_norms(norms)
     values = [0.0] * len(flags.SLOTS) + torch.stack(tail.values).tolist()
     tail.fold(values, len(flags.SLOTS), suspicious=False)
-    assert tail.grad_norm == 13.0 and values[flags.NORMS] == 12.0  # finite: the slot is not seen
+    assert tail.grad_norm == 13.0 and values[flags.NORMS] == 0.0  # every value finite: the slot keeps its own
+    assert not flags.decode_raw(values[: len(flags.SLOTS)]).seen(flags.NORMS)
 
     for bad in (math.nan, math.inf):
         tail = _Tail()
@@ -79,6 +80,25 @@ def test_the_hosts_global_norm_is_the_norm_of_the_tensors_norms_and_nan_when_one
         values = [0.0] * len(flags.SLOTS) + torch.stack(tail.values).tolist()
         tail.fold(values, len(flags.SLOTS), suspicious=False)
         assert math.isnan(values[flags.NORMS]) and not math.isfinite(tail.grad_norm)
+        assert flags.decode_raw(values[: len(flags.SLOTS)]).seen(flags.NORMS)
+
+
+def test_an_op_flag_in_the_tail_is_seen_and_only_its_slot():
+    tail = _Tail()
+    tail.add_norms([torch.tensor(2.0)])
+    tail.add_step(_NoRecord(), None, [torch.tensor(False), torch.tensor(True)], CPU)
+    values = [0.0] * len(flags.SLOTS) + torch.stack(tail.values).tolist()
+    tail.fold(values, len(flags.SLOTS), suspicious=False)
+    seen = flags.decode_raw(values[: len(flags.SLOTS)])
+    assert [flags.SLOTS[i] for i in range(len(flags.SLOTS)) if seen.seen(i)] == ["op"]
+    assert tail.grad_norm == 2.0
+
+
+class _NoRecord:
+    """A step record with no input recorded."""
+
+    def __init__(self) -> None:
+        self.inputs: list = []
 
 
 def test_a_state_total_that_is_not_finite_stays_seen_when_the_gradients_norms_join_its_slot():
@@ -86,6 +106,11 @@ def test_a_state_total_that_is_not_finite_stays_seen_when_the_gradients_norms_jo
     tail.add_norms([torch.tensor(1.0)])
     values = [0.0] * len(flags.SLOTS) + torch.stack(tail.values).tolist()
     values[flags.NORMS] = -math.inf  # the CPU's fused state check marks a non-finite tensor with -inf
+    tail.fold(values, len(flags.SLOTS), suspicious=False)
+    assert not math.isfinite(values[flags.NORMS])
+    assert flags.decode_raw(values[: len(flags.SLOTS)]).seen(flags.NORMS)
+    values = [0.0] * len(flags.SLOTS) + [math.nan]  # and a gradient's norm that is not finite: NaN
+    values[flags.NORMS] = -math.inf
     tail.fold(values, len(flags.SLOTS), suspicious=False)
     assert math.isnan(values[flags.NORMS])
 
