@@ -30,11 +30,11 @@ __all__ = [
     "TorchDispatchMode", "averaged_model", "averaging_counters", "callbacks_of_fabric_being_built",
     "callbacks_of_trainer_being_built", "caller_frame", "calling_owner", "clear_found_inf", "compiled",
     "dtensor_local", "fabric_setup_optimizers", "first_frame", "foreach_copy_", "foreach_max_abs",
-    "foreach_nonfinite_", "foreach_norm_f32", "in_backward", "lightning_will_stop", "logger_metric_dicts",
-    "logging_step", "logs_due", "metric_counters", "metric_state", "nn_bindings", "require_accumulation_api",
-    "result_metric_state", "scaler_tensors", "set_averaging_counters", "set_found_inf", "set_metric_counters",
-    "set_result_metric_state", "should_accumulate", "step_honours_found_inf", "sync_scheduler_last_lr",
-    "to_target_device", "tracing_a_subgraph", "train_results", "uncompiled",
+    "foreach_nonfinite_", "foreach_norm_f32", "graph_task_id", "lightning_will_stop",
+    "logger_metric_dicts", "logging_step", "logs_due", "metric_counters", "metric_state", "nn_bindings",
+    "require_accumulation_api", "result_metric_state", "scaler_tensors", "set_averaging_counters", "set_found_inf",
+    "set_metric_counters", "set_result_metric_state", "should_accumulate", "step_honours_found_inf",
+    "sync_scheduler_last_lr", "to_target_device", "tracing_a_subgraph", "train_results", "uncompiled",
 ]
 # fmt: on
 
@@ -241,17 +241,18 @@ def foreach_max_abs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [n.float() for n in torch._foreach_norm(list(tensors), math.inf)]
 
 
-def in_backward() -> bool:
-    """Whether autograd's engine is running a backward pass on this thread now (activation checkpointing recomputes
-    the forward there, firing the forward hooks a second time).
-
-    ``torch._C._current_graph_task_id()`` is ``-1`` outside a backward pass; there is no public form. Missing:
-    ``False`` (the recomputed outputs are then recorded too: the same values again).
-    """
-    return _graph_task is not None and _graph_task() != -1
+_graph_task = getattr(torch._C, "_current_graph_task_id", None)
 
 
-_graph_task = getattr(torch._C, "_current_graph_task_id", None)  # looked up once: in_backward runs at every hook call
+def _no_graph_task() -> int:
+    return -1
+
+
+#: The id of the autograd graph task running on this thread now, ``-1`` outside a backward pass: a forward hook that
+#: runs where it is not ``-1`` runs in activation checkpointing's recompute (the forward's values again).
+#: ``torch._C._current_graph_task_id`` itself, called with no wrapper (it runs at every watched call); there is no
+#: public form. Missing: always ``-1`` (recomputed outputs are then recorded too: the same values again).
+graph_task_id: Callable[[], int] = _graph_task if _graph_task is not None else _no_graph_task
 
 
 def tracing_a_subgraph() -> bool:

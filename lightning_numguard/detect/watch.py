@@ -12,6 +12,7 @@ nothing a hook touches is created during the first compiled call, so no guard fa
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
 import operator
 import weakref
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_numguard._compat import foreach_max_abs, in_backward, tracing_a_subgraph
+from lightning_numguard._compat import foreach_max_abs, graph_task_id, tracing_a_subgraph
 from lightning_numguard.detect.checks import as_f32
 from lightning_numguard.dtensor import local
 from lightning_numguard.tree import floating_leaves
@@ -145,6 +146,9 @@ class _Nothing:
 
 
 _ROWS = operator.attrgetter("rows")  # a hook's rows from compiled regions (any() of them: no Python loop)
+_SLOT, _OUTPUT = operator.itemgetter(1), operator.itemgetter(2)  # of a pending eager call: (stamp, slot, output)
+_DEVICE, _DTYPE = operator.attrgetter("device"), operator.attrgetter("dtype")
+_grad_enabled = torch.is_grad_enabled
 _dead_ref: weakref.ref[Any] = weakref.ref(_Nothing())  # dead at once: what a deep copy's hooks hold
 
 
@@ -225,12 +229,12 @@ def _max_abs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per tensor, its max-|x| as a 0-d float32 tensor on the first tensor's device, in order: one
     ``_foreach_norm(ord=inf)`` per (device, dtype). Finite float64 values beyond float32's range give float32's
     max (finite), never ``inf``; no sync."""
-    keys = [(t.device, t.dtype) for t in tensors]
-    if keys.count(keys[0]) == len(keys):  # one device and dtype (the usual): one call, in order
+    dtypes = list(map(_DTYPE, tensors))
+    if dtypes.count(dtypes[0]) == len(dtypes) and len(set(map(_DEVICE, tensors))) == 1:  # the usual: one call, in order
         peaks = foreach_max_abs(tensors)
         return peaks if peaks[0].dtype == torch.float32 else list(as_f32(torch.stack(peaks)).unbind())
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, key in enumerate(keys):
+    for i, key in enumerate(zip(map(_DEVICE, tensors), dtypes)):
         groups.setdefault(key, []).append(i)
     device = tensors[0].device
     out: list[torch.Tensor | None] = [None] * len(tensors)
@@ -354,14 +358,19 @@ class OutputWatch:
 
     def record_eager(self, hook: _Hook, output: Any) -> None:
         """:meth:`record_output` outside a compiled region (the hook's own path there: one check fewer a call)."""
-        if not self.enabled or not torch.is_grad_enabled() or in_backward():
+        if not (self.enabled and _grad_enabled()) or graph_task_id() != -1:
             return  # in backward: activation checkpointing's recompute, the forward's values again, kept till the read
-        if isinstance(output, torch.Tensor):
+        if type(output) is torch.Tensor:  # the usual: a plain tensor
+            if output is not self._last_out and output.is_floating_point() and output.numel():
+                self._last_out = output
+                self._pending.append((self._calls, hook.slot, output.detach()))
+                self._calls += 1
+            return
+        if isinstance(output, torch.Tensor):  # a DTensor output: this rank's shard (the flags are all-reduced)
             if output is self._last_out or not output.is_floating_point():
                 return
             self._last_out = output
-            # a DTensor output: this rank's shard (the flags are all-reduced); a plain tensor skips the lookup
-            shard = output.detach() if type(output) is torch.Tensor else local(output.detach())
+            shard = local(output.detach())
             if shard.numel():
                 self._pending.append((self._calls, hook.slot, shard))
                 self._calls += 1
@@ -398,8 +407,10 @@ class OutputWatch:
         if not any(map(_ROWS, hooks)):  # eager calls only (the usual): in execution order already
             if not pending:  # nothing since the last settle (most calls)
                 return
-            self._peaks.append(_max_abs([t for _, _, t in pending]))  # 0-d values, each a tensor of its own
-            self._records.extend((slot, (index, i, t.dtype)) for i, (_, slot, t) in enumerate(pending))
+            outputs = list(map(_OUTPUT, pending))
+            self._peaks.append(_max_abs(outputs))  # 0-d values, each a tensor of its own
+            places = zip(itertools.repeat(index), itertools.count(), map(_DTYPE, outputs))  # (settle, index, dtype)
+            self._records.extend(zip(map(_SLOT, pending), places))
             pending.clear()
             return
         calls = [(stamp, slot, t, t.dtype) for stamp, slot, t in pending]
