@@ -10,6 +10,7 @@ are reached through the trainer passed in), so ``core/`` may use it too.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import math
 import sys
@@ -163,6 +164,9 @@ def train_results(trainer: Any) -> dict[str, Any] | None:
     return results if isinstance(results, dict) else None
 
 
+_METRIC_DICTS = ("_callback_metrics", "_progress_bar_metrics", "_logged_metrics")
+
+
 def logger_metric_dicts(trainer: Any) -> list[dict[str, Any]] | None:
     """The logger connector's ``callback_metrics``, ``progress_bar_metrics`` and ``logged_metrics`` dicts.
 
@@ -171,9 +175,8 @@ def logger_metric_dicts(trainer: Any) -> list[dict[str, Any]] | None:
     (``trainer._logger_connector._callback_metrics`` and its two siblings). Missing: ``None`` (not withdrawn).
     """
     connector = getattr(trainer, "_logger_connector", None)
-    names = ("_callback_metrics", "_progress_bar_metrics", "_logged_metrics")
-    dicts = [getattr(connector, n, None) for n in names]
-    return dicts if all(isinstance(d, dict) for d in dicts) else None  # type: ignore[return-value]
+    dicts = list(map(getattr, itertools.repeat(connector), _METRIC_DICTS, itertools.repeat(None)))  # every step: in C
+    return dicts if all(map(isinstance, dicts, itertools.repeat(dict))) else None  # type: ignore[return-value]
 
 
 _RESULT_FIELDS = ("value", "cumulated_batch_size", "_forward_cache", "has_reset")

@@ -401,18 +401,20 @@ class OutputWatch:
         references to their outputs (no sync; nothing to do when nothing was recorded). Eager outputs and the rows
         of compiled regions alike go through one ``_foreach_norm(ord=inf)`` per device and dtype."""
         pending, hooks = self._pending, self._hooks
-        self._calls = 0
         self._last_out = None
-        index = len(self._peaks)
         if not any(map(_ROWS, hooks)):  # eager calls only (the usual): in execution order already
             if not pending:  # nothing since the last settle (most calls)
                 return
+            self._calls = 0
+            index = len(self._peaks)
             outputs = list(map(_OUTPUT, pending))
             self._peaks.append(_max_abs(outputs))  # 0-d values, each a tensor of its own
             places = zip(itertools.repeat(index), itertools.count(), map(_DTYPE, outputs))  # (settle, index, dtype)
             self._records.extend(zip(map(_SLOT, pending), places))
             pending.clear()
             return
+        self._calls = 0
+        index = len(self._peaks)
         calls = [(stamp, slot, t, t.dtype) for stamp, slot, t in pending]
         pending.clear()
         for hook in hooks:

@@ -108,8 +108,9 @@ class StepPipeline:
         """Read at the step: the one host read, the judgement, and what must happen before the optimizer step."""
         rec = self.recorder.record
         assert rec is not None
-        due = self.due(loop.step)
-        reading = self.reader.read(loop, optimizer, due)
+        step = loop.step  # read once: the loop's step is a chain of properties
+        due = self.due(step)
+        reading = self.reader.read(loop, optimizer, due, step)
         decision = self.judge(loop, StepView(rec, reading), due)
         self.recovery.at_read(loop, rec, decision, optimizer)
         self.snapshots.settle()

@@ -156,9 +156,10 @@ class StepRead:
 
     # ------------------------------------------------------------------ the read
 
-    def read(self, loop: Loop, optimizer: Any, snapshot_due: bool) -> Reading:
-        """Pack every flag of the step, all-reduce once, read once (the step's one host sync)."""
-        self.recorder.mark_read(loop.step, seen=True)
+    def read(self, loop: Loop, optimizer: Any, snapshot_due: bool, step: int | None = None) -> Reading:
+        """Pack every flag of the step, all-reduce once, read once (the step's one host sync); ``step``: the loop's
+        step, when the caller has it."""
+        self.recorder.mark_read(loop.step if step is None else step, seen=True)
         world = loop.world_size
         n = self.extras_at
         if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)

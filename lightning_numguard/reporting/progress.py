@@ -45,6 +45,8 @@ class FitProgress:
         discarded; update the bar."""
         if rec.action == "rollback" and rec.events and snapshot is not None:  # the updates the restore discarded
             self.steps_lost_to_rollbacks += (outcome.steps_lost if outcome is not None else None) or 0
+        if not any(map(counters.get, PROGRESS_BAR_KEYS)):  # the usual: nothing to show yet
+            return
         shown = {key: int(counters[c]) for c, key in PROGRESS_BAR_KEYS.items() if counters.get(c, 0) > 0}
         if shown:
             loop.show(shown)

@@ -56,7 +56,11 @@ class Trace:
         ``NaN``: not judged)."""
         if step % self.stride and step not in self.events:
             return
-        self.points[step] = tuple(map(_clean, values[:4]))
+        point = values[:4]
+        if math.isfinite(sum(point)) and min(point) > _MISSING:  # the usual: four finite numbers, none a mark
+            self.points[step] = tuple(map(float, point))
+        else:
+            self.points[step] = tuple(map(_clean, point))
         if len(self.points) > self.max_points + len(self.events):
             self.stride *= 2
             self.points = {s: v for s, v in self.points.items() if not s % self.stride or s in self.events}
