@@ -269,3 +269,27 @@ def test_the_place_of_the_trouble_goes_with_the_decision():
     place = object()
     assert judge("rollback", Facts(incident=True, place=place), OK).place is place
     assert judge("rollback", Facts(incident=True, place=place, late=True), OK).place is place
+
+
+@pytest.mark.parametrize("action", ["warn", "skip", "rollback", "halt"])
+@pytest.mark.parametrize(("due", "late"), [(False, False), (True, False), (False, True), (True, True)])
+def test_a_clean_steps_decision_depends_on_nothing_but_due_and_late(action, due, late):
+    """The premise of judging a clean step once per fit (``StepPipeline._clean``): whatever the budget, the same
+    decision, with nothing to count and nothing to carry out."""
+    budgets = [
+        Budget(False, 0, 3),
+        Budget(True, 3, 3, repeating="the same loss", same_place=2, same_place_said="step 7"),
+        Budget(True, 1, 3, bad_steps=4, max_bad_steps=5, device_faults=2, max_device_faults=2),
+    ]
+    for quarantine in (True, False):
+        for retry in (True, False):
+            decisions = [
+                judge(action, Facts(snapshot_due=due, late=late), b, quarantine=quarantine, retry=retry)
+                for b in budgets
+            ]
+            decision = decisions[0]
+            assert all(d == decision for d in decisions)
+            assert decision.action == "none"
+            assert not decision.counts
+            assert decision.keep_start == (due or late)
+            assert decision.on_device == late
