@@ -257,15 +257,15 @@ class OutputWatch:
     output was (the read of several ranks, and the deferred read); :meth:`first_bad` (which syncs; use after a hit)
     names the first bad module in execution order.
 
-    Eager, a hook keeps the output (as it is: no detach a call, the settle reduces under ``no_grad``) and its place
-    in the step; :meth:`settle` reduces what the hooks kept to one max-|x| per call, with one
-    ``_foreach_norm(ord=inf)`` per device and dtype, whatever the number of watched blocks, and drops the references
-    (the step settles at its loss, before the backward pass, and at its read). Inside a ``torch.compile``d region a
-    hook traces :func:`row_peaks` of the output, fused by inductor into the kernel that computes the output, and
-    leaves the small result on its hook (:class:`_Hook`); the same :meth:`settle` reduces those rows. Every call is
-    a record of its own, in execution order across eager code and compiled regions (a shared module, accumulation).
-    Activation checkpointing's recomputation in the backward pass is not recorded (the same values again), nor,
-    under ``torch.compile``, a call inside a checkpointed function (dynamo would give up the whole frame).
+    Eager, a hook keeps the output (detached) and its place in the step; :meth:`settle` reduces what the hooks kept
+    to one max-|x| per call, with one ``_foreach_norm(ord=inf)`` per device and dtype, whatever the number of watched
+    blocks, and drops the references (the step settles at its loss, before the backward pass, and
+    at its read). Inside a ``torch.compile``d region a hook traces :func:`row_peaks` of the output, fused by inductor
+    into the kernel that computes the output, and leaves the small result on its hook (:class:`_Hook`); the same
+    :meth:`settle` reduces those rows. Every call is a record of its own, in execution order across eager code and
+    compiled regions (a shared module, accumulation). Activation checkpointing's recomputation in the backward pass
+    is not recorded (the same values again), nor, under ``torch.compile``, a call inside a checkpointed function
+    (dynamo would give up the whole frame).
 
     A module's output that is the very tensor already recorded (a ``Sequential`` returning its last child's output)
     is not recorded twice (eager; a compiled region records it again, and inductor reads it once).
@@ -363,7 +363,7 @@ class OutputWatch:
         if type(output) is torch.Tensor:  # the usual: a plain tensor
             if output is not self._last_out and output.is_floating_point() and output.numel():
                 self._last_out = output
-                self._pending.append((self._calls, hook.slot, output))  # reduced without grad (settle): no detach
+                self._pending.append((self._calls, hook.slot, output.detach()))
                 self._calls += 1
             return
         if isinstance(output, torch.Tensor):  # a DTensor output: this rank's shard (the flags are all-reduced)
@@ -408,8 +408,7 @@ class OutputWatch:
             self._calls = 0
             index = len(self._peaks)
             outputs = list(map(_OUTPUT, pending))
-            with torch.no_grad():  # the outputs are kept as they are (one context instead of a detach a call)
-                self._peaks.append(_max_abs(outputs))  # 0-d values, each a tensor of its own
+            self._peaks.append(_max_abs(outputs))  # 0-d values, each a tensor of its own
             places = zip(itertools.repeat(index), itertools.count(), map(_DTYPE, outputs))  # (settle, index, dtype)
             self._records.extend(zip(map(_SLOT, pending), places))
             pending.clear()
@@ -423,8 +422,7 @@ class OutputWatch:
                 calls.extend(zip(hook.stamps, [hook.slot] * len(hook.rows), hook.rows, hook.dtypes))
                 hook.clear()
         calls.sort(key=lambda c: c[0])  # eager calls come sorted; compiled ones join them in place
-        with torch.no_grad():
-            self._peaks.append(_max_abs([t for _, _, t, _ in calls]))
+        self._peaks.append(_max_abs([t for _, _, t, _ in calls]))
         self._records.extend((slot, (index, i, dtype)) for i, (_, slot, _, dtype) in enumerate(calls))
 
     def values(self, device: torch.device) -> list[torch.Tensor]:
