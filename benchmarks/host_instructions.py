@@ -29,8 +29,10 @@ from instruments.markdown import replace_block
 __all__ = ["instructions_per_step"]
 
 VARIANTS = ("baseline", "numguard_default", "floor_default")
-#: no BLAS or OpenMP worker threads: their spin-waits would add tens of thousands of instructions a step, at random
-_ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+#: no BLAS or OpenMP worker threads (their spin-waits would add tens of thousands of instructions a step, at random)
+#: and one string hash seed (the order of sets and the probes of dicts, and so the garbage collector's passes, would
+#: move the count by a few percent from one run to the next)
+_ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
 REPO = Path(__file__).resolve().parents[1]
 
 _FIT = """
