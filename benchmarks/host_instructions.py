@@ -9,8 +9,8 @@ Bytecodes (``benchmarks/host_work.py``) count the Python a step runs but not wha
 process executes (with one BLAS and OpenMP thread: their workers' spin-waits are not the step's); the difference
 between the two lengths, divided by the steps between them, is the cost of one step with the start-up and the fit's
 own start and end taken out, and the variant's minus the plain fit's is what it adds. Two runs give the same numbers
-to within a few hundred instructions a step. A fit under valgrind runs about fifty times slower (the imports are most
-of it): six fits take about ten minutes on two cores. Needs ``valgrind`` on the ``PATH``.
+to within about 10,000 instructions a step (of 4 million). A fit under valgrind runs about fifty times slower (the
+imports are most of it): six fits take about ten minutes on two cores. Needs ``valgrind`` on the ``PATH``.
 """
 
 from __future__ import annotations
