@@ -10,7 +10,6 @@ are reached through the trainer passed in), so ``core/`` may use it too.
 from __future__ import annotations
 
 import inspect
-import itertools
 import logging
 import math
 import sys
@@ -175,8 +174,8 @@ def logger_metric_dicts(trainer: Any) -> list[dict[str, Any]] | None:
     (``trainer._logger_connector._callback_metrics`` and its two siblings). Missing: ``None`` (not withdrawn).
     """
     connector = getattr(trainer, "_logger_connector", None)
-    dicts = list(map(getattr, itertools.repeat(connector), _METRIC_DICTS, itertools.repeat(None)))  # every step: in C
-    return dicts if all(map(isinstance, dicts, itertools.repeat(dict))) else None  # type: ignore[return-value]
+    dicts = [getattr(connector, n, None) for n in _METRIC_DICTS]
+    return dicts if all(isinstance(d, dict) for d in dicts) else None  # type: ignore[return-value]
 
 
 _RESULT_FIELDS = ("value", "cumulated_batch_size", "_forward_cache", "has_reset")

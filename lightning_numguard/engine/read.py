@@ -65,18 +65,8 @@ class StepRead:
         self._check_grads = "grads" in check
         #: the state segments of a step's total, by whether the snapshot is due (every one of them then); buffers
         #: as they were before the forward pass are ``start_buffers``
-        self._wanted = {
-            due: [
-                name
-                for name, on in (
-                    ("params", "params" in check),
-                    ("start_buffers", every_buffer),
-                    ("opt_state", "optimizer_state" in check),
-                )
-                if on or due
-            ]
-            for due in (False, True)
-        }
+        checked = {"params": "params" in check, "start_buffers": every_buffer, "opt_state": "optimizer_state" in check}
+        self._wanted = {due: [name for name, on in checked.items() if on or due] for due in (False, True)}
         self.recorder = recorder
         self.extra = recorder.extra_checks  # the checks passed as extra_checks: a value each after the slots
         self.extras_at = flags.extras_at(len(self.extra))  # where the spike statistics' extras start

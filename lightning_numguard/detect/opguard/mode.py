@@ -202,16 +202,8 @@ class OpGuard:
 
     def __exit__(self, *exc: object) -> None:
         """Put the original functions back (exceptions pass through)."""
-        if not self._entered:
-            return
-        if self._entered.pop():
-            patch.uninstall(self, self.forms)
-            return
-        guards = patch.active_guards()  # held: only this thread's stack changes (the usual: this guard on top)
-        if guards and guards[-1] is self:
-            guards.pop()
-        else:
-            patch.uninstall(self, ())
+        if self._entered:
+            patch.uninstall(self, self.forms if self._entered.pop() else ())
 
     def hold(self) -> None:
         """Keep the guarded functions intercepted until :meth:`release`, entered or not (idempotent).

@@ -149,8 +149,12 @@ def install(guard: _Guard, funcs: Iterable[Callable[..., Any]]) -> None:
 def uninstall(guard: _Guard, funcs: Iterable[Callable[..., Any]]) -> None:
     """Leave ``guard`` on this thread; put back each of ``funcs`` nothing else holds."""
     guards = _local.guards
-    for i in range(len(guards) - 1, -1, -1):
-        if guards[i] is guard:
-            del guards[i]
-            break
-    release(funcs)
+    if guards and guards[-1] is guard:  # the usual: the innermost guard leaves (a held guard: every step)
+        guards.pop()
+    else:
+        for i in range(len(guards) - 1, -1, -1):
+            if guards[i] is guard:
+                del guards[i]
+                break
+    if funcs:  # a held guard leaves its functions wrapped: nothing to put back
+        release(funcs)
