@@ -33,7 +33,7 @@ __all__ = [
     "foreach_nonfinite_", "foreach_norm_f32", "graph_task_id", "lightning_will_stop",
     "logger_metric_dicts", "logging_step", "logs_due", "metric_counters", "metric_state", "nn_bindings",
     "require_accumulation_api", "result_metric_state", "scaler_tensors", "set_averaging_counters", "set_found_inf",
-    "set_metric_counters", "set_result_metric_state", "should_accumulate", "step_honours_found_inf",
+    "set_grad_enabled", "set_metric_counters", "set_result_metric_state", "should_accumulate", "step_honours_found_inf",
     "sync_scheduler_last_lr", "to_target_device", "tracing_a_subgraph", "train_results", "uncompiled",
 ]
 # fmt: on
@@ -255,6 +255,12 @@ def _no_graph_task() -> int:
 #: ``torch._C._current_graph_task_id`` itself, called with no wrapper (it runs at every watched call); there is no
 #: public form. Missing: always ``-1`` (recomputed outputs are then recorded too: the same values again).
 graph_task_id: Callable[[], int] = _graph_task if _graph_task is not None else _no_graph_task
+
+
+#: Switch autograd's recording on or off on this thread: ``torch._C._set_grad_enabled``, the switch
+#: ``torch.no_grad`` flips, without the context object it builds (the output watch turns it off around one reduction
+#: a step). There is no public function form.
+set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
 
 
 def tracing_a_subgraph() -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_numguard._compat import foreach_max_abs, graph_task_id, tracing_a_subgraph
+from lightning_numguard._compat import foreach_max_abs, graph_task_id, set_grad_enabled, tracing_a_subgraph
 from lightning_numguard.detect.checks import as_f32
 from lightning_numguard.dtensor import local
 from lightning_numguard.tree import floating_leaves
@@ -249,6 +249,17 @@ def _max_abs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [p for p in out if p is not None]
 
 
+def _peaks_of(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`_max_abs` of outputs kept as they are (not detached), without grad: autograd's own switch around the
+    reduction, not a ``no_grad`` context, which cost more than the detach a call it saves."""
+    grad = _grad_enabled()
+    set_grad_enabled(False)
+    try:
+        return _max_abs(outputs)
+    finally:
+        set_grad_enabled(grad)
+
+
 class OutputWatch:
     """Records, per forward call of each watched module, the max-|x| of its floating outputs, on the device.
 
@@ -257,15 +268,15 @@ class OutputWatch:
     output was (the read of several ranks, and the deferred read); :meth:`first_bad` (which syncs; use after a hit)
     names the first bad module in execution order.
 
-    Eager, a hook keeps the output (detached) and its place in the step; :meth:`settle` reduces what the hooks kept
-    to one max-|x| per call, with one ``_foreach_norm(ord=inf)`` per device and dtype, whatever the number of watched
-    blocks, and drops the references (the step settles at its loss, before the backward pass, and
-    at its read). Inside a ``torch.compile``d region a hook traces :func:`row_peaks` of the output, fused by inductor
-    into the kernel that computes the output, and leaves the small result on its hook (:class:`_Hook`); the same
-    :meth:`settle` reduces those rows. Every call is a record of its own, in execution order across eager code and
-    compiled regions (a shared module, accumulation). Activation checkpointing's recomputation in the backward pass
-    is not recorded (the same values again), nor, under ``torch.compile``, a call inside a checkpointed function
-    (dynamo would give up the whole frame).
+    Eager, a hook keeps the output (as it is: no detach) and its place in the step; :meth:`settle` reduces what the
+    hooks kept, without grad, to one max-|x| per call, with one ``_foreach_norm(ord=inf)`` per device and dtype,
+    whatever the number of watched blocks, and drops the references (the step settles at its loss, before the
+    backward pass, and at its read). Inside a ``torch.compile``d region a hook traces :func:`row_peaks` of the
+    output, fused by inductor into the kernel that computes the output, and leaves the small result on its hook
+    (:class:`_Hook`); the same :meth:`settle` reduces those rows. Every call is a record of its own, in execution
+    order across eager code and compiled regions (a shared module, accumulation). Activation checkpointing's
+    recomputation in the backward pass is not recorded (the same values again), nor, under ``torch.compile``, a call
+    inside a checkpointed function (dynamo would give up the whole frame).
 
     A module's output that is the very tensor already recorded (a ``Sequential`` returning its last child's output)
     is not recorded twice (eager; a compiled region records it again, and inductor reads it once).
@@ -363,7 +374,7 @@ class OutputWatch:
         if type(output) is torch.Tensor:  # the usual: a plain tensor
             if output is not self._last_out and output.is_floating_point() and output.numel():
                 self._last_out = output
-                self._pending.append((self._calls, hook.slot, output.detach()))
+                self._pending.append((self._calls, hook.slot, output))  # as it is: settle reduces it without grad
                 self._calls += 1
             return
         if isinstance(output, torch.Tensor):  # a DTensor output: this rank's shard (the flags are all-reduced)
@@ -408,7 +419,7 @@ class OutputWatch:
             self._calls = 0
             index = len(self._peaks)
             outputs = list(map(_OUTPUT, pending))
-            self._peaks.append(_max_abs(outputs))  # 0-d values, each a tensor of its own
+            self._peaks.append(_peaks_of(outputs))  # 0-d values, each a tensor of its own
             places = zip(itertools.repeat(index), itertools.count(), map(_DTYPE, outputs))  # (settle, index, dtype)
             self._records.extend(zip(map(_SLOT, pending), places))
             pending.clear()
@@ -422,7 +433,7 @@ class OutputWatch:
                 calls.extend(zip(hook.stamps, [hook.slot] * len(hook.rows), hook.rows, hook.dtypes))
                 hook.clear()
         calls.sort(key=lambda c: c[0])  # eager calls come sorted; compiled ones join them in place
-        self._peaks.append(_max_abs([t for _, _, t, _ in calls]))
+        self._peaks.append(_peaks_of([t for _, _, t, _ in calls]))
         self._records.extend((slot, (index, i, dtype)) for i, (_, slot, _, dtype) in enumerate(calls))
 
     def values(self, device: torch.device) -> list[torch.Tensor]:

@@ -366,6 +366,8 @@ def _replay(
             loop.module.load_state_dict(live, strict=False)
             again = replay_batch(loop, batch, batch_idx, rng)
             rep = again if again.reproduced is not False else rep
+        for source in rep.drew:  # the fit draws from it: every step keeps its state from now on
+            recorder.rng.keep(source)
         return rep
     finally:
         if live:

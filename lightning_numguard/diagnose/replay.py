@@ -39,7 +39,7 @@ from lightning_numguard.diagnose.calls import Calls, op_name, site
 from lightning_numguard.diagnose.provenance import Origin, Provenance, culprit_of
 from lightning_numguard.diagnose.usercode import is_library_file
 from lightning_numguard.dtensor import local
-from lightning_numguard.state.snapshot import rng_state, set_rng_state
+from lightning_numguard.state.rng import moved, rng_state, set_rng_state
 from lightning_numguard.tree import tensor_leaves, tensors
 
 __all__ = ["CULPRIT_FACTS", "Replay", "first_bad_node", "loss_of", "op_name", "replay"]
@@ -124,6 +124,12 @@ class Replay:
     #: ``False``: the replay ran the step again (the same weights, inputs and RNG) and saw no non-finite value (it
     #: did not reproduce: :mod:`~lightning_numguard.diagnose.reproduce`); ``None`` otherwise (see :attr:`again`)
     reproduced: bool | None = None
+    #: why the replay could not run the step again exactly, when it stayed finite: it drew from a generator whose
+    #: state at the step's start was not kept (:class:`~lightning_numguard.state.rng.StepRng`); then it proves
+    #: nothing either way (:attr:`again` is ``None``)
+    unsure: str | None = None
+    #: the generators (:data:`~lightning_numguard.state.rng.SOURCES`) the replay drew from without their state
+    drew: tuple[str, ...] = field(default=(), compare=False)
     #: op name -> the user's line of each call, in call order (the op guard's findings take their line from it)
     op_sites: dict[str, list[dict[str, Any]]] = field(default_factory=dict, compare=False)
     #: the fields the passes found, in the order found (a found ``None``, the ``op_module`` of the root's own
@@ -137,8 +143,9 @@ class Replay:
 
     @property
     def again(self) -> bool | None:
-        """Whether the replay made a non-finite value again: ``None`` when it did not run or raised."""
-        if self.error is not None or not self.ran:
+        """Whether the replay made a non-finite value again: ``None`` when it did not run, raised, or could not run the
+        step again exactly and stayed finite (:attr:`unsure`)."""
+        if self.error is not None or self.unsure is not None or not self.ran:
             return None
         return self.reproduced is not False
 
@@ -150,7 +157,7 @@ class Replay:
     def details(self) -> dict[str, Any]:
         """The record of this replay in an event: the fields that were found, in the order found (``op_sites``
         left out)."""
-        return {name: getattr(self, name) for name in self.found if name != "op_sites"}
+        return {name: getattr(self, name) for name in self.found if name not in ("op_sites", "drew")}
 
     @classmethod
     def of(cls, found: dict[str, Any]) -> Replay:
@@ -418,6 +425,9 @@ def replay(
     """
     result: dict[str, Any] = {}
     saved_rng = rng_state()
+    # the generators whose state the step did not keep (the fit was not seen drawing from them): a replay that draws
+    # from one of them is not exact
+    unkept = {s: v for s, v in saved_rng.items() if s not in rng} if rng is not None else {}
     try:
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -438,7 +448,13 @@ def replay(
                     result.update(stage="backward", op_module=result.get("module"), **node)
             saw = seen.first_output is not None or not seen.loss_finite or _made_nan(seen)
             if not saw and "stage" not in result and "module" not in result and "error" not in result:
-                result["reproduced"] = False  # the step ran again and stayed finite
+                drew = moved(unkept) if unkept else []
+                if drew:
+                    result["drew"] = tuple(drew)
+                    names = " and ".join(_GENERATORS[s] for s in drew)
+                    result["unsure"] = f"the step draws from {names}, whose state at the step's start was not kept"
+                else:
+                    result["reproduced"] = False  # the step ran again and stayed finite
     finally:
         root.zero_grad(set_to_none=True)
         set_rng_state(saved_rng)
@@ -449,3 +465,4 @@ def replay(
 
 
 _REPLAY_FIELDS = frozenset(f.name for f in fields(Replay))
+_GENERATORS = {"torch": "torch's CPU generator", "python": "Python's random", "cuda": "the CUDA generators"}

@@ -37,8 +37,13 @@ class MicroBatch:
 
 
 def micro_rng(window_rng: dict[str, Any]) -> dict[str, Any]:
-    """The RNG state at the start of a later micro-batch: the torch CPU/CUDA generators now, Python's of the window."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": window_rng["python"]}
+    """The RNG state at the start of a later micro-batch: the torch CPU/CUDA generators now, Python's of the window
+    (each only when the window kept it: :class:`~lightning_numguard.state.rng.StepRng`)."""
+    state: dict[str, Any] = {}
+    if "torch" in window_rng:
+        state["torch"] = torch.get_rng_state()
+    if "python" in window_rng:
+        state["python"] = window_rng["python"]
     if "cuda" in window_rng:
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -156,8 +156,7 @@ class StepRead:
             tail = _Tail()
             slots, segments, carried = self.slot_values(loop, optimizer, snapshot_due, tail=tail)
             read = carried or []  # the spike statistics the host does not hold yet
-            vector = flags.stack_raw(list(slots.values()), [*read, *tail.values])  # spikes and tail: same stack
-            values = vector.tolist()
+            values = self._stack_read(list(slots.values()), [*read, *tail.values], loop.device)
             extras: list[float] = []
             if carried is not None:  # the extras as host numbers, in their place (the loss: its slot's, when there)
                 rec = self.recorder.record
@@ -183,6 +182,21 @@ class StepRead:
         slots, segments, device_extras = self.slot_values(loop, optimizer, snapshot_due)
         values = self.reduce(loop, slots, device_extras).tolist()  # the one host read of the step
         return Reading(flags.decode(values[:n], world), segments, values[n:])
+
+    def _stack_read(self, slots: list[torch.Tensor], extras: list[torch.Tensor], device: torch.device) -> list[float]:
+        """One process's read: the slot values and ``extras`` in one ``stack``, read once; a slot that holds the
+        device's constant zero (most do: the tail carries their values) is not stacked but 0.0 on the host (a value
+        stacked costs the host an ``unsqueeze``)."""
+        zero = self._zeros.get(device)
+        kept = [v for v in slots if v is not zero]
+        if not kept and not extras:  # nothing but zeros: stacked as they are (one host read a step, still)
+            kept = slots
+        values: list[float] = flags.stack_raw(kept, extras).tolist()
+        if len(kept) < len(slots):
+            for i, v in enumerate(slots):
+                if v is zero:
+                    values.insert(i, 0.0)
+        return values
 
     def pack(self, loop: Loop, optimizer: Any, snapshot_due: bool) -> torch.Tensor:
         """The step's reduced flag vector on the device, without its host read (``sync_mode="deferred"``), followed

@@ -34,7 +34,7 @@ from lightning_numguard.detect.watch import OutputWatch
 from lightning_numguard.dtensor import local
 from lightning_numguard.engine import micro as _micro
 from lightning_numguard.engine.loop import Loop
-from lightning_numguard.state.snapshot import rng_state
+from lightning_numguard.state.rng import StepRng
 from lightning_numguard.state.stateful import clone_states
 from lightning_numguard.tree import floating_leaves
 
@@ -132,6 +132,7 @@ class StepRecorder:
         # the buffers copied at each step's start (set once per fit by the read's name resolution)
         self.start_copies: tuple[list[torch.Tensor], list[torch.Tensor], dict[str, torch.Tensor]] = ([], [], {})
         self.metric_keys: list[str] = []
+        self.rng = StepRng()  # each step's start RNG state (Python's only while the fit draws from it)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -186,7 +187,7 @@ class StepRecorder:
                 rec.start_buffers = by_name
                 # numpy's RNG is left to the snapshot: reading its state costs ~0.1 ms, more than all the rest
                 rec.start_states = clone_states(stateful, self.metric_keys)
-                rec.start_rng = rng_state()
+                rec.start_rng = self.rng.at_step_start()
         micro = _micro.MicroBatch(
             batch_idx, batch, first_output=len(self.watch.records) if self.watch is not None else 0
         )

@@ -18,7 +18,7 @@ import torch
 from lightning_numguard.detect import checks
 from lightning_numguard.diagnose.replay import loss_of
 from lightning_numguard.engine.loop import Loop
-from lightning_numguard.state.snapshot import set_rng_state
+from lightning_numguard.state.rng import set_rng_state
 
 __all__ = ["is_transient"]
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -51,6 +50,7 @@ from torch import nn
 
 from lightning_numguard.dtensor import globalize, localize
 from lightning_numguard.state.async_copy import Backend, Copies, plan_tree, start
+from lightning_numguard.state.rng import copy_rng, rng_state, set_rng_state
 from lightning_numguard.state.sharding import ShardedState, shard, unshard
 from lightning_numguard.tree import clone_tree, map_tree, nbytes
 
@@ -76,29 +76,6 @@ class Stateful(Protocol):
     def state_dict(self) -> Any: ...  # pragma: no cover
 
     def load_state_dict(self, state: Any) -> Any: ...  # pragma: no cover
-
-
-def rng_state() -> dict[str, Any]:
-    """The torch CPU, CUDA (when initialised) and Python RNG states."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_initialized() and torch.cuda.is_available():  # the cheap test first: this runs every step
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def copy_rng(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of what :func:`rng_state` returned that a snapshot can keep: a new dict (and list of CUDA states) of the
-    same values, which nothing writes to (``torch.get_rng_state`` returns a new tensor, Python's state is a tuple).
-    A deep copy walked Python's 625-int tuple one element at a time: half of a small model's snapshot."""
-    return {k: list(v) if isinstance(v, list) else v for k, v in state.items()}
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 @dataclass

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 from torch import nn
 
 from lightning_numguard.diagnose.replay import first_bad_node, loss_of, replay
+from lightning_numguard.state.rng import rng_state
 
 
 class ZeroStdNorm(nn.Module):
@@ -79,3 +82,22 @@ def test_every_fact_measured_at_the_culprit_is_a_field_of_the_replays_record():
 
     assert set(CULPRIT_FACTS) <= {f.name for f in fields(Replay)}
     assert Replay.of({"stage": "forward", "made": "inf", "unknown": 1}).details() == {"stage": "forward", "made": "inf"}
+
+
+def test_a_replay_that_draws_from_python_random_without_its_state_proves_nothing_when_it_stays_finite():
+    """The step's start kept torch's RNG state alone (the fit had not been seen drawing from Python's): a replay that
+    draws from ``random`` did not run the step again exactly, so its finite result is no verdict; with Python's state
+    kept, the same replay stays finite and says so."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    x = torch.randn(4, 2)
+
+    def step() -> torch.Tensor:
+        return model(x * random.random()).sum()
+
+    unsure = replay(model, step, rng_state(python=False))
+    assert unsure.unsure is not None and "Python's random" in unsure.unsure
+    assert unsure.reproduced is None and unsure.again is None
+    exact = replay(model, step, rng_state())
+    assert exact.unsure is None and exact.reproduced is False and exact.again is False
+    untouched = replay(model, lambda: model(x).sum(), rng_state(python=False))  # no draw: exact without it
+    assert untouched.unsure is None and untouched.again is False

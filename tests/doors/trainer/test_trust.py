@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import random
 import socket
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_numguard import NonFiniteError, NumGuardCallback, NumGuardConfigError, SuspectedHardwareError
+from lightning_numguard.state.rng import StepRng
 from tests.helpers import quiet_trainer
 
 HOST = socket.gethostname()
@@ -203,6 +205,59 @@ def test_a_nan_that_does_not_reproduce_is_a_device_fault_and_repeated_ones_name_
     assert "add an eps" not in first["message"] and "clamp" not in first["message"]
     assert [e["action"] for e in roots] == ["rollback", "rollback", "halt"]
     assert guard.state_dict()["device_faults"] == {"0": {"host": HOST, "device": "cpu", "transient": 3}}
+
+
+class Dice:
+    """A forward hook on ``net.2`` drawing from Python's ``random`` at every call: at step ``step`` the first draw
+    makes one activation NaN, and so does the same draw again (a step run again from the same Python state): a fault
+    of the code, which a replay from the step's RNG state makes again."""
+
+    def __init__(self, model: Net, step: int) -> None:
+        self.model, self.step, self.value = model, step, None
+        self.made = 0
+        model.net[2].register_forward_hook(self)
+
+    def __call__(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        draw = random.random()
+        if self.model.global_step != self.step or self.made >= 2:
+            return None
+        if self.value is None:
+            self.value = draw
+        if draw != self.value:
+            return None
+        self.made += 1
+        out = out.clone()
+        out[0, 0] = float("nan")
+        return out
+
+
+@pytest.mark.parametrize("seen_drawing", [True, False])
+def test_a_fault_of_a_python_random_draw_reproduces_from_the_kept_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seen_drawing: bool
+) -> None:
+    """A step drawing from Python's ``random``: the guard sees the fit draw on its first steps and keeps Python's
+    state at every step's start, so the step's replay draws the same number, makes the NaN again, and the verdict
+    is the code's, not the device's. Had the draws gone unseen (no probe, no recheck), the step kept torch's state
+    alone: the replay draws another number and stays finite, which proves nothing, so no device is blamed."""
+    if not seen_drawing:
+        monkeypatch.setattr(StepRng, "PROBE", 0)
+        monkeypatch.setattr(StepRng, "RECHECK", 10**9)
+    model = Net()
+    dice = Dice(model, step=5)
+    guard = NumGuardCallback(dirpath=str(tmp_path), emit_warnings=False)
+    quiet_trainer([guard], max_steps=8).fit(model, _data(8))
+    root = next(e for e in guard.events if e.get("root_cause", True))
+    assert (root["step"], root["kind"], root["where"]) == (5, "nonfinite_output", ["net.2"])
+    if seen_drawing:
+        assert dice.made == 2  # the step and its replay
+        assert root["details"]["reproduced"] is True and "device_fault" not in root["details"]
+        assert "op `__setitem__`" in root["message"] and "did not reproduce" not in root["message"]
+    else:
+        assert dice.made == 1
+        assert "device_fault" not in root["details"] and "reproduced" not in root["details"]
+        assert "Python's random" in root["details"]["replay"]["unsure"]
+        assert "transient fault of the device" not in root["message"]
+    assert guard.state_dict()["device_faults"] == {}
 
 
 def test_a_dirpath_that_is_a_file_fails_before_the_first_step(tmp_path: Path) -> None:
