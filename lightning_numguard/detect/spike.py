@@ -347,12 +347,14 @@ def spike_z(value: float, history: Sequence[float], warmup: int, series: str = "
     return zscore(float(value), center, threshold, 6.0)
 
 
-def judge(extras: Sequence[float], sigma: float) -> list[tuple[str, float, float]]:
+def judge(
+    extras: Sequence[float], sigma: float, scored: Sequence[float | None] | None = None
+) -> list[tuple[str, float, float]]:
     """``(series, value, z)`` of each series of a host-read extras vector (:data:`EXTRAS`) whose score exceeds
-    ``sigma``: the guard's decision, the same in a fit and in the benchmark tables."""
+    ``sigma``: the guard's decision, the same in a fit and in the benchmark tables. ``scored``: their
+    :func:`scores`, when the caller has them already."""
     out = []
-    for i, name in enumerate(SERIES):
-        z = zscore(float(extras[i]), float(extras[2 + i]), float(extras[4 + i]), sigma)
+    for i, (name, z) in enumerate(zip(SERIES, scores(extras, sigma) if scored is None else scored)):
         if z is not None and z > sigma:
             out.append((name, float(extras[i]), z))
     return out

@@ -285,7 +285,7 @@ class SpikeGuard:
         spikes: list[Finding] = []
         if self.window is not None and self.action is not None:
             held = self.window.count  # the steps the window spanned when it scored this one (host)
-            for name, value, z in spike.judge(values, self.sigma):
+            for name, value, z in spike.judge(values, self.sigma, self.scores_of(values)):  # scored once a read
                 details = {
                     "value": value,
                     "zscore": round(z, 2),

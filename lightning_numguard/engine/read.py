@@ -97,6 +97,7 @@ class StepRead:
         #: the step's global gradient L2 norm (0-d, on the device) when the spike statistics carry it, else ``None``
         self.grad_norm: torch.Tensor | None = None
         self._zeros: dict[torch.device, torch.Tensor] = {}
+        self._kept_at: dict[tuple[bool, ...], list[int]] = {}  # where one process's stacked slots go (_stack_read)
 
     @property
     def plan_applies(self) -> bool:
@@ -186,17 +187,20 @@ class StepRead:
     def _stack_read(self, slots: list[torch.Tensor], extras: list[torch.Tensor], device: torch.device) -> list[float]:
         """One process's read: the slot values and ``extras`` in one ``stack``, read once; a slot that holds the
         device's constant zero (most do: the tail carries their values) is not stacked but 0.0 on the host (a value
-        stacked costs the host an ``unsqueeze``)."""
-        zero = self._zeros.get(device)
-        kept = [v for v in slots if v is not zero]
-        if not kept and not extras:  # nothing but zeros: stacked as they are (one host read a step, still)
-            kept = slots
-        values: list[float] = flags.stack_raw(kept, extras).tolist()
-        if len(kept) < len(slots):
-            for i, v in enumerate(slots):
-                if v is zero:
-                    values.insert(i, 0.0)
-        return values
+        stacked costs the host an ``unsqueeze``). Where the stacked slots go is worked out once per pattern."""
+        keep = tuple(map(operator.is_not, slots, itertools.repeat(self._zeros.get(device))))
+        if extras or any(keep):
+            slots = list(itertools.compress(slots, keep))
+        values: list[float] = flags.stack_raw(slots, extras).tolist()
+        if len(slots) == len(keep):
+            return values
+        at = self._kept_at.get(keep)
+        if at is None:
+            at = self._kept_at[keep] = [i for i, k in enumerate(keep) if k]
+        host = [0.0] * len(keep)
+        list(map(host.__setitem__, at, values))  # the stacked slots' values in their places (a C loop)
+        host += values[len(slots) :]
+        return host
 
     def pack(self, loop: Loop, optimizer: Any, snapshot_due: bool) -> torch.Tensor:
         """The step's reduced flag vector on the device, without its host read (``sync_mode="deferred"``), followed
