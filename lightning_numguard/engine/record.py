@@ -132,7 +132,7 @@ class StepRecorder:
         # the buffers copied at each step's start (set once per fit by the read's name resolution)
         self.start_copies: tuple[list[torch.Tensor], list[torch.Tensor], dict[str, torch.Tensor]] = ([], [], {})
         self.metric_keys: list[str] = []
-        self.rng = StepRng()  # each step's start RNG state (Python's only while the fit draws from it)
+        self.rng = StepRng()  # the RNG state each step starts from (a generator's only while the fit draws from it)
 
     # ------------------------------------------------------------------ lifecycle
 
