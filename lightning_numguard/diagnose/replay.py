@@ -39,7 +39,7 @@ from lightning_numguard.diagnose.calls import Calls, op_name, site
 from lightning_numguard.diagnose.provenance import Origin, Provenance, culprit_of
 from lightning_numguard.diagnose.usercode import is_library_file
 from lightning_numguard.dtensor import local
-from lightning_numguard.state.rng import moved, rng_state, set_rng_state
+from lightning_numguard.state.rng import NAMES, moved, rng_state, set_rng_state
 from lightning_numguard.tree import tensor_leaves, tensors
 
 __all__ = ["CULPRIT_FACTS", "Replay", "first_bad_node", "loss_of", "op_name", "replay"]
@@ -451,7 +451,7 @@ def replay(
                 drew = moved(unkept) if unkept else []
                 if drew:
                     result["drew"] = tuple(drew)
-                    names = " and ".join(_GENERATORS[s] for s in drew)
+                    names = " and ".join(NAMES[s] for s in drew)
                     result["unsure"] = f"the step draws from {names}, whose state at the step's start was not kept"
                 else:
                     result["reproduced"] = False  # the step ran again and stayed finite
@@ -465,4 +465,3 @@ def replay(
 
 
 _REPLAY_FIELDS = frozenset(f.name for f in fields(Replay))
-_GENERATORS = {"torch": "torch's CPU generator", "python": "Python's random", "cuda": "the CUDA generators"}

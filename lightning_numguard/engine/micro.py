@@ -16,6 +16,7 @@ import torch
 from lightning_numguard.detect.checks import as_f32
 from lightning_numguard.engine import group as _distributed
 from lightning_numguard.engine.loop import Loop
+from lightning_numguard.state.rng import rng_state
 
 if TYPE_CHECKING:
     from lightning_numguard.detect.watch import OutputWatch
@@ -39,13 +40,9 @@ class MicroBatch:
 def micro_rng(window_rng: dict[str, Any]) -> dict[str, Any]:
     """The RNG state at the start of a later micro-batch: the torch CPU/CUDA generators now, Python's of the window
     (each only when the window kept it: :class:`~lightning_numguard.state.rng.StepRng`)."""
-    state: dict[str, Any] = {}
-    if "torch" in window_rng:
-        state["torch"] = torch.get_rng_state()
+    state = rng_state(tuple(s for s in ("torch", "cuda") if s in window_rng))
     if "python" in window_rng:
         state["python"] = window_rng["python"]
-    if "cuda" in window_rng:
-        state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 

@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["SOURCES", "StepRng", "copy_rng", "moved", "rng_state", "set_rng_state"]
+__all__ = ["NAMES", "SOURCES", "StepRng", "copy_rng", "moved", "rng_state", "set_rng_state"]
 
 #: The generators a state may hold, by key.
 SOURCES = ("torch", "python", "cuda")
+#: What the events call each of them.
+NAMES = {"torch": "torch's CPU generator", "python": "Python's random", "cuda": "the CUDA generators"}
 
 
 def _cuda() -> bool:
@@ -36,10 +38,8 @@ def _read(source: str) -> Any:
     return torch.cuda.get_rng_state_all()
 
 
-def rng_state(python: bool = True, sources: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """The torch CPU, CUDA (when initialised) and (``python``) Python RNG states; ``sources``: those of them only."""
-    if sources is None:
-        sources = ("torch", "python", "cuda") if python else ("torch", "cuda")
+def rng_state(sources: tuple[str, ...] = SOURCES) -> dict[str, Any]:
+    """The states of the generators ``sources`` names (all: torch's CPU, Python's, CUDA's when initialised)."""
     return {s: _read(s) for s in sources if s != "cuda" or _cuda()}
 
 

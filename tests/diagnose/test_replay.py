@@ -94,10 +94,10 @@ def test_a_replay_that_draws_from_python_random_without_its_state_proves_nothing
     def step() -> torch.Tensor:
         return model(x * random.random()).sum()
 
-    unsure = replay(model, step, rng_state(python=False))
+    unsure = replay(model, step, rng_state(("torch", "cuda")))
     assert unsure.unsure is not None and "Python's random" in unsure.unsure
     assert unsure.reproduced is None and unsure.again is None
     exact = replay(model, step, rng_state())
     assert exact.unsure is None and exact.reproduced is False and exact.again is False
-    untouched = replay(model, lambda: model(x).sum(), rng_state(python=False))  # no draw: exact without it
+    untouched = replay(model, lambda: model(x).sum(), rng_state(("torch", "cuda")))  # no draw: exact without it
     assert untouched.unsure is None and untouched.again is False

@@ -47,7 +47,7 @@ def test_a_fit_that_starts_drawing_later_is_seen_at_the_next_recheck():
 
 
 def test_a_state_restores_the_generators_it_holds_and_leaves_the_others_as_they_are():
-    state = rng_state(python=False)
+    state = rng_state(("torch", "cuda"))
     assert set(state) == {"torch"}
     expected = torch.rand(3)
     random.seed(5)
