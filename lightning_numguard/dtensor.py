@@ -53,6 +53,8 @@ def has_dtensor(tensors: Iterable[Any]) -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a ``DTensor``'s local shard (same storage), anything else itself."""
+    if type(t) is torch.Tensor:  # the usual: a plain tensor (a DTensor is a subclass)
+        return t
     cls = dtensor_type()
     return dtensor_local(t) if cls is not None and isinstance(t, cls) else t
 

@@ -72,6 +72,18 @@ def test_foreach_norm_matches_per_tensor_norms():
     assert torch.equal(dst[0], tensors[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_flat_norm_is_the_global_norm_of_tensors_of_any_floating_dtype(dtype):
+    torch.manual_seed(0)
+    tensors = [torch.randn(4, 3).to(dtype), torch.randn(7).to(dtype), torch.randn(2, 2, 2).to(dtype).transpose(0, 2)]
+    norm = _compat.flat_norm_f32(tensors)
+    assert norm.dtype == torch.float32 and norm.dim() == 0
+    expected = torch.linalg.vector_norm(torch.stack([t.double().norm() for t in tensors]))
+    assert torch.allclose(norm.double(), expected, rtol=1e-3)
+    tensors[1][3] = float("nan")  # one non-finite value makes the global norm non-finite
+    assert not torch.isfinite(_compat.flat_norm_f32(tensors))
+
+
 def test_nn_bindings_is_the_raw_namespace():
     assert _compat.nn_bindings() is torch._C._nn
 

@@ -115,6 +115,10 @@ def norm_candidates(tensors: Sequence[torch.Tensor], device: torch.device | None
 #: On the CPU a tensor of at least this many elements is checked by its own ``sum`` (one vectorised read,
 #: about 3x cheaper than its norm); below it, the per-call overhead dominates and one fused call takes them all.
 CPU_SUM_MIN_NUMEL = 1 << 15
+#: On the CPU a group of small tensors of at most this many elements in all has its global norm taken of the group
+#: laid end to end (one ``cat``, one norm: :func:`~lightning_numguard._compat.flat_norm_f32`), not as one norm
+#: kernel per tensor; the copy costs less than the dispatches it saves.
+CPU_FLAT_NORM_MAX_NUMEL = 1 << 20
 
 
 def norm_total(tensors: Sequence[torch.Tensor], device: torch.device, *, rewritable: bool = False) -> torch.Tensor:
@@ -162,6 +166,14 @@ class TotalPlan:
         self.groups = [(dev, dtype, large, small) for (dev, dtype), (large, small) in groups.items()]
         self.members = [large + small for _, _, large, small in self.groups]  # per group: every index, large first
         self.size = len(like)
+        #: per group: whether its gradients' norm is taken laid end to end (a CPU group of small tensors only)
+        self.flat = [
+            dev.type == "cpu"
+            and not large
+            and len(small) > 1
+            and sum(like[i].numel() for i in small) <= CPU_FLAT_NORM_MAX_NUMEL
+            for dev, _, large, small in self.groups
+        ]
         # per group, what picks its tensors (all, the large ones, the small ones) out of a step's list, in C
         self._picks = [(_picker(large + small), _picker(large), _picker(small)) for _, _, large, small in self.groups]
 
@@ -337,7 +349,7 @@ def input_ends(tensors: Sequence[torch.Tensor], device: torch.device) -> InputEn
     for t in tensors:
         c = _checkable(t)
         if c is not None:
-            by_dtype.setdefault(c.dtype, []).extend(_extremes(c.detach()))
+            by_dtype.setdefault(c.dtype, []).extend(_extremes(c.detach() if c.requires_grad else c))
     for dtype, parts in by_dtype.items():
         if any(p.device != device for p in parts):
             by_dtype[dtype] = [p.to(device=device, non_blocking=True) for p in parts]
@@ -360,15 +372,17 @@ def unmasked_of(ends: InputEnds, device: torch.device) -> torch.Tensor:
     return _largest([torch.fmod(torch.stack(p).abs(), finfo_max(d)).amax() for d, p in by_dtype.items()])
 
 
-def unmasked_on_host(values: Sequence[float], modulus: float | None) -> float:
+def unmasked_on_host(values: Sequence[float], modulus: float | None, finite: bool = False) -> float:
     """:func:`unmasked_of` on the host, of host-read float32 ends (``modulus``: their dtype's ``finfo.max``) or of
-    values already unmasked on the device (``modulus=None``): NaN when one is not finite, else the largest."""
+    values already unmasked on the device (``modulus=None``): NaN when one is not finite, else the largest.
+    ``finite``: the caller knows them all finite."""
     if not values:
         return 0.0
-    if not math.isfinite(sum(values)):  # a NaN or an infinity (float32 values: a float64 sum cannot overflow)
+    if not finite and not math.isfinite(sum(values)):  # a NaN or an inf (float32 values: a float64 sum is finite)
         return math.nan
-    if modulus is None:
-        return max(0.0, *map(abs, values))
+    largest = max(map(abs, values))  # the usual: no value is the dtype's extreme (one C loop)
+    if modulus is None or largest < modulus:
+        return largest
     return max((a for a in map(abs, values) if a < modulus), default=0.0)
 
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from lightning_numguard._compat import foreach_norm_f32
+from lightning_numguard._compat import flat_norm_f32, foreach_norm_f32
 
 __all__ = [
     "DTYPE_MAX",
@@ -415,13 +415,17 @@ def headroom(
     return best, index.masked_fill_(best < 1.0 / factor, -1)
 
 
-def tensor_norms(groups: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
-    """Each tensor's L2 norm, 0-d float32 on ``device``, of :func:`global_norm`'s ``groups``, in order: one fused
-    ``_foreach_norm`` per group; no sync. One process's read takes their global norm on the host."""
+def tensor_norms(
+    groups: list[list[torch.Tensor]], device: torch.device, flat: Sequence[bool] = ()
+) -> list[torch.Tensor]:
+    """L2 norms, 0-d float32 on ``device``, whose L2 norm is the global norm of :func:`global_norm`'s ``groups``:
+    each tensor's, in order, with one fused ``_foreach_norm`` per group; of a group marked in ``flat``
+    (:attr:`~lightning_numguard.detect.checks.TotalPlan.flat`: small CPU tensors), one norm of the whole group
+    laid end to end. No sync. One process's read takes their global norm on the host."""
     norms: list[torch.Tensor] = []
-    for tensors in groups:
+    for i, tensors in enumerate(groups):
         if tensors:
-            parts = foreach_norm_f32(list(tensors))
+            parts = [flat_norm_f32(tensors)] if i < len(flat) and flat[i] else foreach_norm_f32(list(tensors))
             norms.extend(parts if parts[0].device == device else [p.to(device, non_blocking=True) for p in parts])
     return norms
 

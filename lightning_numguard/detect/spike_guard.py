@@ -343,15 +343,16 @@ class SpikeGuard:
         self.spike_steps = [s for s in self.spike_steps if s > step - self.window.window] + [step]
         return action
 
-    def scalars(self) -> dict[str, float]:
-        """``numguard/grad_norm`` and the z-scores of the latest host read, once (no device read).
+    def take_last(self) -> tuple[int, list[float]] | None:
+        """The latest host-read extras and their step, once (``None``: no read since the last call)."""
+        last, self.last = self.last, None
+        return last
+
+    def scalars(self, values: list[float]) -> dict[str, float]:
+        """``numguard/grad_norm`` and the z-scores of host-read extras ``values`` (no device read).
 
         The caller hands them to :class:`~lightning_numguard.reporting.series.RunSeries` with the counters.
         """
-        if self.last is None:
-            return {}
-        _, values = self.last
-        self.last = None
         metrics: dict[str, float] = {}
         if math.isfinite(values[1]) and values[1] > NOT_JUDGED:
             metrics["numguard/grad_norm"] = float(values[1])
@@ -359,6 +360,15 @@ class SpikeGuard:
             if z is not None:
                 metrics[tag] = float(z)
         return metrics
+
+    def crossed(self, values: list[float]) -> bool:
+        """Whether a z-score of host-read extras ``values`` is above ``sigma``. A score is above it only where the
+        raw value reaches its raw threshold (the cube root is monotonic; the margin covers the scores' rounding):
+        the scores are computed only then, so a usual step compares two pairs of floats."""
+        loss, grad_norm, _, _, top_loss, top_grad_norm = values[:6]
+        if not (loss >= top_loss - abs(top_loss) * 1e-6 or grad_norm >= top_grad_norm - abs(top_grad_norm) * 1e-6):
+            return False
+        return any(z is not None and z > self.sigma for z in self.scores_of(values))
 
     def scores_of(self, values: list[float]) -> list[float | None]:
         """:func:`~lightning_numguard.detect.spike.scores` of host-read extras ``values`` (``None``: not judged),

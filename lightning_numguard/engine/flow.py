@@ -182,10 +182,7 @@ class StepFlow:
         counters, events = p.ledger.counters, p.ledger.events
         self.progress.after_step(loop, rec, p.snapshots.snapshot, counters, outcome)
         p.amp.log(loop, p.reporter, counters["amp_overflow_steps"])
-        last = p.spike.last  # host numbers: the counters and the spike statistics of the step's one read
-        scalars = p.spike.scalars()
-        scores = p.spike.scores_of(last[1]) if last is not None else None  # the scalars' own, not computed again
-        self.series.after_step(loop, rec.step, events, counters, last, scalars, scores)
+        self.series.after_step(loop, rec.step, events, counters, p.spike)  # the host numbers of the step's read
 
     # ------------------------------------------------------------------ verbs
 

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 _OVERFLOW_AT = spike.EXTRAS.index("overflow_ratio")
 _GRAD = operator.attrgetter("grad")
 _LAYOUT = operator.attrgetter("layout")
+_F32 = torch.float32
 
 
 @dataclass
@@ -257,7 +258,7 @@ class StepRead:
             tail.add_step(rec, watch, op_flags, device)
         elif rec.inputs:
             unmasked = checks.unmasked_of([group for _, ends in rec.inputs for group in ends], device)
-        losses = [x.to(device, torch.float32) for x in rec.losses]
+        losses = [x if x.dtype is _F32 and x.device == device else x.to(device, _F32) for x in rec.losses]  # no op
         loss_total = zero
         if losses:
             loss_total = losses[0] if len(losses) == 1 and losses[0].dim() == 0 else torch.stack(losses).sum()
@@ -314,7 +315,7 @@ class StepRead:
                         grads = [local(t) for t in grads]
                     groups = plan.grouped(grads)
                     if tail is not None:  # one process: each tensor's norm to the host, which takes their L2 norm
-                        tail.add_norms(spike.tensor_norms(groups, device))
+                        tail.add_norms(spike.tensor_norms(groups, device, plan.flat))
                         parts.pop()  # not in the device total
                         continue
                     self.grad_norm = spike.global_norm(groups, device)
@@ -448,12 +449,13 @@ class _Tail:
     of several ranks (and the deferred read) reduces on the device first. A value per input tensor, watched call
     and guarded call costs the host a float to read, where a reduction on the device costs a kernel each."""
 
-    __slots__ = ("grad_norm", "norms", "op", "outputs", "parts", "values")
+    __slots__ = ("grad_norm", "inputs", "norms", "op", "outputs", "parts", "values")
 
     def __init__(self) -> None:
         self.values: list[torch.Tensor] = []
         #: per part: its slot, how many values, and the ``finfo.max`` left out of them (inputs' ends), else ``None``
         self.parts: list[tuple[int, int, float | None]] = []
+        self.inputs: list[tuple[int, int, float | None]] = []  # the inputs' parts: where, how many, the modulus
         self.norms: tuple[int, int] | None = None  # where the gradients' norms are in :attr:`values`, and how many
         self.outputs: tuple[int, int] = (0, 0)  # where the watched calls' max-|x| are in :attr:`values`, how many
         self.op: tuple[int, int] = (0, 0)  # where the op guard's flags are in :attr:`values`, how many
@@ -467,6 +469,8 @@ class _Tail:
 
     def add(self, slot: int, values: list[torch.Tensor], modulus: float | None = None) -> None:
         if values:
+            if slot == flags.INPUT:
+                self.inputs.append((len(self.values), len(values), modulus))
             self.values.extend(values)
             self.parts.append((slot, len(values), modulus))
 
@@ -517,10 +521,8 @@ class _Tail:
     def _largest_input(self, values: list[float], at: int) -> float:
         """The largest unmasked input value of the host-read tail (from ``values[at]``), its values all finite."""
         largest = 0.0
-        for slot, n, modulus in self.parts:
-            if slot == flags.INPUT:
-                largest = max(largest, checks.unmasked_on_host(values[at : at + n], modulus))
-            at += n
+        for start, n, modulus in self.inputs:
+            largest = max(largest, checks.unmasked_on_host(values[at + start : at + start + n], modulus, finite=True))
         return largest
 
 

@@ -26,13 +26,14 @@ imports nothing.
 from __future__ import annotations
 
 import logging
-import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lightning_numguard.detect import spike as spike_stats
 from lightning_numguard.engine.loop import Loop
 from lightning_numguard.reporting.report import Reporter, counter_scalars, is_tensorboard
 from lightning_numguard.reporting.trace import TRACE_FILENAME, Trace
+
+if TYPE_CHECKING:
+    from lightning_numguard.detect.spike_guard import SpikeGuard
 
 __all__ = ["THRESHOLD_TAG", "RunSeries"]
 
@@ -53,38 +54,33 @@ class RunSeries:
         self.pictured = False
 
     def after_step(
-        self,
-        loop: Loop,
-        step: int,
-        events: list[dict[str, Any]],
-        counters: dict[str, int],
-        last: tuple[int, list[float]] | None,
-        spike: dict[str, float],
-        scores: list[float | None] | None = None,
+        self, loop: Loop, step: int, events: list[dict[str, Any]], counters: dict[str, int], spike: SpikeGuard
     ) -> None:
-        """Batch end of ``step``: ``last`` is the latest host-read extras and their step, ``spike`` their scalars and
-        ``scores`` their z-scores when the caller has them (``None``: computed here)."""
+        """Batch end of ``step``: ``spike`` holds the latest host-read extras and their step (taken here, once).
+
+        The z-scores and the scalars are worked out only where they are written: on the loop's logging steps, at a
+        step with an event, at a step whose raw value reached its threshold; the trace keeps the raw values and
+        scores them when it is written."""
         before, self._seen = self._seen, len(events)
         event_steps = {int(e["step"]) for e in events[before:]}
-        zscores = [v for k, v in spike.items() if k.endswith("zscore")]
-        if zscores and self.sigma is not None:
-            spike = {**spike, THRESHOLD_TAG: float(self.sigma)}
-            if last is not None and max(zscores) > self.sigma:  # above the threshold, acted on or not (spike_action)
-                event_steps.add(last[0])
+        last = spike.take_last()
+        if last is not None and self.sigma is not None and spike.crossed(last[1]):
+            event_steps.add(last[0])  # above the threshold, acted on or not (spike_action)
         if event_steps:
             self.trace.mark(event_steps)
-        if last is not None:  # the extras hold the window's statistics: the trace keeps the scores made of them
-            read_at, values = last
-            if self.sigma is None:
-                scores = [None, None]
-            elif scores is None:
-                scores = spike_stats.scores(values, self.sigma)
-            self.trace.add(read_at, [values[0], values[1], *(math.nan if z is None else z for z in scores)])
+        if last is not None:  # the extras hold the window's statistics: the trace scores them when written
+            self.trace.add_read(*last)
         due = bool(loop.loggers) and loop.logs_due()
-        if due:  # written beside the loop's own metrics, at its step number
-            self.reporter.point(loop, loop.log_step, {**counter_scalars(counters), **spike})
-        if last is not None and spike and last[0] in event_steps and not (due and last[0] == loop.log_step):
-            self.reporter.point(loop, last[0], spike)
+        at_event = last is not None and last[0] in event_steps and not (due and last[0] == loop.log_step)
+        if due or at_event:
+            scalars = spike.scalars(last[1]) if last is not None else {}
+            if self.sigma is not None and any(k.endswith("zscore") for k in scalars):
+                scalars[THRESHOLD_TAG] = float(self.sigma)
+            if due:  # written beside the loop's own metrics, at its step number
+                self.reporter.point(loop, loop.log_step, {**counter_scalars(counters), **scalars})
+            if at_event and scalars:
+                assert last is not None
+                self.reporter.point(loop, last[0], scalars)
         if len(events) > before and loop.is_zero:
             self.trace.maybe_write(step)
 

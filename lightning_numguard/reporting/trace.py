@@ -19,6 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_numguard.detect import spike
+
 __all__ = ["COLUMNS", "MAX_EVENT_POINTS", "MAX_POINTS", "TRACE_FILENAME", "Trace", "read_trace"]
 
 #: The trace's file name, beside ``events.jsonl``.
@@ -54,13 +56,18 @@ class Trace:
     def add(self, step: int, values: Sequence[float]) -> None:
         """``step``'s host-read loss and gradient norm and their scores (``[loss, grad_norm, loss_z, grad_norm_z]``;
         ``NaN``: not judged)."""
+        self._keep(step, tuple(map(_clean, values[:4])))
+
+    def add_read(self, step: int, extras: Sequence[float]) -> None:
+        """``step``'s host-read spike extras (:data:`~lightning_numguard.detect.spike.EXTRAS`: the loss, the
+        gradient norm, their centers and thresholds first), kept as read: scored (with :attr:`sigma`) and cleaned
+        when the rows are taken, so that a step costs a tuple."""
+        self._keep(step, tuple(extras[:6]))
+
+    def _keep(self, step: int, point: tuple[float, ...]) -> None:
         if step % self.stride and step not in self.events:
             return
-        point = values[:4]
-        if math.isfinite(sum(point)) and min(point) > _MISSING:  # the usual: four finite numbers, none a mark
-            self.points[step] = tuple(map(float, point))
-        else:
-            self.points[step] = tuple(map(_clean, point))
+        self.points[step] = point
         if len(self.points) > self.max_points + len(self.events):
             self.stride *= 2
             self.points = {s: v for s, v in self.points.items() if not s % self.stride or s in self.events}
@@ -74,7 +81,14 @@ class Trace:
 
     def rows(self) -> list[tuple[int, float, float, float, float]]:
         """The kept points, in step order (a step later rolled back and run again keeps its last values)."""
-        return [(s, *self.points[s]) for s in sorted(self.points)]  # type: ignore[misc]
+        return [(s, *self._row(self.points[s])) for s in sorted(self.points)]  # type: ignore[misc]
+
+    def _row(self, point: tuple[float, ...]) -> tuple[float, ...]:
+        """A kept point as its row's four values: a step's raw extras (:meth:`add_read`) scored and cleaned."""
+        if len(point) == len(COLUMNS):
+            return point
+        scores = [None, None] if self.sigma is None else spike.scores(point, self.sigma)
+        return (_clean(point[0]), _clean(point[1]), *(math.nan if z is None else float(z) for z in scores))
 
     def maybe_write(self, step: int) -> None:
         """After an event: write now unless the file was written less than :data:`WRITE_EVERY` steps ago."""

@@ -10,6 +10,7 @@ they share. Private Lightning names are reached through :mod:`lightning_numguard
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -131,12 +132,14 @@ class TrainerLoop(Loop):
 
     # ------------------------------------------------------------------ the process group
 
-    @property
+    @functools.cached_property
     def rank(self) -> int:
+        """The trainer's global rank, read once per fit (the strategy sets it up before the fit's first hook)."""
         return int(self.trainer.global_rank)
 
-    @property
+    @functools.cached_property
     def world_size(self) -> int:
+        """The trainer's world size, read once per fit (asked at every step's read)."""
         return int(self.trainer.world_size)
 
     @property
