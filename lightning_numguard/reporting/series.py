@@ -11,7 +11,8 @@ At each batch end (host numbers the step's one read already brought: no device r
 * at every step that had an event, or whose z-score crossed the threshold (with ``spike_action=None`` too),
   the gradient norm, the z-scores and the threshold are written directly at that step (the counters that changed
   were written with the event): every such step is a point of the curves;
-* the trace (:mod:`~lightning_numguard.reporting.trace`) keeps the step's loss, gradient norm and z-scores.
+* the trace (:mod:`~lightning_numguard.reporting.trace`) keeps the step's loss and gradient norm with the window's
+  statistics, and scores them when it is written.
 
 A counter is written when it changes and on the loop's logging steps, never as a copy of another one:
 ``incidents`` moves with root causes, ``skipped_steps`` with skips, ``rollbacks`` with rollbacks, ``spikes`` with
