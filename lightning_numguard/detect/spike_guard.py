@@ -349,10 +349,7 @@ class SpikeGuard:
         return last
 
     def scalars(self, values: list[float]) -> dict[str, float]:
-        """``numguard/grad_norm`` and the z-scores of host-read extras ``values`` (no device read).
-
-        The caller hands them to :class:`~lightning_numguard.reporting.series.RunSeries` with the counters.
-        """
+        """``numguard/grad_norm`` and the z-scores of host-read extras ``values``, for the run's series (no read)."""
         metrics: dict[str, float] = {}
         if math.isfinite(values[1]) and values[1] > NOT_JUDGED:
             metrics["numguard/grad_norm"] = float(values[1])
@@ -362,9 +359,8 @@ class SpikeGuard:
         return metrics
 
     def crossed(self, values: list[float]) -> bool:
-        """Whether a z-score of host-read extras ``values`` is above ``sigma``. A score is above it only where the
-        raw value reaches its raw threshold (the cube root is monotonic; the margin covers the scores' rounding):
-        the scores are computed only then, so a usual step compares two pairs of floats."""
+        """Whether a z-score of host-read extras ``values`` is above ``sigma``: computed only where a raw value reaches
+        its raw threshold (the cube root is monotonic; the margin covers rounding), else two pairs of floats."""
         loss, grad_norm, _, _, top_loss, top_grad_norm = values[:6]
         if not (loss >= top_loss - abs(top_loss) * 1e-6 or grad_norm >= top_grad_norm - abs(top_grad_norm) * 1e-6):
             return False
@@ -372,7 +368,7 @@ class SpikeGuard:
 
     def scores_of(self, values: list[float]) -> list[float | None]:
         """:func:`~lightning_numguard.detect.spike.scores` of host-read extras ``values`` (``None``: not judged),
-        computed once per read: :meth:`scalars` and the run's series both use them."""
+        computed once per read: the judgement, :meth:`crossed` and :meth:`scalars` share them."""
         scored = self._scored
         if scored is None or scored[0] is not values:
             scored = self._scored = (values, spike.scores(values, self.sigma))
