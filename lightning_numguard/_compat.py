@@ -10,10 +10,8 @@ are reached through the trainer passed in), so ``core/`` may use it too.
 from __future__ import annotations
 
 import inspect
-import itertools
 import logging
 import math
-import operator
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
@@ -166,7 +164,6 @@ def train_results(trainer: Any) -> dict[str, Any] | None:
 
 
 _METRIC_DICTS = ("_callback_metrics", "_progress_bar_metrics", "_logged_metrics")
-_metric_dicts_of = operator.attrgetter(*_METRIC_DICTS)
 
 
 def logger_metric_dicts(trainer: Any) -> list[dict[str, Any]] | None:
@@ -176,11 +173,9 @@ def logger_metric_dicts(trainer: Any) -> list[dict[str, Any]] | None:
     put back their contents as they were before a discarded step, so it needs the dicts themselves
     (``trainer._logger_connector._callback_metrics`` and its two siblings). Missing: ``None`` (not withdrawn).
     """
-    try:
-        dicts = list(_metric_dicts_of(trainer._logger_connector))  # the three in one C call
-    except AttributeError:
-        return None
-    return dicts if all(map(isinstance, dicts, itertools.repeat(dict))) else None
+    connector = getattr(trainer, "_logger_connector", None)
+    dicts = [getattr(connector, n, None) for n in _METRIC_DICTS]
+    return dicts if all(isinstance(d, dict) for d in dicts) else None  # type: ignore[return-value]
 
 
 _RESULT_FIELDS = ("value", "cumulated_batch_size", "_forward_cache", "has_reset")
@@ -230,6 +225,9 @@ def foreach_norm_f32(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [n.float() for n in torch._foreach_norm(list(tensors), 2)]
 
 
+_flatten: Callable[[list[torch.Tensor]], torch.Tensor] | None = getattr(torch._utils, "_flatten_dense_tensors", None)
+
+
 def flat_norm_f32(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """0-d float32: the L2 norm of small tensors of one CPU device and dtype laid end to end (their global norm).
 
@@ -238,8 +236,7 @@ def flat_norm_f32(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     flattened views that DDP's bucketing uses (no Python loop over the tensors); a build without it takes the same
     views in Python.
     """
-    flatten = getattr(torch._utils, "_flatten_dense_tensors", None)
-    flat = flatten(list(tensors)) if flatten is not None else torch.cat([t.reshape(-1) for t in tensors])
+    flat = _flatten(list(tensors)) if _flatten is not None else torch.cat([t.reshape(-1) for t in tensors])
     if flat.dtype in (torch.float16, torch.bfloat16):  # accumulated in float32
         return torch.linalg.vector_norm(flat, dtype=torch.float32)
     norm = torch.linalg.vector_norm(flat)  # float64 (and complex) in their own precision, then as float32

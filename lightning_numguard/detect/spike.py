@@ -415,17 +415,15 @@ def headroom(
     return best, index.masked_fill_(best < 1.0 / factor, -1)
 
 
-def tensor_norms(
-    groups: list[list[torch.Tensor]], device: torch.device, flat: Sequence[bool] = ()
-) -> list[torch.Tensor]:
+def tensor_norms(groups: list[list[torch.Tensor]], device: torch.device, flat: Sequence[bool]) -> list[torch.Tensor]:
     """L2 norms, 0-d float32 on ``device``, whose L2 norm is the global norm of :func:`global_norm`'s ``groups``:
     each tensor's, in order, with one fused ``_foreach_norm`` per group; of a group marked in ``flat``
-    (:attr:`~lightning_numguard.detect.checks.TotalPlan.flat`: small CPU tensors), one norm of the whole group
-    laid end to end. No sync. One process's read takes their global norm on the host."""
+    (:attr:`~lightning_numguard.detect.checks.TotalPlan.flat`, one flag per group: small CPU tensors), one norm of
+    the whole group laid end to end. No sync. One process's read takes their global norm on the host."""
     norms: list[torch.Tensor] = []
-    for i, tensors in enumerate(groups):
+    for tensors, whole in zip(groups, flat):
         if tensors:
-            parts = [flat_norm_f32(tensors)] if i < len(flat) and flat[i] else foreach_norm_f32(list(tensors))
+            parts = [flat_norm_f32(tensors)] if whole else foreach_norm_f32(list(tensors))
             norms.extend(parts if parts[0].device == device else [p.to(device, non_blocking=True) for p in parts])
     return norms
 

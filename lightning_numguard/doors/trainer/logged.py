@@ -44,7 +44,7 @@ class LoggedValues:
             self._results = self._dicts = None
             return
         self._results = {key: _compat.result_metric_state(metric) for key, metric in results.items()}
-        self._dicts = list(map(dict, dicts))
+        self._dicts = [dict(d) for d in dicts]
 
     def discard(self, trainer: pl.Trainer) -> None:
         """Put the results back as :meth:`mark` left them: the step logged nothing."""
