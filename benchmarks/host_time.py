@@ -1,6 +1,6 @@
 """The guard's host time per step, the device work taken out: the table of ``docs/performance.md``.
 
-    python -m benchmarks.host_time [--rounds 5] [--steps 60] [--write docs/performance.md]
+    python -m benchmarks.host_time [--rounds 5] [--steps 60] [--models tiny,mlp] [--parts] [--write docs/performance.md]
 
 Two models of one shape, the benchmark MLP (512-768-768-768-10, 1.6M parameters, batch 128) and the same
 four-``Linear`` network 8 wide (batch 4), whose kernels cost next to nothing: on the tiny one the step time added to
@@ -9,6 +9,10 @@ fits on one torch thread (``baseline``, ``numguard_default``, ``floor_default``)
 machine's other tenants do not inflate it), median over the steps after the warm-up, then over rounds; the added
 time is the median over rounds of each round's difference with its own baseline. The last column is the guard's
 own hooks, timed inside them (``benchmarks.hook_profile``), in microseconds per step, and the largest parts.
+
+``--parts`` times, in the same interleaved rounds, the defaults with one part left out each and the floor without
+its output reads (``benchmarks.variants.PARTS``, ``FLOOR_PARTS``), and prints (and writes) what each part adds to a
+step: the median over rounds of the defaults' step minus the step without the part.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from benchmarks.harness import quiet, time_model
 from benchmarks.hook_profile import hook_times
+from benchmarks.variants import FLOOR_PARTS, PARTS
 from instruments import bench_models
 from instruments.markdown import replace_block
 
@@ -44,10 +49,11 @@ def tiny_mlp(n_batches: int) -> bench_models.ModelSpec:
 
 
 def measure(spec: bench_models.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
-    timed = time_model(spec, VARIANTS, args)
+    variants = VARIANTS + ([*PARTS, *FLOOR_PARTS] if args.parts else [])
+    timed = time_model(spec, variants, args)
     base = timed["baseline"]["rounds"]
     out: dict[str, Any] = {"description": spec.description}
-    for v in VARIANTS:
+    for v in variants:
         rounds = timed[v]["rounds"]
         added = [1e3 * (x["median_cpu_step_ms"] - b["median_cpu_step_ms"]) for x, b in zip(rounds, base)]
         out[v] = {
@@ -55,6 +61,12 @@ def measure(spec: bench_models.ModelSpec, args: argparse.Namespace) -> dict[str,
             "added_us": statistics.median(added),
             "ratio": timed[v]["cpu_ratio_median"],
         }
+    if args.parts:  # what each part adds: the round's full step minus the round's step without it
+        for v, whole in [*((v, "numguard_default") for v in PARTS), *((v, "floor_default") for v in FLOOR_PARTS)]:
+            rounds = zip(timed[whole]["rounds"], timed[v]["rounds"])
+            out[v]["part_us"] = statistics.median(
+                1e3 * (a["median_cpu_step_ms"] - b["median_cpu_step_ms"]) for a, b in rounds
+            )
     profile = hook_times(spec, "numguard_default", args)
     parts = sorted(((us, k.split(":", 1)[1]) for k, (us, _) in profile["rows"].items()), reverse=True)
     out["hooks_us"] = profile["hooks_us"]
@@ -80,21 +92,42 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def parts_table(results: dict[str, dict[str, Any]]) -> str:
+    """Per model, what each part of the defaults (and the floor's output reads) adds to a step, in µs."""
+    names = {**PARTS, **FLOOR_PARTS}
+    lines = ["| model | " + " | ".join(names.values()) + " |", "|---|" + "---:|" * len(names)]
+    for name, r in results.items():
+        lines.append(f"| {name} | " + " | ".join(f"{r[v]['part_us']:+.0f} µs" for v in names) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_time", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--write", metavar="MARKDOWN", help="replace the host_time block of this file")
+    p.add_argument("--models", default="tiny,mlp", help="of tiny (the host cost) and mlp (the benchmark MLP)")
+    p.add_argument("--parts", action="store_true", help="also what each part of the defaults adds to a step")
+    p.add_argument("--write", metavar="MARKDOWN", help="replace the host_time block(s) of this file")
     args = p.parse_args(argv)
+    models = args.models.split(",")
+    if not models or set(models) - {"tiny", "mlp"}:
+        p.error(f"--models takes tiny and/or mlp, got {args.models!r}")
     args.device, args.precision = "cpu", "32"
     torch.set_num_threads(1)
     quiet()
-    specs = [tiny_mlp(args.steps + 2), bench_models.build("mlp", args.steps + 2, "cpu")]
-    text = table({spec.name: measure(spec, args) for spec in specs})
+    make = {"tiny": lambda: tiny_mlp(args.steps + 2), "mlp": lambda: bench_models.build("mlp", args.steps + 2, "cpu")}
+    specs = [make[m]() for m in models]
+    results = {spec.name: measure(spec, args) for spec in specs}
+    text = table(results)
     print(text)
     if args.write:
         replace_block(args.write, "host_time", text)
+    if args.parts:
+        parts = parts_table(results)
+        print(parts)
+        if args.write:
+            replace_block(args.write, "host_time_parts", parts)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ Variants:
   numguard_all                  every check every step: output hooks, parameters, optimizer state
   numguard_all_no_outputs       every check but ``outputs`` (the forward hooks off)
   numguard_no_ops               defaults without ``ops`` (no TorchFunctionMode)
+  numguard_no_outputs           defaults without ``outputs`` (no forward hooks on the blocks)
+  numguard_no_inputs            defaults without ``inputs`` (the batch not checked)
   numguard_snapshot_every_step  defaults with ``snapshot_every_n_steps=1``
   numguard_deferred             defaults with ``sync_mode="deferred"`` (no host read per step)
   detect_anomaly                ``Trainer(detect_anomaly=True)``
@@ -18,6 +20,8 @@ Variants:
                                 in ``on_before_optimizer_step``
   floor_default                 ``instruments.floor.FloorGuard()``: only the reads the defaults make (inputs, block
                                 outputs, loss, gradients), one host read, no machinery: the floor under the defaults
+  floor_no_outputs              ``FloorGuard(outputs=False)``: the floor without the block outputs' reads (their
+                                forward hooks), the reference for what reading the outputs costs at the least
   floor_all                     ``FloorGuard(every=True)``: parameters and optimizer state too (the floor under
                                 ``numguard_all``)
 """
@@ -35,7 +39,16 @@ from pytorch_lightning.callbacks import Callback, SpikeDetection
 from instruments.floor import FloorGuard
 from lightning_numguard.callbacks import NumGuardCallback
 
-__all__ = ["ALL_CHECKS", "DEFAULT_CHECKS", "VARIANTS", "NaiveIsFinite", "incidents", "make_variant"]
+__all__ = [
+    "ALL_CHECKS",
+    "DEFAULT_CHECKS",
+    "FLOOR_PARTS",
+    "PARTS",
+    "VARIANTS",
+    "NaiveIsFinite",
+    "incidents",
+    "make_variant",
+]
 
 VARIANTS = (
     "baseline",
@@ -45,16 +58,28 @@ VARIANTS = (
     "numguard_all",
     "numguard_all_no_outputs",
     "numguard_no_ops",
+    "numguard_no_outputs",
+    "numguard_no_inputs",
     "numguard_snapshot_every_step",
     "numguard_deferred",
     "detect_anomaly",
     "spike_detection",
     "naive_isfinite",
     "floor_default",
+    "floor_no_outputs",
     "floor_all",
 )
 ALL_CHECKS = ["inputs", "outputs", "ops", "loss", "grads", "buffers", "params", "optimizer_state"]
 DEFAULT_CHECKS = list(inspect.signature(NumGuardCallback).parameters["check"].default)
+#: the defaults with one part left out, by the part (what the part costs is ``numguard_default`` minus the variant)
+PARTS = {
+    "numguard_no_outputs": "the block outputs (`outputs`)",
+    "numguard_no_inputs": "the batch (`inputs`)",
+    "numguard_no_ops": "the op guard (`ops`)",
+    "numguard_no_spike": "the spike statistics and overflow headroom (`spikes`)",
+}
+#: the floor with one part left out (what it costs is ``floor_default`` minus the variant)
+FLOOR_PARTS = {"floor_no_outputs": "the floor's block outputs (a `sum` each)"}
 
 
 class NaiveIsFinite(Callback):
@@ -85,9 +110,14 @@ def make_variant(name: str, tmp: Path) -> tuple[dict[str, Any], list[Callback]]:
             dirpath=ng, check=[c for c in ALL_CHECKS if c != "outputs"]
         ),
         "numguard_no_ops": lambda: NumGuardCallback(dirpath=ng, check=[c for c in DEFAULT_CHECKS if c != "ops"]),
+        "numguard_no_outputs": lambda: NumGuardCallback(
+            dirpath=ng, check=[c for c in DEFAULT_CHECKS if c != "outputs"]
+        ),
+        "numguard_no_inputs": lambda: NumGuardCallback(dirpath=ng, check=[c for c in DEFAULT_CHECKS if c != "inputs"]),
         "spike_detection": lambda: SpikeDetection(mode="min", exclude_batches_path=str(tmp / "spike")),
         "naive_isfinite": NaiveIsFinite,
         "floor_default": FloorGuard,
+        "floor_no_outputs": lambda: FloorGuard(outputs=False),
         "floor_all": lambda: FloorGuard(every=True),
     }
     if name == "baseline":

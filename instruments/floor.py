@@ -5,7 +5,8 @@ block the guard's watch selects, the loss, every gradient, the floating buffers)
 on the device (``core.checks.TotalPlan``: a float32 ``sum`` of each large CPU tensor, one fused call for the small
 ones, the parameters and optimizer state included), and reads one vector back per step. It names nothing, keeps no
 record, takes no snapshot and cannot roll back: after a non-finite value it only drops the step's gradients. With
-``every=True`` it also reads the parameters and the optimizer state every step, as ``check`` with every entry does.
+``every=True`` it also reads the parameters and the optimizer state every step, as ``check`` with every entry does;
+with ``outputs=False`` it reads no block output (no forward hook), the reference for what reading them costs.
 
 Timed in the same interleaved rounds as the guard, its ratio to the baseline is what the bytes and the hooks cost
 on this machine; the guard's ratio minus the floor's is what the guard's machinery (attribution, records, the op
@@ -57,8 +58,9 @@ class FloorGuard(Callback):
             in ms: what its reads cost the training thread, without what they cost indirectly (caches, allocator).
     """
 
-    def __init__(self, every: bool = False) -> None:
+    def __init__(self, every: bool = False, outputs: bool = True) -> None:
         self.every = every
+        self.outputs = outputs
         self.bad_steps = 0
         self._outputs: list[torch.Tensor] = []
         self._handles: list[Any] = []
@@ -77,7 +79,7 @@ class FloorGuard(Callback):
         self._buffers = [b for b in pl_module.buffers() if b.is_floating_point() and b.numel()]
         self._buffer_plan = TotalPlan(self._buffers)
         self._device = pl_module.device
-        for _, module in blocks:
+        for _, module in blocks if self.outputs else ():
             self._handles.append(module.register_forward_hook(_SumHook(self)))
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

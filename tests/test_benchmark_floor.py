@@ -53,3 +53,14 @@ def test_the_floor_hooks_the_blocks_the_guards_watch_selects(tmp_path: Any) -> N
     finally:
         floor.teardown(None, model, "fit")
     assert not model.body[1]._forward_hooks
+
+
+def test_the_floor_without_outputs_hooks_nothing_and_still_sees_the_gradients(tmp_path: Any) -> None:
+    model = FaultModel()
+    floor = FloorGuard(outputs=False)
+    floor.setup(None, model, "fit")
+    assert floor._handles == []
+    floor.teardown(None, model, "fit")
+    floor = FloorGuard(outputs=False)
+    trainer(tmp_path, [floor], max_steps=6).fit(FaultModel(site="grad", step=3), loader(FaultData(site="grad")))
+    assert floor.bad_steps == 1
