@@ -64,6 +64,7 @@ CHECK_OF: tuple[tuple[str, str], ...] = (
     ("engine.read:StepRead.slot_values.inputs", "inputs"),
     ("engine.read:StepRead.slot_values.suspicious", "suspicious inputs"),
     ("engine.read:StepRead.slot_values.loss", "loss"),
+    ("engine.read:StepRead._loss_total", "loss"),
     ("engine.record:StepRecorder.begin", "inputs"),
     ("engine.record:StepRecorder.record_loss", "loss"),
     ("engine.record", "step record (buffers, RNG)"),

@@ -244,7 +244,10 @@ class SpikeWindow:
         self._stats: torch.Tensor | None = None
         self._age = 0  # pushes since the statistics were computed
         self._armed = False  # the statistics were computed with the warm-up complete
-        self._host: tuple[torch.Tensor, Any] | None = None  # a CPU window and a numpy view of it (see push_host)
+        self._host: tuple[torch.Tensor, Any] | None = None  # a CPU window and a float32 view of its memory (push_host)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_host": None}  # a view of memory is made again at the next push
 
     def to(self, device: torch.device) -> SpikeWindow:
         """Keep the window on ``device`` (once per fit; a no-op when it is there)."""
@@ -294,8 +297,12 @@ class SpikeWindow:
             if values.device.type != "cpu":
                 self.push(torch.tensor((loss, grad_norm), dtype=torch.float32).to(values.device, non_blocking=True))
                 return
-            host = self._host = (values, values.numpy())
-        host[1][self.pos] = (_f32_range(loss), _f32_range(grad_norm))
+            if not values.is_contiguous():
+                self.values = values = values.contiguous()
+            host = self._host = (values, values.numpy().data.cast("B").cast("f"))  # float32, row after row
+        view, row = host[1], 2 * self.pos
+        view[row] = _f32_range(loss)
+        view[row + 1] = _f32_range(grad_norm)
         self.push()
 
     def valid(self) -> list[int]:

@@ -149,6 +149,7 @@ _ROWS = operator.attrgetter("rows")  # a hook's rows from compiled regions (any(
 _SLOT, _OUTPUT = operator.itemgetter(1), operator.itemgetter(2)  # of a pending eager call: (stamp, slot, output)
 _DEVICE, _DTYPE = operator.attrgetter("device"), operator.attrgetter("dtype")
 _grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling  # one lookup (dynamo folds the call by the function itself)
 _dead_ref: weakref.ref[Any] = weakref.ref(_Nothing())  # dead at once: what a deep copy's hooks hold
 
 
@@ -194,7 +195,7 @@ class _Hook:
             return
         # compiled: no identity check (a guard on the module's id would compile a shared block's graph once per
         # block); a deep copy's hooks are inert anyway (__deepcopy__)
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             watch.record_output(self, output)
         elif id(module) == self.module_id:
             watch.record_eager(self, output)
@@ -346,6 +347,9 @@ class OutputWatch:
 
     def reset(self) -> None:
         """Forget the records of the current step. No kernel."""
+        self._last_out = None
+        if not self._calls and not self._peaks:  # nothing recorded, pending or settled (a step's second reset)
+            return
         self._pending.clear()
         if any(map(_ROWS, self._hooks)):  # a compiled region's rows not settled
             for hook in self._hooks:
@@ -354,7 +358,6 @@ class OutputWatch:
         self._calls = 0
         self._records.clear()
         self._peaks.clear()
-        self._last_out = None
 
     def record_output(self, hook: _Hook, output: Any) -> None:
         """One forward call of ``hook``'s module: keep its floating outputs (eager) or trace their row peaks
@@ -411,12 +414,12 @@ class OutputWatch:
         """Reduce the calls recorded since the last settle to one max-|x| each, in execution order, and drop the
         references to their outputs (no sync; nothing to do when nothing was recorded). Eager outputs and the rows
         of compiled regions alike go through one ``_foreach_norm(ord=inf)`` per device and dtype."""
-        pending, hooks = self._pending, self._hooks
         self._last_out = None
+        if not self._calls:  # nothing recorded since the last settle (most calls): every record moves the counter
+            return
+        self._calls = 0
+        pending, hooks = self._pending, self._hooks
         if not any(map(_ROWS, hooks)):  # eager calls only (the usual): in execution order already
-            if not pending:  # nothing since the last settle (most calls)
-                return
-            self._calls = 0
             index = len(self._peaks)
             outputs = list(map(_OUTPUT, pending))
             self._peaks.append(_peaks_of(outputs))  # 0-d values, each a tensor of its own
@@ -424,7 +427,6 @@ class OutputWatch:
             self._records.extend(zip(map(_SLOT, pending), places))
             pending.clear()
             return
-        self._calls = 0
         index = len(self._peaks)
         calls = [(stamp, slot, t, t.dtype) for stamp, slot, t in pending]
         pending.clear()

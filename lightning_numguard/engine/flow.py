@@ -135,7 +135,7 @@ class StepFlow:
         new_step = p.recorder.record is None
         acting = self.settings.acting
         rec = p.recorder.begin(loop, batch, batch_idx, acting, p.snapshots.stateful)
-        skip, flag = p.recovery.flag_batch(rec, batch, batch_idx, loop.step, new_step)
+        skip, flag = p.recovery.flag_batch(rec, batch, batch_idx, loop, new_step)
         if skip is not None:
             p.recorder.force_skip(skip)
         p.recorder.flag_quarantine(flag)

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 _OVERFLOW_AT = spike.EXTRAS.index("overflow_ratio")
 _GRAD = operator.attrgetter("grad")
 _LAYOUT = operator.attrgetter("layout")
+_PARAMS = operator.itemgetter("params")
+_STRIDED = torch.strided
 _F32 = torch.float32
 
 
@@ -78,9 +80,10 @@ class StepRead:
         self._start_checked: Named = []  # checked buffers paired with their start-of-step copies
         self.unchecked_buffers: set[str] = set()
         self.checked_buffers: Named = []
-        # Per optimizer: its param groups' layout (key), the names and parameters checked, and their plan.
+        # Per optimizer: its param groups' lists and their lengths (the key), the names and parameters checked, and
+        # their plan.
         self._opt_params: dict[
-            int, tuple[Any, list[tuple[list[Any], int]], list[str], list[torch.Tensor], checks.TotalPlan]
+            int, tuple[Any, list[list[Any]], list[int], list[str], list[torch.Tensor], checks.TotalPlan]
         ] = {}
         #: the segments of the last ``NORMS`` total and their totals on the device (see :meth:`norm_total`)
         self.norm_parts: tuple[list[str], torch.Tensor] | None = None
@@ -98,7 +101,6 @@ class StepRead:
         #: the step's global gradient L2 norm (0-d, on the device) when the spike statistics carry it, else ``None``
         self.grad_norm: torch.Tensor | None = None
         self._zeros: dict[torch.device, torch.Tensor] = {}
-        self._kept_at: dict[tuple[bool, ...], list[int]] = {}  # where one process's stacked slots go (_stack_read)
 
     @property
     def plan_applies(self) -> bool:
@@ -152,56 +154,74 @@ class StepRead:
         """Pack every flag of the step, all-reduce once, read once (the step's one host sync); ``step``: the loop's
         step, when the caller has it."""
         self.recorder.mark_read(loop.step if step is None else step, seen=True)
-        world = loop.world_size
+        if loop.world_size == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
+            return self._read_here(loop, optimizer, snapshot_due)
         n = self.extras_at
-        if world == 1:  # nothing to reduce: the host judges the raw values (one stack, the step's one read)
-            tail = _Tail()
-            slots, segments, carried = self.slot_values(loop, optimizer, snapshot_due, tail=tail)
-            read = carried or []  # the spike statistics the host does not hold yet
-            values = self._stack_read(list(slots.values()), [*read, *tail.values], loop.device)
-            extras: list[float] = []
-            if carried is not None:  # the extras as host numbers, in their place (the loss: its slot's, when there)
-                rec = self.recorder.record
-                loss = values[flags.LOSS] if rec is not None and rec.losses else math.nan
-                values[n : n + len(read)] = extras = self.spike.host_extras(loss, values[n : n + len(read)])
-            at = n + len(extras)
-            if extras and self.spike.host_headroom_due:  # the blocks' headroom, of the watched calls' values as read
-                start, count = tail.outputs
-                watch = self.recorder.watch
-                assert watch is not None  # due only with a watch that recorded
-                peaks = watch.host_ranges(values[at + start : at + start + count])
-                ratio = n + _OVERFLOW_AT
-                values[ratio], values[ratio + 1] = self.spike.host_headroom(peaks, watch.names)
-            tail.fold(values, at, self.max_abs_input is not None)
-            if extras:  # the loss and the gradient norm join the spike window from the host, at batch end
-                if tail.grad_norm is not None:
-                    values[n + 1] = tail.grad_norm
-                self.spike.take_host_row(values[n], values[n + 1])
-            seen = flags.decode_raw(values[: len(flags.SLOTS)], self.max_abs_input)
-            if self.extra:
-                seen = flags.StepFlags(seen.ranks + _extra.seen_raw(self.extra, values[len(flags.SLOTS) : n]))
-            return Reading(seen, segments, values[n : n + len(extras)])
         slots, segments, device_extras = self.slot_values(loop, optimizer, snapshot_due)
         values = self.reduce(loop, slots, device_extras).tolist()  # the one host read of the step
-        return Reading(flags.decode(values[:n], world), segments, values[n:])
+        return Reading(flags.decode(values[:n], loop.world_size), segments, values[n:])
 
-    def _stack_read(self, slots: list[torch.Tensor], extras: list[torch.Tensor], device: torch.device) -> list[float]:
-        """One process's read: the slot values and ``extras`` in one ``stack``, read once; a slot that holds the
-        device's constant zero (most do: the tail carries their values) is not stacked but 0.0 on the host (a value
-        stacked costs the host an ``unsqueeze``). Where the stacked slots go is worked out once per pattern."""
-        keep = tuple(map(operator.is_not, slots, itertools.repeat(self._zeros.get(device))))
-        if extras or any(keep):
-            slots = list(itertools.compress(slots, keep))
-        values: list[float] = flags.stack_raw(slots, extras).tolist()
-        if len(slots) == len(keep):
-            return values
-        at = self._kept_at.get(keep)
-        if at is None:
-            at = self._kept_at[keep] = [i for i, k in enumerate(keep) if k]
-        host = [0.0] * len(keep)
-        list(map(host.__setitem__, at, values))  # the stacked slots' values in their places (a C loop)
-        host += values[len(slots) :]
-        return host
+    def _read_here(self, loop: Loop, optimizer: Any, snapshot_due: bool) -> Reading:
+        """One process's read: the slots that hold a device value, the spike statistics the host does not hold yet
+        and the tail (:class:`_Tail`: the inputs' ends, the watched calls' values, the op guard's flags, the
+        gradients' norms) in one ``stack``, read once; the host reduces the tail into its slots and decodes them. A
+        slot left at the device's constant zero is not stacked but 0.0 on the host (a value stacked costs the host an
+        ``unsqueeze``)."""
+        rec = self.recorder.record
+        assert rec is not None
+        device = loop.device
+        segments = self._segments(loop, optimizer, snapshot_due)
+        watch = self.recorder.watch
+        watch = watch if watch is not None and watch.enabled else None
+        tail = _Tail()
+        tail.add_step(rec, watch, self._op_flags(), device)
+        zero = self._zero(device)
+        stacked: list[torch.Tensor] = []  # the slots that hold a device value, in slot order
+        places: list[int] = []  # and their slots
+        total = self.norm_total(segments, device, zero, tail)
+        if total is not zero:
+            stacked.append(total)
+            places.append(flags.NORMS)
+        loss = self._loss_total(rec.losses, device)
+        if loss is not None:
+            stacked.append(loss)
+            places.append(flags.LOSS)
+        if rec.quarantine_flag is not None:
+            stacked.append(rec.quarantine_flag.to(device))
+            places.append(flags.QUARANTINE)
+        if self.extra:  # the checks passed as extra_checks: one value each, after the slots
+            stacked.extend(_extra.slot_values(self.extra, rec.checks, device, zero))
+            places.extend(range(len(flags.SLOTS), self.extras_at))
+        carried = self._spike_extras(loop, rec, loss, watch, device, host_row=True)
+        read = carried or []  # the spike statistics the host does not hold yet
+        n = self.extras_at
+        values = [0.0] * n
+        if stacked or read or tail.values:
+            raw: list[float] = flags.stack_raw([*stacked, *read, *tail.values]).tolist()  # the step's one read
+            for slot, value in zip(places, raw):
+                values[slot] = value
+            values += raw[len(places) :]
+        extras: list[float] = []
+        if carried is not None:  # the extras as host numbers, in their place (the loss: its slot's, when there)
+            values[n : n + len(read)] = extras = self.spike.host_extras(
+                values[flags.LOSS] if loss is not None else math.nan, values[n : n + len(read)]
+            )
+        at = n + len(extras)
+        if extras and self.spike.host_headroom_due:  # the blocks' headroom, of the watched calls' values as read
+            start, count = tail.outputs
+            assert watch is not None  # due only with a watch that recorded
+            peaks = watch.host_ranges(values[at + start : at + start + count])
+            ratio = n + _OVERFLOW_AT
+            values[ratio], values[ratio + 1] = self.spike.host_headroom(peaks, watch.names)
+        tail.fold(values, at, self.max_abs_input is not None)
+        if extras:  # the loss and the gradient norm join the spike window from the host, at batch end
+            if tail.grad_norm is not None:
+                values[n + 1] = tail.grad_norm
+            self.spike.take_host_row(values[n], values[n + 1])
+        seen = flags.decode_raw(values[: len(flags.SLOTS)], self.max_abs_input)
+        if self.extra:
+            seen = flags.StepFlags(seen.ranks + _extra.seen_raw(self.extra, values[len(flags.SLOTS) : n]))
+        return Reading(seen, segments, values[n : n + len(extras)])
 
     def pack(self, loop: Loop, optimizer: Any, snapshot_due: bool) -> torch.Tensor:
         """The step's reduced flag vector on the device, without its host read (``sync_mode="deferred"``), followed
@@ -222,22 +242,45 @@ class StepRead:
         return reduced
 
     def slot_values(
-        self, loop: Loop, optimizer: Any, snapshot_due: bool, tail: _Tail | None = None
+        self, loop: Loop, optimizer: Any, snapshot_due: bool
     ) -> tuple[dict[str, torch.Tensor], dict[str, Named], list[torch.Tensor] | None]:
         """The step's 0-d slot values on the device, in :data:`~lightning_numguard.detect.flags.SLOTS` order, named as
         :func:`~lightning_numguard.detect.flags.pack`'s arguments, and the named tensors of its ``NORMS`` slot; no sync.
 
-        Shared by :meth:`read` and :meth:`pack`; the third value is the spike statistics' 0-d extras (or ``None``).
-        ``tail``: the values go to the host as they are (one process). Then the inputs' ends, the watched outputs'
-        values and the op guard's flags go into ``tail`` as they are, for the host to reduce into their slots after
-        the read (:meth:`_Tail.fold`: no reduction kernel), and the host compares the largest unmasked input value
-        with ``max_abs_input`` (:func:`~lightning_numguard.detect.flags.decode_raw`); otherwise each is reduced here,
-        on the device, and the ``suspicious`` slot is the comparison's bool.
+        The read of several ranks and :meth:`pack` (one process's read lays most of these values in its one vector
+        as they are: :meth:`_read_here`); the third value is the spike statistics' 0-d extras (or ``None``). The
+        inputs' ends, the watched outputs' values and the op guard's flags are reduced here, on the device, and the
+        ``suspicious`` slot is the comparison's bool.
         """
         rec = self.recorder.record
         assert rec is not None
         device = loop.device
-        # Everything state- and gradient-checked goes into one slot (see norm_total).
+        segments = self._segments(loop, optimizer, snapshot_due)
+        zero = self._zero(device)
+        unmasked = zero  # non-finite exactly when an input is: the input slot's total too (no second reduction)
+        if rec.inputs:
+            unmasked = checks.unmasked_of([group for _, ends in rec.inputs for group in ends], device)
+        watch = self.recorder.watch
+        watch = watch if watch is not None and watch.enabled else None
+        op_flags = self._op_flags()
+        loss = self._loss_total(rec.losses, device)
+        slots = {
+            "input_max": unmasked,
+            "norm_total": self.norm_total(segments, device, zero),
+            "output_total": watch.total(device) if watch is not None else zero,
+            "loss_total": zero if loss is None else loss,
+            # a bool, which the pack's stack makes 0.0/1.0 (no op)
+            "suspicious": zero if self.max_abs_input is None else unmasked >= self.max_abs_input,
+            "op": _any_flag(op_flags, device) if op_flags else zero,
+            "quarantine": rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
+        }
+        if self.extra:  # the checks passed as extra_checks: a 0/1 flag each, to rank-encode
+            values = _extra.as_flags(self.extra, _extra.slot_values(self.extra, rec.checks, device, zero))
+            slots.update({f"check:{c.kind}": v for c, v in zip(self.extra, values)})
+        return slots, segments, self._spike_extras(loop, rec, loss, watch, device, host_row=False)
+
+    def _segments(self, loop: Loop, optimizer: Any, snapshot_due: bool) -> dict[str, Named]:
+        """The named tensors of the step's ``NORMS`` slot, by segment (see :meth:`norm_total`)."""
         segments: dict[str, Named] = {}
         for name in self._wanted[snapshot_due]:
             if named := self.segment(name, loop):
@@ -246,44 +289,41 @@ class StepRead:
             segments["grads"] = self.grads(optimizer)
         if self._every_buffer:  # buffers after the forward pass (BatchNorm running stats)
             segments["live_buffers"] = self.checked_buffers
+        return segments
+
+    def _zero(self, device: torch.device) -> torch.Tensor:
+        """A 0-d float32 zero on ``device``, made once (never written to)."""
         zero = self._zeros.get(device)
-        if zero is None:  # a 0-d zero per device, made once (never written to)
+        if zero is None:
             zero = self._zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
-        unmasked = zero  # non-finite exactly when an input is: the input slot's total too (no second reduction)
-        watch = self.recorder.watch
-        watch = watch if watch is not None and watch.enabled else None
+        return zero
+
+    def _op_flags(self) -> list[torch.Tensor]:
+        """The op guard's flags of this step's guarded calls (0-d bools on the device)."""
         opguard = self.recorder.opguard
-        op_flags = [r.flag for r in opguard.records] if opguard is not None else []
-        if tail is not None:  # one process: the host reduces them after the read
-            tail.add_step(rec, watch, op_flags, device)
-        elif rec.inputs:
-            unmasked = checks.unmasked_of([group for _, ends in rec.inputs for group in ends], device)
-        losses = [x if x.dtype is _F32 and x.device == device else x.to(device, _F32) for x in rec.losses]  # no op
-        loss_total = zero
-        if losses:
-            loss_total = losses[0] if len(losses) == 1 and losses[0].dim() == 0 else torch.stack(losses).sum()
-        self.grad_norm = None
-        slots = {
-            "input_max": unmasked,
-            "norm_total": self.norm_total(segments, device, zero, tail),
-            "output_total": watch.total(device) if watch is not None and tail is None else zero,
-            "loss_total": loss_total,
-            # one process: the host folds and compares; else a bool, which the pack's stack makes 0.0/1.0 (no op)
-            "suspicious": zero if self.max_abs_input is None or tail is not None else unmasked >= self.max_abs_input,
-            "op": _any_flag(op_flags, device) if op_flags and tail is None else zero,
-            "quarantine": rec.quarantine_flag.to(device) if rec.quarantine_flag is not None else zero,
-        }
-        if self.extra:  # the checks passed as extra_checks: one value each (several ranks: a 0/1 flag to rank-encode)
-            values = _extra.slot_values(self.extra, rec.checks, device, zero)
-            values = values if tail is not None else _extra.as_flags(self.extra, values)
-            slots.update({f"check:{c.kind}": v for c, v in zip(self.extra, values)})
-        extras = None
-        if self.spike is not None and self.spike.enabled and not rec.spike_read:
-            self.recorder.mark_spike_read()  # the step's first read only (a further optimizer: its gradients alone)
-            loss = loss_total if losses else None
-            rank, world = loop.rank, loop.world_size
-            extras = self.spike.extras(loss, self.grad_norm, watch, device, rank, world, host_row=tail is not None)
-        return slots, segments, extras
+        return [r.flag for r in opguard.records] if opguard is not None and opguard.records else []
+
+    @staticmethod
+    def _loss_total(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+        """0-d float32 on ``device``: the step's loss, or the sum of its micro-batches' (``None``: none kept)."""
+        if not losses:
+            return None
+        if len(losses) == 1:
+            x = losses[0]
+            if x.dtype is _F32 and x.dim() == 0 and x.device == device:  # the usual: the loss as it is (no op)
+                return x
+        losses = [x if x.dtype is _F32 and x.device == device else x.to(device, _F32) for x in losses]
+        return losses[0] if len(losses) == 1 and losses[0].dim() == 0 else torch.stack(losses).sum()
+
+    def _spike_extras(
+        self, loop: Loop, rec: Any, loss: torch.Tensor | None, watch: Any, device: torch.device, host_row: bool
+    ) -> list[torch.Tensor] | None:
+        """The spike statistics' 0-d extras of the step's first read (``None``: the statistics are off, or a further
+        optimizer reads its gradients alone)."""
+        if self.spike is None or not self.spike.enabled or rec.spike_read:
+            return None
+        self.recorder.mark_spike_read()
+        return self.spike.extras(loss, self.grad_norm, watch, device, loop.rank, loop.world_size, host_row=host_row)
 
     def norm_total(
         self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor, tail: _Tail | None = None
@@ -301,6 +341,7 @@ class StepRead:
         With the spike statistics on, the gradients' check is their global L2 norm; ``tail`` (one process): each
         gradient's norm goes to the host, which takes the global norm of them after the read (:meth:`_Tail.fold`).
         """
+        self.grad_norm = None
         totals = []
         parts: list[str] = []  # the segment of each total (a late read names the part that went bad)
         for name, named in segments.items():
@@ -375,26 +416,26 @@ class StepRead:
         and sparse ones. When none is skipped, :meth:`read` checks them with that plan.
         """
         groups = optimizer.param_groups
+        lists = list(map(_PARAMS, groups))
         cached = self._opt_params.get(id(optimizer))
         if (
             cached is None
             or cached[0] is not optimizer
-            or len(cached[1]) != len(groups)
-            or any(g["params"] is not ps or len(ps) != n for g, (ps, n) in zip(groups, cached[1]))
+            or len(lists) != len(cached[1])
+            or not all(map(operator.is_, lists, cached[1]))
+            or list(map(len, lists)) != cached[2]
         ):
-            layout = [(g["params"], len(g["params"])) for g in groups]
-            checked = [p for g in groups for p in g["params"] if p.is_floating_point() and p.numel() > 0]
+            checked = [p for ps in lists for p in ps if p.is_floating_point() and p.numel() > 0]
             labels = [self.param_names.get(id(p), "?") for p in checked]
-            cached = (optimizer, layout, labels, checked, checks.TotalPlan(checked))
+            cached = (optimizer, lists, list(map(len, lists)), labels, checked, checks.TotalPlan(checked))
             self._opt_params[id(optimizer)] = cached
-        labels, checked, plan = cached[2], cached[3], cached[4]
+        labels, checked, plan = cached[3], cached[4], cached[5]
         grads = list(map(_GRAD, checked))  # no Python loop over the parameters: map and operator run in C
-        strided = torch.strided
         if any(map(operator.is_, grads, itertools.repeat(None))) or not all(
-            map(operator.is_, map(_LAYOUT, grads), itertools.repeat(strided))
+            map(operator.is_, map(_LAYOUT, grads), itertools.repeat(_STRIDED))
         ):  # a parameter without a gradient, or a sparse one
             self._grads_plan = None
-            return [(n, g) for n, g in zip(labels, grads) if g is not None and g.layout is strided]
+            return [(n, g) for n, g in zip(labels, grads) if g is not None and g.layout is _STRIDED]
         self._grads_plan, self._grads = plan, grads  # the usual step: the plan applies
         return list(zip(labels, grads))
 
@@ -478,12 +519,16 @@ class _Tail:
         """The step record's inputs' ends, the watch's values and the op guard's flags."""
         for _, ends in rec.inputs:
             self.add_inputs(ends, device)
-        if watch is not None:
-            outputs = watch.values(device)
-            self.outputs = (len(self.values), len(outputs))
-            self.add(flags.OUTPUT, outputs)
-        self.op = (len(self.values), len(op_flags))
-        self.add(flags.OP, [f.to(device) for f in op_flags])
+        values, parts = self.values, self.parts
+        outputs = watch.values(device) if watch is not None else None
+        if outputs:
+            self.outputs = (len(values), len(outputs))
+            parts.append((flags.OUTPUT, len(outputs), None))
+            values.extend(outputs)
+        if op_flags:
+            self.op = (len(values), len(op_flags))
+            parts.append((flags.OP, len(op_flags), None))
+            values.extend([f.to(device) for f in op_flags])
 
     def add_inputs(self, ends: checks.InputEnds, device: torch.device) -> None:
         """One micro-batch's input ends: float32 ones as they are, another dtype's reduced on the device first (its
@@ -503,7 +548,7 @@ class _Tail:
             start, n = self.norms
             self.grad_norm = math.hypot(*values[at + start : at + start + n])
         start, n = self.op
-        if math.isfinite(sum(values[at:])) and not sum(values[at + start : at + start + n]):
+        if math.isfinite(sum(values[at:])) and not (n and any(values[at + start : at + start + n])):
             # the usual step: every value finite (float32 values: their float64 sum cannot overflow) and no op flag
             # set, so no slot is seen; only the inputs' largest value is wanted, for the host's comparison
             if suspicious:
@@ -522,7 +567,11 @@ class _Tail:
         """The largest unmasked input value of the host-read tail (from ``values[at]``), its values all finite."""
         largest = 0.0
         for start, n, modulus in self.inputs:
-            largest = max(largest, checks.unmasked_on_host(values[at + start : at + start + n], modulus, finite=True))
+            part = max(map(abs, values[at + start : at + start + n]))
+            if modulus is not None and part >= modulus:  # a dtype's extreme among them: left out
+                part = checks.unmasked_on_host(values[at + start : at + start + n], modulus, finite=True)
+            if part > largest:
+                largest = part
         return largest
 
 

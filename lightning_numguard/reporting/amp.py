@@ -10,6 +10,7 @@ own metrics there too).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -30,10 +31,21 @@ class AmpCounters:
 
     def __init__(self) -> None:
         self.collapsed = False
+        self._scaler: tuple[Loop, Any] | None = None  # the loop and its scaler, looked up once per fit
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_scaler": None}  # the loop of a running fit stays with it
+
+    def _scaler_of(self, loop: Loop) -> Any:
+        """``loop.scaler``, looked up once per loop (the precision plugin's scaler does not change in a fit)."""
+        held = self._scaler
+        if held is None or held[0] is not loop:
+            held = self._scaler = (loop, loop.scaler)
+        return held[1]
 
     def log(self, loop: Loop, reporter: Reporter, overflow_steps: int) -> None:
         """``numguard/amp_overflow_steps`` and ``numguard/loss_scale`` (only under a GradScaler, on logging steps)."""
-        scaler = loop.scaler
+        scaler = self._scaler_of(loop)
         if scaler is None or not scaler.is_enabled() or not loop.loggers or not loop.logs_due():
             return
         values = {"numguard/amp_overflow_steps": float(overflow_steps)}

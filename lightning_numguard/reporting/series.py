@@ -40,6 +40,8 @@ __all__ = ["THRESHOLD_TAG", "RunSeries"]
 
 log = logging.getLogger(__name__)
 
+#: A step with no event and no value above its threshold (most steps).
+_NONE: frozenset[int] = frozenset()
 #: The z-score above which a value is a spike, beside the z-scores (``spikes.sigma``).
 THRESHOLD_TAG = "numguard/spike_threshold"
 
@@ -63,10 +65,10 @@ class RunSeries:
         step with an event, at a step whose raw value reached its threshold; the trace keeps the raw values and
         scores them when it is written."""
         before, self._seen = self._seen, len(events)
-        event_steps = {int(e["step"]) for e in events[before:]}
+        event_steps = {int(e["step"]) for e in events[before:]} if len(events) > before else _NONE
         last = spike.take_last()
         if last is not None and self.sigma is not None and spike.crossed(last[1]):
-            event_steps.add(last[0])  # above the threshold, acted on or not (spike_action)
+            event_steps = {*event_steps, last[0]}  # above the threshold, acted on or not (spike_action)
         if event_steps:
             self.trace.mark(event_steps)
         if last is not None:  # the extras hold the window's statistics: the trace scores them when written

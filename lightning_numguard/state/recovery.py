@@ -156,7 +156,7 @@ class Recovery:
     # ------------------------------------------------------------------ the step
 
     def flag_batch(
-        self, rec: StepRecord, batch: Any, batch_idx: int, step: int, first: bool
+        self, rec: StepRecord, batch: Any, batch_idx: int, loop: Loop, first: bool
     ) -> tuple[str | None, torch.Tensor | None]:
         """Why the batches of the window after a rollback are skipped; the quarantine flag of a micro-batch for the
         read (0-d, on the device, no sync). Returns ``(skip reason, flag)``, each ``None`` when there is none."""
@@ -166,7 +166,7 @@ class Recovery:
             self.skip_remaining -= 1
             return "in the skip window after a rollback", None
         if self.use_quarantine:
-            return None, self.quarantine.flag(batch, batch_idx, step)
+            return None, self.quarantine.flag(batch, batch_idx, loop.step)
         return None, None
 
     def at_read(self, loop: Loop, rec: StepRecord, decision: Decision, optimizer: Any) -> None:
