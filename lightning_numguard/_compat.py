@@ -10,6 +10,7 @@ are reached through the trainer passed in), so ``core/`` may use it too.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import math
 import sys
@@ -175,7 +176,7 @@ def logger_metric_dicts(trainer: Any) -> list[dict[str, Any]] | None:
     """
     connector = getattr(trainer, "_logger_connector", None)
     dicts = [getattr(connector, n, None) for n in _METRIC_DICTS]
-    return dicts if all(isinstance(d, dict) for d in dicts) else None  # type: ignore[return-value]
+    return dicts if all(map(isinstance, dicts, itertools.repeat(dict))) else None  # type: ignore[return-value]
 
 
 _RESULT_FIELDS = ("value", "cumulated_batch_size", "_forward_cache", "has_reset")

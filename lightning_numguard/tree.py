@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +30,8 @@ from lightning_numguard._compat import foreach_copy_
 __all__ = ["clone_tree", "floating_leaves", "map_tree", "nbytes", "tensor_leaves", "tensors", "to_plain"]
 
 _MAX_DEPTH = 32
+#: leaves ``copy.deepcopy`` returns as they are (immutable)
+_ATOMIC = frozenset({int, float, bool, str, bytes, complex, type(None)})
 
 
 def tensor_leaves(obj: Any, prefix: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
@@ -45,7 +49,7 @@ def tensor_leaves(obj: Any, prefix: str = "batch") -> Iterator[tuple[str, torch.
 
 def floating_leaves(obj: Any, prefix: str = "batch") -> list[tuple[str, torch.Tensor]]:
     """The floating-point (and complex) tensors of ``obj``; integer and bool tensors are left alone."""
-    if type(obj) in (tuple, list) and all(type(v) is torch.Tensor for v in obj):  # ``(x, y)``: the usual batch
+    if type(obj) in (tuple, list) and all(map(operator.is_, map(type, obj), itertools.repeat(torch.Tensor))):  # (x, y)
         return [(f"{prefix}[{i}]", t) for i, t in enumerate(obj) if t.is_floating_point() or t.is_complex()]
     return [(p, t) for p, t in _walk(obj, prefix, 0) if t.is_floating_point() or t.is_complex()]
 
@@ -120,6 +124,8 @@ def clone_tree(obj: Any, device: torch.device | str | None = None, pin: bool = F
     fused_src: list[torch.Tensor] = []
 
     def clone(leaf: Any, prev: Any) -> Any:
+        if type(leaf) in _ATOMIC:  # what deepcopy returns as it is (a step's count, a learning rate, a name)
+            return leaf
         if not isinstance(leaf, torch.Tensor):
             return copy.deepcopy(leaf)
         target = target_device if target_device is not None else leaf.device

@@ -125,11 +125,12 @@ class Decision:
     on_device: bool = False
     place: Any = None
     hardware: Mapping[str, Any] | None = None
+    #: whether the optimizer step is a no-op (the gradients are dropped, or the device skipped it): of ``action``,
+    #: worked out once (asked at every step)
+    skips: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def skips(self) -> bool:
-        """Whether the optimizer step is a no-op (the gradients are dropped, or the device skipped it)."""
-        return acting(self.action)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "skips", acting(self.action))
 
 
 def judge(action: str, facts: Facts, budget: Budget, *, quarantine: bool = True, retry: bool = False) -> Decision:
@@ -179,7 +180,7 @@ def _judge(action: str, facts: Facts, budget: Budget, *, quarantine: bool = True
     if facts.spike is not None:
         decision = _act(facts.spike, facts.spike, facts, budget, {"spikes": 1}, False)
         # a spike's state is finite but not one to come back to: not kept; read late, its candidates go
-        return Decision(**{**decision.__dict__, "keep_start": False, "drop_start": late and facts.spike != "warn"})
+        return replace(decision, keep_start=False, drop_start=late and facts.spike != "warn")
     if late and facts.device_skipped:  # nothing to act on, but the step did not train: said as a skip
         return Decision(action="skip", configured="skip", counts={"skipped_steps": 1}, keep_start=True)
     # a clean step (or the GradScaler's own overflow): read late, it verifies the candidates taken up to it

@@ -57,7 +57,8 @@ __all__ = [
 def _checkable(t: torch.Tensor) -> torch.Tensor | None:
     """The strided floating view of ``t`` (its local shard, for a ``DTensor``) to check, or ``None`` for tensors
     never checked."""
-    t = local(t)
+    if type(t) is not torch.Tensor:
+        t = local(t)
     if t.layout is not torch.strided:
         if t.is_sparse:
             t = t.coalesce().values()
@@ -174,6 +175,11 @@ class TotalPlan:
             and sum(like[i].numel() for i in small) <= CPU_FLAT_NORM_MAX_NUMEL
             for dev, _, large, small in self.groups
         ]
+        #: one CPU group of small tensors, in their own order (a small model): its gradients' norm is one norm of the
+        #: step's list laid end to end, with no grouping
+        self.whole_flat = (
+            not self.local and len(self.groups) == 1 and self.flat[0] and self.members[0] == list(range(self.size))
+        )
         # per group, what picks its tensors (all, the large ones, the small ones) out of a step's list, in C
         self._picks = [(_picker(large + small), _picker(large), _picker(small)) for _, _, large, small in self.groups]
 
@@ -349,10 +355,10 @@ def input_ends(tensors: Sequence[torch.Tensor], device: torch.device) -> InputEn
     for t in tensors:
         c = _checkable(t)
         if c is not None:
-            by_dtype.setdefault(c.dtype, []).extend(_extremes(c.detach() if c.requires_grad else c))
-    for dtype, parts in by_dtype.items():
-        if any(p.device != device for p in parts):
-            by_dtype[dtype] = [p.to(device=device, non_blocking=True) for p in parts]
+            ends: Sequence[torch.Tensor] = _extremes(c.detach() if c.requires_grad else c)  # on the tensor's device
+            if c.device != device:
+                ends = [p.to(device=device, non_blocking=True) for p in ends]
+            by_dtype.setdefault(c.dtype, []).extend(ends)
     return list(by_dtype.items())
 
 

@@ -301,8 +301,8 @@ class SpikeWindow:
                 self.values = values = values.contiguous()
             host = self._host = (values, values.numpy().data.cast("B").cast("f"))  # float32, row after row
         view, row = host[1], 2 * self.pos
-        view[row] = _f32_range(loss)
-        view[row + 1] = _f32_range(grad_norm)
+        view[row] = loss if not abs(loss) >= _F32_OVERFLOW else math.copysign(math.inf, loss)  # as _f32_range
+        view[row + 1] = grad_norm if not abs(grad_norm) >= _F32_OVERFLOW else math.copysign(math.inf, grad_norm)
         self.push()
 
     def valid(self) -> list[int]:

@@ -83,6 +83,8 @@ class SpikeGuard:
         self.window = SpikeWindow(window, warmup, refresh, sigma) if window > 0 else None
         self.rollback_after = rollback_after
         self.headroom = headroom
+        #: whether a step carries the extras at all (a window or a headroom)
+        self.enabled = self.window is not None or headroom is not None
         self.spike_steps: list[int] = []  # steps that spiked (host), for the escalation to a rollback
         self.reported: set[str] = set()  # blocks (and "loss_scale") already reported near overflow
         self._masks: dict[Any, torch.Tensor] = {}  # per watch buffer: blocks reported, on the device
@@ -103,11 +105,6 @@ class SpikeGuard:
         self._stats_read: torch.Tensor | None = None  # the statistics whose values this step's read carries
         self.host_headroom_due = False  # this step's headroom is the host's, of the read's output values
         self._scored: tuple[list[float], list[float | None]] | None = None  # see scores_of
-
-    @property
-    def enabled(self) -> bool:
-        """Whether a step carries the extras at all."""
-        return self.window is not None or self.headroom is not None
 
     @property
     def acting(self) -> bool:
@@ -154,19 +151,13 @@ class SpikeGuard:
         views after a refresh, else nothing): the host lays out the rest itself (:meth:`host_extras`). Under several
         processes the window takes the values reduced across ranks, at :meth:`push`.
         """
-        const = self._constants.get(device)
-        if const is None:  # [NaN, 0 x2, +inf x2, 0, -1, 0, 0]: reused every step
-            values = torch.tensor([math.nan, 0.0, 0.0, math.inf, math.inf, 0.0, -1.0, 0.0, 0.0], device=device)
-            const = self._constants[device] = (values[0], values[1:5], values[5:7].unbind(), values[7:9].unbind())
-        nan, no_stats, no_head, no_ranks = const  # no_stats: centers 0, thresholds +inf (nothing judged)
         self._calls += 1
-        due = self.headroom is not None and watch is not None and watch.records and self._calls % HEADROOM_EVERY == 1
-        # the host's read holds every watched call's max-|x|: it takes the headroom of them (set_host_headroom)
-        self.host_headroom_due = bool(due) and host_row
-        head = self._headroom(watch, device) if due and not host_row else no_head
+        due = self.headroom is not None and self._calls % HEADROOM_EVERY == 1 and watch is not None and watch.records
         self._single = world == 1
         window = self.window.to(device) if self.window is not None else None
         if self._single and host_row:  # the host holds all but new statistics: see host_extras
+            # the host's read holds every watched call's max-|x|: it takes the headroom of them (host_headroom)
+            self.host_headroom_due = bool(due)
             self._host_row = None  # until the read gives it
             if window is None:
                 return []
@@ -176,6 +167,13 @@ class SpikeGuard:
                 return []
             self._stats_read = current
             return list(self._stats_views(current))
+        self.host_headroom_due = False
+        const = self._constants.get(device)
+        if const is None:  # [NaN, 0 x2, +inf x2, 0, -1, 0, 0]: reused every step
+            values = torch.tensor([math.nan, 0.0, 0.0, math.inf, math.inf, 0.0, -1.0, 0.0, 0.0], device=device)
+            const = self._constants[device] = (values[0], values[1:5], values[5:7].unbind(), values[7:9].unbind())
+        nan, no_stats, no_head, no_ranks = const  # no_stats: centers 0, thresholds +inf (nothing judged)
+        head = self._headroom(watch, device) if due and not host_row else no_head
         loss = nan if loss is None else loss if loss.dim() == 0 else loss.reshape(())
         grad_norm = nan if grad_norm is None else grad_norm
         if self._single:
@@ -283,7 +281,7 @@ class SpikeGuard:
         self.last = (step, values)
         loss_rank = world - round(values[8]) if values[8] > 0 else 0
         spikes: list[Finding] = []
-        if self.window is not None and self.action is not None:
+        if self.window is not None and self.action is not None and self.crossed(values):  # (else judge finds none)
             held = self.window.count  # the steps the window spanned when it scored this one (host)
             for name, value, z in spike.judge(values, self.sigma, self.scores_of(values)):  # scored once a read
                 details = {
@@ -295,7 +293,9 @@ class SpikeGuard:
                     "rule": "cube root > median + sigma x max((95th percentile - median) / 1.645, median / 10)",
                 }
                 spikes.append(Finding(f"{name}_spike", [name], details, loss_rank if name == "loss" else 0))
-        spikes = mark_consequences(spikes)  # a loss and a gradient norm spiking together are one incident
+            spikes = mark_consequences(spikes)  # a loss and a gradient norm spiking together are one incident
+        if self.headroom is None or values[7] < 0:  # no block near its dtype's limit (the usual step)
+            return spikes, []
         return spikes, self._overflow(values, watch, world - round(values[9]) if values[9] > 0 else 0)
 
     def _overflow(self, values: list[float], watch: Any, rank: int) -> list[Finding]:

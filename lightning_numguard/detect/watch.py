@@ -345,6 +345,12 @@ class OutputWatch:
         self.settle()
         return self._records
 
+    def count(self) -> int:
+        """How many calls the step has recorded (:attr:`records`' length; what was not settled yet is settled first)."""
+        if self._calls:
+            self.settle()
+        return len(self._records)
+
     def reset(self) -> None:
         """Forget the records of the current step. No kernel."""
         self._last_out = None

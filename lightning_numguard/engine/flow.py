@@ -43,6 +43,7 @@ class StepFlow:
         """New parts for a fit (``dirpath``: where files go; ``None``: no file is written, except by a halt, into
         ``halt_dirpath``)."""
         self.settings = settings
+        self._acting = settings.acting  # asked at every step: the configuration is read-only
         self.pipeline = StepPipeline.build(settings, dirpath, halt_dirpath)
         self.fit_checks = FitChecks(registry.fit_checks(settings))
         self.progress = FitProgress()
@@ -133,7 +134,7 @@ class StepFlow:
     def batch_start(self, loop: Loop, batch: Any, batch_idx: int) -> None:
         p = self.pipeline
         new_step = p.recorder.record is None
-        acting = self.settings.acting
+        acting = self._acting
         rec = p.recorder.begin(loop, batch, batch_idx, acting, p.snapshots.stateful)
         skip, flag = p.recovery.flag_batch(rec, batch, batch_idx, loop, new_step)
         if skip is not None:

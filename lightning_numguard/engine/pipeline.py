@@ -120,6 +120,9 @@ class StepPipeline:
         rec, seen, late = view.rec, view.reading.flags, view.late
         s = self.settings
         spikes, advisory = self._spikes(loop, rec, view.reading.extras)
+        if seen is flags.CLEAN and not spikes and not advisory and not rec.skip_forced:  # the usual step, first
+            self.conventions.clean_step()
+            return self._clean(rec, due, late)
         if seen.seen(flags.QUARANTINE):
             self.recorder.force_skip("it holds samples quarantined after they failed before", rec)
         findings: list[Finding] = []

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lightning_numguard._compat import flat_norm_f32
 from lightning_numguard.detect import checks, flags, spike
 from lightning_numguard.detect import extra as _extra
 from lightning_numguard.dtensor import local
@@ -70,6 +71,8 @@ class StepRead:
         #: as they were before the forward pass are ``start_buffers``
         checked = {"params": "params" in check, "start_buffers": every_buffer, "opt_state": "optimizer_state" in check}
         self._wanted = {due: [name for name, on in checked.items() if on or due] for due in (False, True)}
+        #: state checked at every step besides the buffers (whose start-of-step copies are known per fit)
+        self._state_every_step = checked["params"] or checked["opt_state"]
         self.recorder = recorder
         self.extra = recorder.extra_checks  # the checks passed as extra_checks: a value each after the slots
         self.extras_at = flags.extras_at(len(self.extra))  # where the spike statistics' extras start
@@ -101,6 +104,8 @@ class StepRead:
         #: the step's global gradient L2 norm (0-d, on the device) when the spike statistics carry it, else ``None``
         self.grad_norm: torch.Tensor | None = None
         self._zeros: dict[torch.device, torch.Tensor] = {}
+        #: the gradients' norms go to the host for the spike statistics' global norm (one process's read)
+        self._grads_to_host = spike is not None and spike.window is not None
 
     @property
     def plan_applies(self) -> bool:
@@ -170,7 +175,6 @@ class StepRead:
         rec = self.recorder.record
         assert rec is not None
         device = loop.device
-        segments = self._segments(loop, optimizer, snapshot_due)
         watch = self.recorder.watch
         watch = watch if watch is not None and watch.enabled else None
         tail = _Tail()
@@ -178,21 +182,21 @@ class StepRead:
         zero = self._zero(device)
         stacked: list[torch.Tensor] = []  # the slots that hold a device value, in slot order
         places: list[int] = []  # and their slots
-        total = self.norm_total(segments, device, zero, tail)
+        segments, total = self._norms_here(loop, optimizer, snapshot_due, device, zero, tail)
         if total is not zero:
             stacked.append(total)
             places.append(flags.NORMS)
-        loss = self._loss_total(rec.losses, device)
+        losses = rec.losses
+        loss = losses[0] if len(losses) == 1 else None  # the usual: one 0-d float32 loss on the device, as it is
+        if loss is None or loss.dtype is not _F32 or loss.dim() or loss.device != device:
+            loss = self._loss_total(losses, device)
         if loss is not None:
             stacked.append(loss)
             places.append(flags.LOSS)
-        if rec.quarantine_flag is not None:
-            stacked.append(rec.quarantine_flag.to(device))
-            places.append(flags.QUARANTINE)
-        if self.extra:  # the checks passed as extra_checks: one value each, after the slots
-            stacked.extend(_extra.slot_values(self.extra, rec.checks, device, zero))
-            places.extend(range(len(flags.SLOTS), self.extras_at))
-        carried = self._spike_extras(loop, rec, loss, watch, device, host_row=True)
+        if rec.quarantine_flag is not None or self.extra:
+            self._flag_slots(rec, device, zero, stacked, places)
+        spike_on = self.spike is not None and self.spike.enabled and not rec.spike_read
+        carried = self._spike_extras(loop, rec, loss, watch, device, host_row=True) if spike_on else None
         read = carried or []  # the spike statistics the host does not hold yet
         n = self.extras_at
         values = [0.0] * n
@@ -208,11 +212,7 @@ class StepRead:
             )
         at = n + len(extras)
         if extras and self.spike.host_headroom_due:  # the blocks' headroom, of the watched calls' values as read
-            start, count = tail.outputs
-            assert watch is not None  # due only with a watch that recorded
-            peaks = watch.host_ranges(values[at + start : at + start + count])
-            ratio = n + _OVERFLOW_AT
-            values[ratio], values[ratio + 1] = self.spike.host_headroom(peaks, watch.names)
+            self._host_headroom(values, at, tail, watch)
         tail.fold(values, at, self.max_abs_input is not None)
         if extras:  # the loss and the gradient norm join the spike window from the host, at batch end
             if tail.grad_norm is not None:
@@ -222,6 +222,53 @@ class StepRead:
         if self.extra:
             seen = flags.StepFlags(seen.ranks + _extra.seen_raw(self.extra, values[len(flags.SLOTS) : n]))
         return Reading(seen, segments, values[n : n + len(extras)])
+
+    def _flag_slots(
+        self, rec: Any, device: torch.device, zero: torch.Tensor, stacked: list[torch.Tensor], places: list[int]
+    ) -> None:
+        """One process's quarantine flag and the checks passed as ``extra_checks`` (one value each, after the slots),
+        with their places, after the totals in ``stacked``."""
+        if rec.quarantine_flag is not None:
+            stacked.append(rec.quarantine_flag.to(device))
+            places.append(flags.QUARANTINE)
+        if self.extra:
+            stacked.extend(_extra.slot_values(self.extra, rec.checks, device, zero))
+            places.extend(range(len(flags.SLOTS), self.extras_at))
+
+    def _host_headroom(self, values: list[float], at: int, tail: _Tail, watch: Any) -> None:
+        """The overflow headroom of the watched blocks, of the watched calls' values as read (every few steps), in its
+        place among the host's extras."""
+        start, count = tail.outputs
+        assert watch is not None  # due only with a watch that recorded
+        peaks = watch.host_ranges(values[at + start : at + start + count])
+        ratio = self.extras_at + _OVERFLOW_AT
+        values[ratio], values[ratio + 1] = self.spike.host_headroom(peaks, watch.names)
+
+    def _norms_here(
+        self, loop: Loop, optimizer: Any, snapshot_due: bool, device: torch.device, zero: torch.Tensor, tail: _Tail
+    ) -> tuple[dict[str, Named], torch.Tensor]:
+        """One process's ``NORMS`` slot: its segments and their device total (:meth:`norm_total`; ``zero`` when the
+        gradients alone make it: their norms go to the host, in ``tail``). A small model's gradients (one CPU group
+        of small tensors, the plan's :attr:`~lightning_numguard.detect.checks.TotalPlan.whole_flat`) take one norm."""
+        if (
+            snapshot_due
+            or self._state_every_step
+            or self._start_checked
+            or not self._check_grads
+            or (self._every_buffer and self.checked_buffers)
+        ):
+            segments = self._segments(loop, optimizer, snapshot_due)
+            return segments, self.norm_total(segments, device, zero, tail)
+        if optimizer is None:
+            return {}, self.norm_total({}, device, zero, tail)
+        segments = {"grads": self.grads(optimizer)}  # the usual step: the gradients alone
+        plan = self._grads_plan
+        if plan is None or not plan.whole_flat or not self._grads_to_host:
+            return segments, self.norm_total(segments, device, zero, tail)
+        norm = flat_norm_f32(self._grads)
+        tail.add_norms([norm if norm.device == device else norm.to(device, non_blocking=True)])
+        self.norm_parts = self.grad_norm = None
+        return segments, zero
 
     def pack(self, loop: Loop, optimizer: Any, snapshot_due: bool) -> torch.Tensor:
         """The step's reduced flag vector on the device, without its host read (``sync_mode="deferred"``), followed
@@ -352,6 +399,11 @@ class StepRead:
                 if self.spike is not None and self.spike.window is not None:  # the global L2 norm is the check
                     plan = self._grads_plan if self._grads_plan is not None else checks.TotalPlan([t for _, t in named])
                     grads = self._grads if self._grads_plan is not None else [t for _, t in named]
+                    if tail is not None and plan.whole_flat:  # one CPU group of small tensors: one norm, to the host
+                        norm = flat_norm_f32(grads)
+                        tail.add_norms([norm if norm.device == device else norm.to(device, non_blocking=True)])
+                        parts.pop()
+                        continue
                     if plan.local:  # DTensors (FSDP2, tensor parallel): this rank's shards; the reduce takes the max
                         grads = [local(t) for t in grads]
                     groups = plan.grouped(grads)
@@ -416,24 +468,20 @@ class StepRead:
         and sparse ones. When none is skipped, :meth:`read` checks them with that plan.
         """
         groups = optimizer.param_groups
-        lists = list(map(_PARAMS, groups))
         cached = self._opt_params.get(id(optimizer))
-        if (
-            cached is None
-            or cached[0] is not optimizer
-            or len(lists) != len(cached[1])
-            or not all(map(operator.is_, lists, cached[1]))
-            or list(map(len, lists)) != cached[2]
-        ):
+        if cached is None or cached[0] is not optimizer or not _same_groups(groups, cached[1], cached[2]):
+            lists = list(map(_PARAMS, groups))
             checked = [p for ps in lists for p in ps if p.is_floating_point() and p.numel() > 0]
             labels = [self.param_names.get(id(p), "?") for p in checked]
             cached = (optimizer, lists, list(map(len, lists)), labels, checked, checks.TotalPlan(checked))
             self._opt_params[id(optimizer)] = cached
         labels, checked, plan = cached[3], cached[4], cached[5]
         grads = list(map(_GRAD, checked))  # no Python loop over the parameters: map and operator run in C
-        if any(map(operator.is_, grads, itertools.repeat(None))) or not all(
-            map(operator.is_, map(_LAYOUT, grads), itertools.repeat(_STRIDED))
-        ):  # a parameter without a gradient, or a sparse one
+        try:  # every gradient there and dense, in one pass (a missing one has no layout)
+            dense = all(map(operator.is_, map(_LAYOUT, grads), itertools.repeat(_STRIDED)))
+        except AttributeError:
+            dense = False
+        if not dense:  # a parameter without a gradient, or a sparse one
             self._grads_plan = None
             return [(n, g) for n, g in zip(labels, grads) if g is not None and g.layout is _STRIDED]
         self._grads_plan, self._grads = plan, grads  # the usual step: the plan applies
@@ -573,6 +621,18 @@ class _Tail:
             if part > largest:
                 largest = part
         return largest
+
+
+def _same_groups(groups: list[dict[str, Any]], lists: list[list[Any]], lengths: list[int]) -> bool:
+    """Whether an optimizer's param groups hold the very parameter lists (and lengths) a plan was made from."""
+    if len(groups) == 1:  # the usual
+        params = groups[0]["params"]
+        return len(lists) == 1 and params is lists[0] and len(params) == lengths[0]
+    return (
+        len(groups) == len(lists)
+        and all(map(operator.is_, map(_PARAMS, groups), lists))
+        and list(map(len, lists)) == lengths
+    )
 
 
 def _any_flag(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:

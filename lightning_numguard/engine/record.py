@@ -19,6 +19,7 @@ Nothing here reads a value on the host; the read is :mod:`~lightning_numguard.en
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,7 @@ __all__ = ["Named", "StepRecord", "StepRecorder"]
 log = logging.getLogger(__name__)
 
 Named = list[tuple[str, torch.Tensor]]
+_TENSOR = operator.itemgetter(1)  # of a named tensor
 
 
 @dataclass
@@ -117,6 +119,7 @@ class StepRecorder:
         extra_checks: tuple[Check, ...] = (),
     ) -> None:
         self.check = check
+        self._inputs, self._loss = "inputs" in check, "loss" in check  # checked every step: asked at every step
         self.extra_checks = extra_checks
         self.watch_modules = watch_modules
         self.ignore_modules = ignore_modules
@@ -188,24 +191,22 @@ class StepRecorder:
                 # numpy's RNG is left to the snapshot: reading its state costs ~0.1 ms, more than all the rest
                 rec.start_states = clone_states(stateful, self.metric_keys)
                 rec.start_rng = self.rng.at_step_start()
-        micro = _micro.MicroBatch(
-            batch_idx, batch, first_output=len(self.watch.records) if self.watch is not None else 0
-        )
+        micro = _micro.MicroBatch(batch_idx, batch, first_output=self.watch.count() if self.watch is not None else 0)
         if rec.start_rng is not None:
             micro.rng = _micro.micro_rng(rec.start_rng) if rec.micro else rec.start_rng
         rec.micro.append(micro)
         if self.extra_checks:
             rec.check_step = CheckStep(loop, batch, batch_idx, loop.step)
             rec.checks = _extra.record(self.extra_checks, "batch_start", rec.check_step, rec.checks)
-        if "inputs" in self.check:
+        if self._inputs:
             leaves = floating_leaves(batch)
             if self.ignored_inputs:
                 leaves = [(p, t) for p, t in leaves if p not in self.ignored_inputs]
             if leaves:
                 # one aminmax per tensor; the read reduces the ends (on the host when one process reads them)
-                ends = checks.input_ends([t for _, t in leaves], loop.device)
+                ends = checks.input_ends(list(map(_TENSOR, leaves)), loop.device)
                 rec.inputs.append((leaves, ends))
-                micro.inputs = [v for _, values in ends for v in values]
+                micro.inputs = ends[0][1] if len(ends) == 1 else [v for _, values in ends for v in values]
         return rec
 
     def enter_ops(self) -> None:
@@ -238,10 +239,11 @@ class StepRecorder:
         if rec is not None and rec.check_step is not None:
             rec.check_step = replace(rec.check_step, loss=loss.detach())
             rec.checks = _extra.record(self.extra_checks, "loss", rec.check_step, rec.checks)
-        if "loss" in self.check and self.record is not None:
-            self.record.losses.append(local(loss.detach()))  # a DTensor loss (loss parallel): this rank's part
-            if self.record.micro:
-                self.record.micro[-1].loss = self.record.losses[-1]
+        if self._loss and rec is not None:
+            loss = loss.detach()
+            rec.losses.append(loss if type(loss) is torch.Tensor else local(loss))  # a DTensor (loss parallel): a shard
+            if rec.micro:
+                rec.micro[-1].loss = rec.losses[-1]
 
     def at_optimizer_step(self, optimizer: Any) -> None:
         """Record the checks passed as ``extra_checks`` that look at the step before its optimizer step."""
@@ -271,7 +273,7 @@ class StepRecorder:
         assert rec is not None
         rec.read_done = True
         if seen:
-            rec.seen_at_read = (len(rec.losses), len(self.watch.records) if self.watch is not None else 0)
+            rec.seen_at_read = (len(rec.losses), self.watch.count() if self.watch is not None else 0)
         rec.step = step
 
     def mark_spike_read(self) -> None:

@@ -165,7 +165,7 @@ class Recovery:
         if first and self.skip_remaining > 0:
             self.skip_remaining -= 1
             return "in the skip window after a rollback", None
-        if self.use_quarantine:
+        if self.use_quarantine and self.quarantine.entries:  # (no entry: no flag, and no step to read)
             return None, self.quarantine.flag(batch, batch_idx, loop.step)
         return None, None
 

@@ -53,12 +53,10 @@ class NumGuardCallback(GuardConfig, GuardState, Callback):
         self._flow = StepFlow(self.config)
         self._fit_loop: TrainerLoop | None = None
 
-    @property
-    @override
-    def state_key(self) -> str:
-        """``"NumGuardCallback"``: one guard per Trainer, whose state follows it across changes of ``dirpath``
-        or ``action`` and between the ``pytorch_lightning`` and ``lightning.pytorch`` classes."""
-        return _STATE_KEY
+    #: ``"NumGuardCallback"``: one guard per Trainer, whose state follows it across changes of ``dirpath`` or
+    #: ``action`` and between the ``pytorch_lightning`` and ``lightning.pytorch`` classes. A plain attribute, not
+    #: Lightning's property: Lightning asks for it at every hook it calls.
+    state_key = _STATE_KEY
 
     @override
     def state_dict(self) -> dict[str, Any]:

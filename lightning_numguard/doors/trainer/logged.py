@@ -37,7 +37,8 @@ class LoggedValues:
 
     def mark(self, trainer: pl.Trainer) -> None:
         """Remember the accumulators as they are before this step (the first micro-batch of a window)."""
-        self.release()
+        if self._held_module is not None:
+            self.release()
         results = _compat.train_results(trainer)
         dicts = _compat.logger_metric_dicts(trainer)
         if results is None or dicts is None:
