@@ -303,7 +303,9 @@ class SpikeWindow:
         view, row = host[1], 2 * self.pos
         view[row] = loss if not abs(loss) >= _F32_OVERFLOW else math.copysign(math.inf, loss)  # as _f32_range
         view[row + 1] = grad_norm if not abs(grad_norm) >= _F32_OVERFLOW else math.copysign(math.inf, grad_norm)
-        self.push()
+        self.pos = (self.pos + 1) % self.window  # push(), inline
+        self.count = min(self.count + 1, self.window)
+        self._age += 1
 
     def valid(self) -> list[int]:
         """Valid values per row. **Syncs** (reports and tests only)."""

@@ -154,7 +154,9 @@ class SpikeGuard:
         self._calls += 1
         due = self.headroom is not None and self._calls % HEADROOM_EVERY == 1 and watch is not None and watch.records
         self._single = world == 1
-        window = self.window.to(device) if self.window is not None else None
+        window = self.window
+        if window is not None and window.values.device != device:
+            window.to(device)
         if self._single and host_row:  # the host holds all but new statistics: see host_extras
             # the host's read holds every watched call's max-|x|: it takes the headroom of them (host_headroom)
             self.host_headroom_due = bool(due)

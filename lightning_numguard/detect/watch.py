@@ -230,10 +230,10 @@ def _max_abs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per tensor, its max-|x| as a 0-d float32 tensor on the first tensor's device, in order: one
     ``_foreach_norm(ord=inf)`` per (device, dtype). Finite float64 values beyond float32's range give float32's
     max (finite), never ``inf``; no sync."""
-    dtypes = list(map(_DTYPE, tensors))
-    if dtypes.count(dtypes[0]) == len(dtypes) and len(set(map(_DEVICE, tensors))) == 1:  # the usual: one call, in order
+    if len(set(zip(map(_DEVICE, tensors), map(_DTYPE, tensors)))) == 1:  # the usual: one call, in order
         peaks = foreach_max_abs(tensors)
         return peaks if peaks[0].dtype == torch.float32 else list(as_f32(torch.stack(peaks)).unbind())
+    dtypes = list(map(_DTYPE, tensors))
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, key in enumerate(zip(map(_DEVICE, tensors), dtypes)):
         groups.setdefault(key, []).append(i)
@@ -447,7 +447,9 @@ class OutputWatch:
     def values(self, device: torch.device) -> list[torch.Tensor]:
         """The 0-d float32 max-|x| of this step's records on ``device``, in order (no kernel where they are there
         already, no sync): one process's read lays them in its one vector and the host takes their max."""
-        records = self.records
+        if self._calls:
+            self.settle()
+        records = self._records
         if not records:
             return []
         live = self._peaks[records[0][1][0] :]  # the settles of the records not forgotten (a prefix is dropped)

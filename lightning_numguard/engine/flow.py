@@ -50,6 +50,7 @@ class StepFlow:
         sigma = settings.spikes.sigma if self.pipeline.spike.window is not None else None
         self.series = RunSeries(self.pipeline.reporter, sigma)
         self.schedule = read_schedule(self.pipeline)
+        self._late = type(self.schedule).after_step is not ReadSchedule.after_step  # work at batch end (deferred)
 
     def __getstate__(self) -> dict[str, Any]:
         # Hooks, the op-guard mode and the step record belong to a running fit; setup rebuilds them.
@@ -139,7 +140,8 @@ class StepFlow:
         skip, flag = p.recovery.flag_batch(rec, batch, batch_idx, loop, new_step)
         if skip is not None:
             p.recorder.force_skip(skip)
-        p.recorder.flag_quarantine(flag)
+        if flag is not None:
+            p.recorder.flag_quarantine(flag)
         if new_step and p.snapshots.async_on:  # start the due snapshot's copies, overlapped with the step
             p.snapshots.start(loop, p.due(loop.step))
         if new_step and acting:
@@ -161,9 +163,10 @@ class StepFlow:
             return
         if rec.read_done:  # a further optimizer of a clean batch: its gradients only
             recorder.forget_forward()
-        if not rec.skip_forced:  # both read schedules: the gradients are known here, read or not
+        if not self.fit_checks.stepped and not rec.skip_forced:  # both read schedules: the gradients are known here
             self.fit_checks.at_first_optimizer_step(loop, optimizer, rec.batch, rec.batch_idx, self.pipeline.ledger)
-        recorder.at_optimizer_step(optimizer)
+        if rec.check_step is not None:  # checks passed as extra_checks
+            recorder.at_optimizer_step(optimizer)
         self.schedule.at_optimizer_step(loop, optimizer)
 
     def batch_end(self, loop: Loop) -> None:
@@ -178,7 +181,8 @@ class StepFlow:
             p.read(loop, None)  # a batch without an optimizer step is read at its end
         p.recorder.end()
         p.spike.push()  # before the action: a rollback puts back the window of its snapshot
-        self.schedule.after_step(loop)  # a late decision taken during this batch
+        if self._late:
+            self.schedule.after_step(loop)  # a late decision taken during this batch
         outcome = p.finish(loop, rec)
         counters, events = p.ledger.counters, p.ledger.events
         self.progress.after_step(loop, rec, p.snapshots.snapshot, counters, outcome)

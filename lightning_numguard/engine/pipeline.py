@@ -119,7 +119,10 @@ class StepPipeline:
         """Name the culprits of a read, judge it, move the counters; the recorder settles the decision and events."""
         rec, seen, late = view.rec, view.reading.flags, view.late
         s = self.settings
-        spikes, advisory = self._spikes(loop, rec, view.reading.extras)
+        extras = view.reading.extras  # the spike statistics' values of the read (none: they are off)
+        spikes, advisory = (
+            self.spike.findings(extras, rec.step, self.recorder.watch, loop.world_size) if extras else ([], [])
+        )
         if seen is flags.CLEAN and not spikes and not advisory and not rec.skip_forced:  # the usual step, first
             self.conventions.clean_step()
             return self._clean(rec, due, late)
@@ -339,12 +342,6 @@ class StepPipeline:
         self.ledger.record(loop, [self.ledger.event(loop, finding, loop.step, "none")])
 
     # ------------------------------------------------------------------ parts
-
-    def _spikes(self, loop: Loop, rec: StepRecord, extras: list[float]) -> tuple[list[Finding], list[Finding]]:
-        """The step's spikes and overflow risks (advisory) from the read's extras, both judged by the caller."""
-        if not extras:
-            return [], []
-        return self.spike.findings(extras, rec.step, self.recorder.watch, loop.world_size)
 
     def _loss_scale(self, loop: Loop) -> list[Finding]:
         """The GradScaler's own overflow: a collapsing loss scale is reported like a block near its dtype's limit."""

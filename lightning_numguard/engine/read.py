@@ -38,6 +38,7 @@ _LAYOUT = operator.attrgetter("layout")
 _PARAMS = operator.itemgetter("params")
 _STRIDED = torch.strided
 _F32 = torch.float32
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -177,26 +178,27 @@ class StepRead:
         device = loop.device
         watch = self.recorder.watch
         watch = watch if watch is not None and watch.enabled else None
+        opguard = self.recorder.opguard
         tail = _Tail()
-        tail.add_step(rec, watch, self._op_flags(), device)
-        zero = self._zero(device)
+        tail.add_step(
+            rec, watch, [r.flag for r in opguard.records] if opguard is not None and opguard.records else [], device
+        )
         stacked: list[torch.Tensor] = []  # the slots that hold a device value, in slot order
         places: list[int] = []  # and their slots
-        segments, total = self._norms_here(loop, optimizer, snapshot_due, device, zero, tail)
-        if total is not zero:
+        segments, total = self._norms_here(loop, optimizer, snapshot_due, device, tail)
+        if total is not None:
             stacked.append(total)
             places.append(flags.NORMS)
-        losses = rec.losses
-        loss = losses[0] if len(losses) == 1 else None  # the usual: one 0-d float32 loss on the device, as it is
-        if loss is None or loss.dtype is not _F32 or loss.dim() or loss.device != device:
-            loss = self._loss_total(losses, device)
+        loss = self._loss_total(rec.losses, device)
         if loss is not None:
             stacked.append(loss)
             places.append(flags.LOSS)
         if rec.quarantine_flag is not None or self.extra:
-            self._flag_slots(rec, device, zero, stacked, places)
-        spike_on = self.spike is not None and self.spike.enabled and not rec.spike_read
-        carried = self._spike_extras(loop, rec, loss, watch, device, host_row=True) if spike_on else None
+            self._flag_slots(rec, device, stacked, places)
+        carried = None  # the spike statistics' values of the step's first read
+        if self.spike is not None and self.spike.enabled and not rec.spike_read:
+            self.recorder.mark_spike_read()
+            carried = self.spike.extras(loss, None, watch, device, host_row=True)
         read = carried or []  # the spike statistics the host does not hold yet
         n = self.extras_at
         values = [0.0] * n
@@ -223,16 +225,14 @@ class StepRead:
             seen = flags.StepFlags(seen.ranks + _extra.seen_raw(self.extra, values[len(flags.SLOTS) : n]))
         return Reading(seen, segments, values[n : n + len(extras)])
 
-    def _flag_slots(
-        self, rec: Any, device: torch.device, zero: torch.Tensor, stacked: list[torch.Tensor], places: list[int]
-    ) -> None:
+    def _flag_slots(self, rec: Any, device: torch.device, stacked: list[torch.Tensor], places: list[int]) -> None:
         """One process's quarantine flag and the checks passed as ``extra_checks`` (one value each, after the slots),
         with their places, after the totals in ``stacked``."""
         if rec.quarantine_flag is not None:
             stacked.append(rec.quarantine_flag.to(device))
             places.append(flags.QUARANTINE)
         if self.extra:
-            stacked.extend(_extra.slot_values(self.extra, rec.checks, device, zero))
+            stacked.extend(_extra.slot_values(self.extra, rec.checks, device, self._zero(device)))
             places.extend(range(len(flags.SLOTS), self.extras_at))
 
     def _host_headroom(self, values: list[float], at: int, tail: _Tail, watch: Any) -> None:
@@ -245,11 +245,12 @@ class StepRead:
         values[ratio], values[ratio + 1] = self.spike.host_headroom(peaks, watch.names)
 
     def _norms_here(
-        self, loop: Loop, optimizer: Any, snapshot_due: bool, device: torch.device, zero: torch.Tensor, tail: _Tail
-    ) -> tuple[dict[str, Named], torch.Tensor]:
-        """One process's ``NORMS`` slot: its segments and their device total (:meth:`norm_total`; ``zero`` when the
-        gradients alone make it: their norms go to the host, in ``tail``). A small model's gradients (one CPU group
-        of small tensors, the plan's :attr:`~lightning_numguard.detect.checks.TotalPlan.whole_flat`) take one norm."""
+        self, loop: Loop, optimizer: Any, snapshot_due: bool, device: torch.device, tail: _Tail
+    ) -> tuple[dict[str, Named], torch.Tensor | None]:
+        """One process's ``NORMS`` slot: its segments and their device total (:meth:`norm_total`; ``None`` when there
+        is none: the gradients alone make the slot, their norms go to the host, in ``tail``). A small model's
+        gradients (one CPU group of small tensors, the plan's
+        :attr:`~lightning_numguard.detect.checks.TotalPlan.whole_flat`) take one norm."""
         if (
             snapshot_due
             or self._state_every_step
@@ -258,17 +259,17 @@ class StepRead:
             or (self._every_buffer and self.checked_buffers)
         ):
             segments = self._segments(loop, optimizer, snapshot_due)
-            return segments, self.norm_total(segments, device, zero, tail)
-        if optimizer is None:
-            return {}, self.norm_total({}, device, zero, tail)
-        segments = {"grads": self.grads(optimizer)}  # the usual step: the gradients alone
-        plan = self._grads_plan
-        if plan is None or not plan.whole_flat or not self._grads_to_host:
-            return segments, self.norm_total(segments, device, zero, tail)
-        norm = flat_norm_f32(self._grads)
-        tail.add_norms([norm if norm.device == device else norm.to(device, non_blocking=True)])
-        self.norm_parts = self.grad_norm = None
-        return segments, zero
+        else:  # the usual step: the gradients alone
+            segments = {"grads": self.grads(optimizer)} if optimizer is not None else {}
+            plan = self._grads_plan
+            if optimizer is not None and plan is not None and plan.whole_flat and self._grads_to_host:
+                norm = flat_norm_f32(self._grads)
+                tail.add_norms([norm if norm.device == device else norm.to(device, non_blocking=True)])
+                self.norm_parts = self.grad_norm = None
+                return segments, None
+        zero = self._zero(device)
+        total = self.norm_total(segments, device, zero, tail)
+        return segments, None if total is zero else total
 
     def pack(self, loop: Loop, optimizer: Any, snapshot_due: bool) -> torch.Tensor:
         """The step's reduced flag vector on the device, without its host read (``sync_mode="deferred"``), followed
@@ -554,14 +555,9 @@ class _Tail:
     def add_norms(self, norms: list[torch.Tensor]) -> None:
         """The gradients' per-tensor L2 norms (0-d float32): the ``NORMS`` slot's, and the global norm of them."""
         self.norms = (len(self.values), len(norms))
-        self.add(flags.NORMS, norms)
-
-    def add(self, slot: int, values: list[torch.Tensor], modulus: float | None = None) -> None:
-        if values:
-            if slot == flags.INPUT:
-                self.inputs.append((len(self.values), len(values), modulus))
-            self.values.extend(values)
-            self.parts.append((slot, len(values), modulus))
+        if norms:
+            self.parts.append((flags.NORMS, len(norms), None))
+            self.values.extend(norms)
 
     def add_step(self, rec: Any, watch: Any, op_flags: list[torch.Tensor], device: torch.device) -> None:
         """The step record's inputs' ends, the watch's values and the op guard's flags."""
@@ -582,10 +578,15 @@ class _Tail:
         """One micro-batch's input ends: float32 ones as they are, another dtype's reduced on the device first (its
         values need not fit a float32 vector)."""
         for dtype, values in ends:
-            if dtype == torch.float32:
-                self.add(flags.INPUT, values, checks.finfo_max(dtype))
-            else:
-                self.add(flags.INPUT, [checks.unmasked_of([(dtype, values)], device)])
+            if dtype is _F32:  # as they are
+                modulus: float | None = _F32_MAX
+            else:  # reduced on the device
+                values, modulus = [checks.unmasked_of([(dtype, values)], device)], None
+            if values:
+                part = (len(self.values), len(values), modulus)
+                self.inputs.append(part)
+                self.parts.append((flags.INPUT, part[1], modulus))
+                self.values.extend(values)
 
     def fold(self, values: list[float], at: int, suspicious: bool) -> None:
         """Reduce the host-read tail (from ``values[at]``) into its slots of ``values`` (each slot's own value there:
@@ -600,7 +601,13 @@ class _Tail:
             # the usual step: every value finite (float32 values: their float64 sum cannot overflow) and no op flag
             # set, so no slot is seen; only the inputs' largest value is wanted, for the host's comparison
             if suspicious:
-                largest = max(values[flags.INPUT], self._largest_input(values, at))
+                largest = values[flags.INPUT]  # the largest unmasked input value of the tail, its values all finite
+                for start, n, modulus in self.inputs:
+                    part = max(map(abs, values[at + start : at + start + n]))
+                    if modulus is not None and part >= modulus:  # a dtype's extreme among them: left out
+                        part = checks.unmasked_on_host(values[at + start : at + start + n], modulus, finite=True)
+                    if part > largest:
+                        largest = part
                 values[flags.INPUT] = values[flags.SUSPICIOUS] = largest
             return
         for slot, n, modulus in self.parts:
@@ -610,17 +617,6 @@ class _Tail:
             at += n
         if suspicious:
             values[flags.SUSPICIOUS] = values[flags.INPUT]
-
-    def _largest_input(self, values: list[float], at: int) -> float:
-        """The largest unmasked input value of the host-read tail (from ``values[at]``), its values all finite."""
-        largest = 0.0
-        for start, n, modulus in self.inputs:
-            part = max(map(abs, values[at + start : at + start + n]))
-            if modulus is not None and part >= modulus:  # a dtype's extreme among them: left out
-                part = checks.unmasked_on_host(values[at + start : at + start + n], modulus, finite=True)
-            if part > largest:
-                largest = part
-        return largest
 
 
 def _same_groups(groups: list[dict[str, Any]], lists: list[list[Any]], lengths: list[int]) -> bool:

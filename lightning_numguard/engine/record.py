@@ -189,7 +189,7 @@ class StepRecorder:
                     _compat.foreach_copy_(copies, live)
                 rec.start_buffers = by_name
                 # numpy's RNG is left to the snapshot: reading its state costs ~0.1 ms, more than all the rest
-                rec.start_states = clone_states(stateful, self.metric_keys)
+                rec.start_states = clone_states(stateful, self.metric_keys) if self.metric_keys else {}
                 rec.start_rng = self.rng.at_step_start()
         micro = _micro.MicroBatch(batch_idx, batch, first_output=self.watch.count() if self.watch is not None else 0)
         if rec.start_rng is not None:

@@ -43,7 +43,7 @@ class FitProgress:
     def after_step(self, loop: Loop, rec: Any, snapshot: Any, counters: dict[str, int], outcome: Any = None) -> None:
         """At batch end, after the step's action (``outcome``: what was done): count the steps a new rollback
         discarded; update the bar."""
-        if rec.action == "rollback" and rec.events and snapshot is not None:  # the updates the restore discarded
+        if rec.events and rec.action == "rollback" and snapshot is not None:  # the updates the restore discarded
             self.steps_lost_to_rollbacks += (outcome.steps_lost if outcome is not None else None) or 0
         if not any(map(counters.get, PROGRESS_BAR_KEYS)):  # the usual: nothing to show yet
             return

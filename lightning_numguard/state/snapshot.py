@@ -118,6 +118,7 @@ def capture(
     stateful_state: Mapping[str, Any] | None = None,
     reuse: Snapshot | None = None,
     shard_among: tuple[int, int] | None = None,
+    dtensors: bool = True,
 ) -> Snapshot:
     """Copy the training state (no verification: the caller checks the live tensors first).
 
@@ -134,12 +135,17 @@ def capture(
         reuse: an older snapshot whose storage may be overwritten.
         shard_among: ``(rank, world)``: keep only this rank's ``1/world`` of the parameters and
             optimizer states (every rank must hold the same ones); see :func:`unsharded`.
+        dtensors: whether the state may hold ``DTensor`` local shards (``False``: the caller knows it holds none,
+            from an earlier capture of the same fit, and the states are not walked for them).
     """
     device = "cpu" if where == "host" else None
     pin = where == "host" and torch.cuda.is_available()
     sd, states = _live_states(model, model_state, stateful, stateful_state)
-    sd, model_specs = localize(sd)
-    opt_states, opt_specs = localize([o.state_dict() for o in optimizers])
+    opt_states: Any = [o.state_dict() for o in optimizers]
+    model_specs = opt_specs = None
+    if dtensors:
+        sd, model_specs = localize(sd)
+        opt_states, opt_specs = localize(opt_states)
     sharded = None
     if shard_among is not None:
         names = {n for n, _ in model.named_parameters(remove_duplicate=False)}

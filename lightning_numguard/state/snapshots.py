@@ -101,10 +101,12 @@ class Snapshots:
         self.pending: PendingCapture | None = None  # the asynchronous candidate in flight (batch start to read)
         self.last_step = -(10**9)
         self.stateful: dict[str, Stateful] = {}
+        self._dtensors = True  # whether a capture looks for DTensor local shards (not after one that found none)
 
     def track(self, stateful: dict[str, Stateful]) -> None:
         """Fit start: the stateful objects (metrics, loops, the spike window...) every snapshot holds."""
         self.stateful = stateful
+        self._dtensors = True
 
     @property
     def where(self) -> Literal["host", "device"]:
@@ -189,7 +191,7 @@ class Snapshots:
         restore(self.full(loop), loop.module, loop.optimizers, self.stateful, restore_rng=restore_rng)
 
     def _capture(self, loop: Loop, rec: StepRecord | None, reuse: Any) -> Snapshot:
-        return capture(
+        taken = capture(
             loop.module,
             loop.optimizers,
             self.stateful,
@@ -200,4 +202,7 @@ class Snapshots:
             stateful_state=rec.start_states if rec is not None else None,
             reuse=reuse,
             shard_among=_sharded.shard_among(loop, self.sharding),  # no collective: only the restores gather
+            dtensors=self._dtensors,
         )
+        self._dtensors = bool(taken.specs)  # a fit's state holds DTensors from its first capture on, or never
+        return taken

@@ -44,8 +44,8 @@ class LoggedValues:
         if results is None or dicts is None:
             self._results = self._dicts = None
             return
-        self._results = {key: _compat.result_metric_state(metric) for key, metric in results.items()}
-        self._dicts = [dict(d) for d in dicts]
+        self._results = {key: _compat.result_metric_state(metric) for key, metric in results.items()} if results else {}
+        self._dicts = list(map(dict, dicts))
 
     def discard(self, trainer: pl.Trainer) -> None:
         """Put the results back as :meth:`mark` left them: the step logged nothing."""
