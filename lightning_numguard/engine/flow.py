@@ -91,6 +91,7 @@ class StepFlow:
         # After Lightning restored optimizers, schedulers and the scaler from a checkpoint (it does so after
         # on_fit_start): a snapshot taken earlier would roll a resumed run back to fresh optimizers.
         p = self.pipeline
+        p.recorder.at_train_start(loop)
         bad = p.recovery.at_train_start(loop, p.reader, self.settings.acting)
         # the fused check writes the same bits back: only while no snapshot is copied on another thread
         p.reader.allow_rewrite(not p.snapshots.async_on)

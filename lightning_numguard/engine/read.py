@@ -175,7 +175,7 @@ class StepRead:
         ``unsqueeze``)."""
         rec = self.recorder.record
         assert rec is not None
-        device = loop.device
+        device = self.recorder.device or loop.device  # fixed at train start
         watch = self.recorder.watch
         watch = watch if watch is not None and watch.enabled else None
         opguard = self.recorder.opguard

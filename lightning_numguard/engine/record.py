@@ -136,6 +136,8 @@ class StepRecorder:
         self.start_copies: tuple[list[torch.Tensor], list[torch.Tensor], dict[str, torch.Tensor]] = ([], [], {})
         self.metric_keys: list[str] = []
         self.rng = StepRng()  # the RNG state each step starts from (a generator's only while the fit draws from it)
+        #: the device a step's values are made on, fixed at train start (the loop's is a chain of properties)
+        self.device: torch.device | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -158,6 +160,10 @@ class StepRecorder:
             self.opguard.release()
         if self.watch is not None:
             self.watch.detach()
+
+    def at_train_start(self, loop: Loop) -> None:
+        """The fit's device, once the loop has put the module on it (``None`` before: each step asks the loop)."""
+        self.device = loop.device
 
     def copy_starts(
         self, copies: tuple[list[torch.Tensor], list[torch.Tensor], dict[str, torch.Tensor]], stateful: dict[str, Any]
@@ -204,7 +210,8 @@ class StepRecorder:
                 leaves = [(p, t) for p, t in leaves if p not in self.ignored_inputs]
             if leaves:
                 # one aminmax per tensor; the read reduces the ends (on the host when one process reads them)
-                ends = checks.input_ends(list(map(_TENSOR, leaves)), loop.device)
+                device = self.device if self.device is not None else loop.device
+                ends = checks.input_ends(list(map(_TENSOR, leaves)), device)
                 rec.inputs.append((leaves, ends))
                 micro.inputs = ends[0][1] if len(ends) == 1 else [v for _, values in ends for v in values]
         return rec
