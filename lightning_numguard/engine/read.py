@@ -263,7 +263,7 @@ class StepRead:
             segments = {"grads": self.grads(optimizer)} if optimizer is not None else {}
             plan = self._grads_plan
             if optimizer is not None and plan is not None and plan.whole_flat and self._grads_to_host:
-                norm = flat_norm_f32(self._grads)
+                norm = flat_norm_f32(self._grads)  # spike.tensor_norms of the plan's one flat group, without the walk
                 tail.add_norms([norm if norm.device == device else norm.to(device, non_blocking=True)])
                 self.norm_parts = self.grad_norm = None
                 return segments, None
@@ -400,11 +400,6 @@ class StepRead:
                 if self.spike is not None and self.spike.window is not None:  # the global L2 norm is the check
                     plan = self._grads_plan if self._grads_plan is not None else checks.TotalPlan([t for _, t in named])
                     grads = self._grads if self._grads_plan is not None else [t for _, t in named]
-                    if tail is not None and plan.whole_flat:  # one CPU group of small tensors: one norm, to the host
-                        norm = flat_norm_f32(grads)
-                        tail.add_norms([norm if norm.device == device else norm.to(device, non_blocking=True)])
-                        parts.pop()
-                        continue
                     if plan.local:  # DTensors (FSDP2, tensor parallel): this rank's shards; the reduce takes the max
                         grads = [local(t) for t in grads]
                     groups = plan.grouped(grads)
