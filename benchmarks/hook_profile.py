@@ -40,6 +40,8 @@ TARGETS = (
     "lightning_numguard.engine.record:StepRecorder.end",
     "lightning_numguard.engine.read:StepRead.read",
     "lightning_numguard.engine.read:StepRead.pack",
+    "lightning_numguard.engine.read:StepRead._read_here",
+    "lightning_numguard.engine.read:StepRead._norms_here",
     "lightning_numguard.engine.read:StepRead.slot_values",
     "lightning_numguard.engine.read:StepRead.norm_total",
     "lightning_numguard.engine.read:StepRead.grads",

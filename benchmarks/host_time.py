@@ -1,6 +1,7 @@
 """The guard's host time per step, the device work taken out: the table of ``docs/performance.md``.
 
-    python -m benchmarks.host_time [--rounds 5] [--steps 60] [--models tiny,mlp] [--parts] [--write docs/performance.md]
+    python -m benchmarks.host_time [--rounds 5] [--steps 60] [--models tiny,mlp] [--parts] [--before REV]
+                                   [--write docs/performance.md]
 
 Two models of one shape, the benchmark MLP (512-768-768-768-10, 1.6M parameters, batch 128) and the same
 four-``Linear`` network 8 wide (batch 4), whose kernels cost next to nothing: on the tiny one the step time added to
@@ -12,13 +13,23 @@ own hooks, timed inside them (``benchmarks.hook_profile``), in microseconds per 
 
 ``--parts`` times, in the same interleaved rounds, the defaults with one part left out each and the floor without
 its output reads (``benchmarks.variants.PARTS``, ``FLOOR_PARTS``), and prints (and writes) what each part adds to a
-step: the median over rounds of the defaults' step minus the step without the part.
+step: the median over rounds of the defaults' step minus the step without the part (on the tiny model: on the
+benchmark MLP a part's tens of microseconds drown in its step's noise). ``--write`` with ``--models`` naming one model
+writes the parts table only.
+
+``--before REV`` times the guard of git revision ``REV`` (``benchmarks.compare_revisions``: its package under another
+name) in the same interleaved rounds, and prints (and writes) what this checkout's guard adds against what ``REV``'s
+does: a change's effect measured in one run, where two runs of the same code differ by tens of microseconds here.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +61,8 @@ def tiny_mlp(n_batches: int) -> bench_models.ModelSpec:
 
 def measure(spec: bench_models.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     variants = VARIANTS + ([*PARTS, *FLOOR_PARTS] if args.parts else [])
+    if args.before:  # the guard of that revision, in the same rounds
+        variants.append("before_numguard_default")
     timed = time_model(spec, variants, args)
     base = timed["baseline"]["rounds"]
     out: dict[str, Any] = {"description": spec.description}
@@ -92,6 +105,15 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def before_table(results: dict[str, dict[str, Any]], rev: str) -> str:
+    """Per model, what this checkout's guard and revision ``rev``'s add to the plain step, in the same rounds."""
+    lines = [f"| model | `{rev}`: added | this revision: added | difference |", "|---|---:|---:|---:|"]
+    for name, r in results.items():
+        before, now = r["before_numguard_default"]["added_us"], r["numguard_default"]["added_us"]
+        lines.append(f"| {name} | +{before:.0f} µs | +{now:.0f} µs | {now - before:+.0f} µs |")
+    return "\n".join(lines)
+
+
 def parts_table(results: dict[str, dict[str, Any]]) -> str:
     """Per model, what each part of the defaults (and the floor's output reads) adds to a step, in µs."""
     names = {**PARTS, **FLOOR_PARTS}
@@ -108,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--models", default="tiny,mlp", help="of tiny (the host cost) and mlp (the benchmark MLP)")
     p.add_argument("--parts", action="store_true", help="also what each part of the defaults adds to a step")
+    p.add_argument("--before", metavar="REV", help="also the guard of this git revision, in the same rounds")
     p.add_argument("--write", metavar="MARKDOWN", help="replace the host_time block(s) of this file")
     args = p.parse_args(argv)
     models = args.models.split(",")
@@ -118,16 +141,28 @@ def main(argv: list[str] | None = None) -> None:
     quiet()
     make = {"tiny": lambda: tiny_mlp(args.steps + 2), "mlp": lambda: bench_models.build("mlp", args.steps + 2, "cpu")}
     specs = [make[m]() for m in models]
-    results = {spec.name: measure(spec, args) for spec in specs}
+    with tempfile.TemporaryDirectory(prefix="numguard-before-") as tmp:
+        if args.before:  # that revision's package, importable under another name, as the variant before_*
+            from benchmarks import compare_revisions  # (the timed fits of host_instructions import this module)
+
+            compare_revisions.extract(args.before, Path(tmp))
+            sys.path.insert(0, tmp)
+            compare_revisions.register(importlib.import_module(compare_revisions.ALIAS))
+        results = {spec.name: measure(spec, args) for spec in specs}
     text = table(results)
     print(text)
-    if args.write:
+    if args.write and len(results) == len(make):  # the table holds every model: a subset leaves it as it is
         replace_block(args.write, "host_time", text)
     if args.parts:
         parts = parts_table(results)
         print(parts)
         if args.write:
             replace_block(args.write, "host_time_parts", parts)
+    if args.before:
+        before = before_table(results, args.before)
+        print(before)
+        if args.write:
+            replace_block(args.write, "host_time_before", before)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 
+from benchmarks import micro
 from benchmarks.harness import count_syncs, environment, log, quiet, time_model
 from benchmarks.profiling import profile_default
 from benchmarks.tables import render, verdicts
 from benchmarks.variants import DEFAULT_CHECKS, VARIANTS
-from instruments import bench_models, micro
+from instruments import bench_models
 
 # --quick / default / --smoke settings (explicit flags override them)
 PRESETS: dict[str, dict[str, Any]] = {

@@ -26,6 +26,7 @@ from lightning_numguard.dtensor import local
 from lightning_numguard.engine import group as _distributed
 from lightning_numguard.engine.loop import Loop
 from lightning_numguard.engine.record import Named, StepRecorder
+from lightning_numguard.engine.tail import Tail
 
 __all__ = ["Reading", "StepRead"]
 
@@ -38,7 +39,6 @@ _LAYOUT = operator.attrgetter("layout")
 _PARAMS = operator.itemgetter("params")
 _STRIDED = torch.strided
 _F32 = torch.float32
-_F32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -169,7 +169,7 @@ class StepRead:
 
     def _read_here(self, loop: Loop, optimizer: Any, snapshot_due: bool) -> Reading:
         """One process's read: the slots that hold a device value, the spike statistics the host does not hold yet
-        and the tail (:class:`_Tail`: the inputs' ends, the watched calls' values, the op guard's flags, the
+        and the tail (:class:`Tail`: the inputs' ends, the watched calls' values, the op guard's flags, the
         gradients' norms) in one ``stack``, read once; the host reduces the tail into its slots and decodes them. A
         slot left at the device's constant zero is not stacked but 0.0 on the host (a value stacked costs the host an
         ``unsqueeze``)."""
@@ -179,7 +179,7 @@ class StepRead:
         watch = self.recorder.watch
         watch = watch if watch is not None and watch.enabled else None
         opguard = self.recorder.opguard
-        tail = _Tail()
+        tail = Tail()
         tail.add_step(
             rec, watch, [r.flag for r in opguard.records] if opguard is not None and opguard.records else [], device
         )
@@ -235,7 +235,7 @@ class StepRead:
             stacked.extend(_extra.slot_values(self.extra, rec.checks, device, self._zero(device)))
             places.extend(range(len(flags.SLOTS), self.extras_at))
 
-    def _host_headroom(self, values: list[float], at: int, tail: _Tail, watch: Any) -> None:
+    def _host_headroom(self, values: list[float], at: int, tail: Tail, watch: Any) -> None:
         """The overflow headroom of the watched blocks, of the watched calls' values as read (every few steps), in its
         place among the host's extras."""
         start, count = tail.outputs
@@ -245,7 +245,7 @@ class StepRead:
         values[ratio], values[ratio + 1] = self.spike.host_headroom(peaks, watch.names)
 
     def _norms_here(
-        self, loop: Loop, optimizer: Any, snapshot_due: bool, device: torch.device, tail: _Tail
+        self, loop: Loop, optimizer: Any, snapshot_due: bool, device: torch.device, tail: Tail
     ) -> tuple[dict[str, Named], torch.Tensor | None]:
         """One process's ``NORMS`` slot: its segments and their device total (:meth:`norm_total`; ``None`` when there
         is none: the gradients alone make the slot, their norms go to the host, in ``tail``). A small model's
@@ -374,7 +374,7 @@ class StepRead:
         return self.spike.extras(loss, self.grad_norm, watch, device, loop.rank, loop.world_size, host_row=host_row)
 
     def norm_total(
-        self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor, tail: _Tail | None = None
+        self, segments: dict[str, Named], device: torch.device, zero: torch.Tensor, tail: Tail | None = None
     ) -> torch.Tensor:
         """The ``NORMS`` slot's total of ``segments`` (name -> named tensors: ``"grads"``, ``"params"``,
         ``"start_buffers"``, ``"live_buffers"``, ``"opt_state"``), 0-d float32 on ``device``, non-finite when one of
@@ -387,7 +387,7 @@ class StepRead:
         tensors stay the same): a step does no per-tensor grouping.
 
         With the spike statistics on, the gradients' check is their global L2 norm; ``tail`` (one process): each
-        gradient's norm goes to the host, which takes the global norm of them after the read (:meth:`_Tail.fold`).
+        gradient's norm goes to the host, which takes the global norm of them after the read (:meth:`Tail.fold`).
         """
         self.grad_norm = None
         totals = []
@@ -526,92 +526,6 @@ class StepRead:
                         out.append((f"optimizer[{i}].state[{self.param_names.get(id(param), '?')}].{key}", value))
         self._opt_state = (live, out)
         return out
-
-
-class _Tail:
-    """The 0-d values one process's read lays after the spike statistics' extras, in the same ``stack``, for the host
-    to reduce into their slots: the inputs' ends, the watched outputs' max-|x| and the op guard's flags, which the read
-    of several ranks (and the deferred read) reduces on the device first. A value per input tensor, watched call
-    and guarded call costs the host a float to read, where a reduction on the device costs a kernel each."""
-
-    __slots__ = ("grad_norm", "inputs", "norms", "op", "outputs", "parts", "values")
-
-    def __init__(self) -> None:
-        self.values: list[torch.Tensor] = []
-        #: per part: its slot, how many values, and the ``finfo.max`` left out of them (inputs' ends), else ``None``
-        self.parts: list[tuple[int, int, float | None]] = []
-        self.inputs: list[tuple[int, int, float | None]] = []  # the inputs' parts: where, how many, the modulus
-        self.norms: tuple[int, int] | None = None  # where the gradients' norms are in :attr:`values`, and how many
-        self.outputs: tuple[int, int] = (0, 0)  # where the watched calls' max-|x| are in :attr:`values`, how many
-        self.op: tuple[int, int] = (0, 0)  # where the op guard's flags are in :attr:`values`, how many
-        #: after :meth:`fold`: the gradients' global L2 norm, when their norms were in the tail
-        self.grad_norm: float | None = None
-
-    def add_norms(self, norms: list[torch.Tensor]) -> None:
-        """The gradients' per-tensor L2 norms (0-d float32): the ``NORMS`` slot's, and the global norm of them."""
-        self.norms = (len(self.values), len(norms))
-        if norms:
-            self.parts.append((flags.NORMS, len(norms), None))
-            self.values.extend(norms)
-
-    def add_step(self, rec: Any, watch: Any, op_flags: list[torch.Tensor], device: torch.device) -> None:
-        """The step record's inputs' ends, the watch's values and the op guard's flags."""
-        for _, ends in rec.inputs:
-            self.add_inputs(ends, device)
-        values, parts = self.values, self.parts
-        outputs = watch.values(device) if watch is not None else None
-        if outputs:
-            self.outputs = (len(values), len(outputs))
-            parts.append((flags.OUTPUT, len(outputs), None))
-            values.extend(outputs)
-        if op_flags:
-            self.op = (len(values), len(op_flags))
-            parts.append((flags.OP, len(op_flags), None))
-            values.extend([f.to(device) for f in op_flags])
-
-    def add_inputs(self, ends: checks.InputEnds, device: torch.device) -> None:
-        """One micro-batch's input ends: float32 ones as they are, another dtype's reduced on the device first (its
-        values need not fit a float32 vector)."""
-        for dtype, values in ends:
-            if dtype is _F32:  # as they are
-                modulus: float | None = _F32_MAX
-            else:  # reduced on the device
-                values, modulus = [checks.unmasked_of([(dtype, values)], device)], None
-            if values:
-                part = (len(self.values), len(values), modulus)
-                self.inputs.append(part)
-                self.parts.append((flags.INPUT, part[1], modulus))
-                self.values.extend(values)
-
-    def fold(self, values: list[float], at: int, suspicious: bool) -> None:
-        """Reduce the host-read tail (from ``values[at]``) into its slots of ``values`` (each slot's own value there:
-        0.0, or the ``NORMS`` slot's device total of the state): NaN when a value is not finite, else the largest
-        (the inputs' dtype extremes left out); ``suspicious``: the ``SUSPICIOUS`` slot takes the inputs' value, for
-        the host's comparison. The gradients' norms also give :attr:`grad_norm`."""
-        if self.norms is not None:  # in float64, without overflow (float32 would overflow past norms of ~1e19)
-            start, n = self.norms
-            self.grad_norm = math.hypot(*values[at + start : at + start + n])
-        start, n = self.op
-        if math.isfinite(sum(values[at:])) and not (n and any(values[at + start : at + start + n])):
-            # the usual step: every value finite (float32 values: their float64 sum cannot overflow) and no op flag
-            # set, so no slot is seen; only the inputs' largest value is wanted, for the host's comparison
-            if suspicious:
-                largest = values[flags.INPUT]  # the largest unmasked input value of the tail, its values all finite
-                for start, n, modulus in self.inputs:
-                    part = max(map(abs, values[at + start : at + start + n]))
-                    if modulus is not None and part >= modulus:  # a dtype's extreme among them: left out
-                        part = checks.unmasked_on_host(values[at + start : at + start + n], modulus, finite=True)
-                    if part > largest:
-                        largest = part
-                values[flags.INPUT] = values[flags.SUSPICIOUS] = largest
-            return
-        for slot, n, modulus in self.parts:
-            part = checks.unmasked_on_host(values[at : at + n], modulus)
-            old = values[slot]
-            values[slot] = max(old, part) if math.isfinite(part) and math.isfinite(old) else math.nan
-            at += n
-        if suspicious:
-            values[flags.SUSPICIOUS] = values[flags.INPUT]
 
 
 def _same_groups(groups: list[dict[str, Any]], lists: list[list[Any]], lengths: list[int]) -> bool:

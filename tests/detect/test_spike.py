@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import pickle
 
@@ -231,6 +232,18 @@ def test_window_state_round_trips_and_pickles():
     assert shorter.valid() == [8, 8]
     with pytest.raises(ValueError, match=r"shape \[2, window\]"):
         shorter.load_state_dict({"values": [1.0, 2.0], "pos": 0})
+
+
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda w: pickle.loads(pickle.dumps(w))])
+def test_a_copied_window_takes_its_host_rows_into_its_own_values(copy_of):
+    """Before: the copy kept a copy of the original's host view, so its rows went nowhere (the window stayed NaN)."""
+    window = SpikeWindow(window=4, warmup=2)
+    window.push_host(1.0, 2.0)  # the window's host view exists now
+    copied = copy_of(window)
+    copied.push_host(3.0, 4.0)
+    window.push_host(5.0, 6.0)
+    assert copied.values[:2].tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert window.values[:2].tolist() == [[1.0, 2.0], [5.0, 6.0]]
 
 
 @pytest.mark.parametrize(

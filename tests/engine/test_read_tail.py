@@ -1,4 +1,4 @@
-"""One process's read reduces the per-tensor, per-call and per-record values on the host (``engine/read._Tail``):
+"""One process's read reduces the per-tensor, per-call and per-record values on the host (``engine/tail.Tail``):
 the same answers as the device reductions that the read of several ranks and the deferred read make."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from lightning_numguard.callbacks import NumGuardCallback
 from lightning_numguard.detect import checks, flags
-from lightning_numguard.engine.read import _Tail
+from lightning_numguard.engine.tail import Tail
 from tests.helpers import FaultData, FaultModel, loader, spike_window, trainer
 
 CPU = torch.device("cpu")
@@ -19,7 +19,7 @@ F32_MAX = torch.finfo(torch.float32).max
 
 
 def _host_input(tensors: list[torch.Tensor]) -> float:
-    tail = _Tail()
+    tail = Tail()
     tail.add_inputs(checks.input_ends(tensors, CPU), CPU)
     values = [0.0] * len(flags.SLOTS) + (torch.stack(tail.values).tolist() if tail.values else [])
     tail.fold(values, len(flags.SLOTS), suspicious=True)
@@ -67,7 +67,7 @@ def test_the_hosts_unmasked_input_max_is_the_devices(case):
 
 def test_the_hosts_global_norm_is_the_norm_of_the_tensors_norms_and_nan_when_one_is_not_finite():
     norms = [torch.tensor(v) for v in (3.0, 4.0, 12.0)]
-    tail = _Tail()
+    tail = Tail()
     tail.add_norms(norms)
     values = [0.0] * len(flags.SLOTS) + torch.stack(tail.values).tolist()
     tail.fold(values, len(flags.SLOTS), suspicious=False)
@@ -75,7 +75,7 @@ def test_the_hosts_global_norm_is_the_norm_of_the_tensors_norms_and_nan_when_one
     assert not flags.decode_raw(values[: len(flags.SLOTS)]).seen(flags.NORMS)
 
     for bad in (math.nan, math.inf):
-        tail = _Tail()
+        tail = Tail()
         tail.add_norms([norms[0], torch.tensor(bad)])
         values = [0.0] * len(flags.SLOTS) + torch.stack(tail.values).tolist()
         tail.fold(values, len(flags.SLOTS), suspicious=False)
@@ -84,7 +84,7 @@ def test_the_hosts_global_norm_is_the_norm_of_the_tensors_norms_and_nan_when_one
 
 
 def test_an_op_flag_in_the_tail_is_seen_and_only_its_slot():
-    tail = _Tail()
+    tail = Tail()
     tail.add_norms([torch.tensor(2.0)])
     tail.add_step(_NoRecord(), None, [torch.tensor(False), torch.tensor(True)], CPU)
     values = [0.0] * len(flags.SLOTS) + torch.stack(tail.values).tolist()
@@ -102,7 +102,7 @@ class _NoRecord:
 
 
 def test_a_state_total_that_is_not_finite_stays_seen_when_the_gradients_norms_join_its_slot():
-    tail = _Tail()
+    tail = Tail()
     tail.add_norms([torch.tensor(1.0)])
     values = [0.0] * len(flags.SLOTS) + torch.stack(tail.values).tolist()
     values[flags.NORMS] = -math.inf  # the CPU's fused state check marks a non-finite tensor with -inf
