@@ -6,11 +6,12 @@ A step's host time on this shared machine moves by a third from one run to the n
 bytecodes the step executes does not (two runs of the same code give the same count). One fit per model and variant
 (``baseline``, ``numguard_default``, ``floor_default``) with ``sys.settrace`` counting every opcode event over the
 steps after the warm-up (every frame: the guard's own code, Lightning's dispatch of its hooks, torch's hook path);
-the added count is the variant's minus the plain fit's, and the last column the part of it in the package's own
-files. Each bytecode costs CPython 3.11 roughly 30-60 ns, on top of the ops the step dispatches
-(``benchmarks/op_count.py``). Models: the host-time benchmark's tiny MLP (``benchmarks/host_time.py``; the
-benchmark MLP has its structure, so the same count) and the deep residual MLP of 96 watched blocks (does the count
-grow with the blocks?).
+the added count is the variant's minus the plain fit's, with the part of it in the package's own files, and the
+Python calls a step makes into the package's functions (frames entered: a function, a comprehension, a generator
+resumed), which in a real fit cost more than the bytecodes inside them. Each bytecode costs CPython 3.11 roughly
+30-60 ns, on top of the ops the step dispatches (``benchmarks/op_count.py``). Models: the host-time benchmark's tiny
+MLP (``benchmarks/host_time.py``; the benchmark MLP has its structure, so the same count) and the deep residual MLP
+of 96 watched blocks (does the count grow with the blocks?).
 """
 
 from __future__ import annotations
@@ -34,9 +35,14 @@ VARIANTS = ("baseline", "numguard_default", "floor_default")
 PACKAGE = "lightning_numguard"
 
 
-def bytecodes_per_step(spec: bench_models.ModelSpec, variant: str, args: argparse.Namespace) -> tuple[float, float]:
-    """``(all bytecodes, those in the package's files)`` per step of one fit of ``variant``, after the warm-up."""
+def bytecodes_per_step(
+    spec: bench_models.ModelSpec, variant: str, args: argparse.Namespace
+) -> tuple[float, float, float]:
+    """``(all bytecodes, those in the package's files, Python calls into the package's functions)`` per step of one fit
+    of ``variant``, after the warm-up (a call is a frame of the package entered: a function, a comprehension, a
+    generator resumed)."""
     by_file: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
 
     def opcode(frame: FrameType, event: str, arg: Any) -> Any:
         if event == "opcode":
@@ -44,6 +50,7 @@ def bytecodes_per_step(spec: bench_models.ModelSpec, variant: str, args: argpars
         return opcode
 
     def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        calls[frame.f_code.co_filename] += 1
         frame.f_trace_opcodes = True
         return opcode
 
@@ -67,19 +74,22 @@ def bytecodes_per_step(spec: bench_models.ModelSpec, variant: str, args: argpars
         sys.settrace(None)
     steps = args.steps - args.warmup
     own = sum(n for f, n in by_file.items() if f"/{PACKAGE}/" in f)
-    return sum(by_file.values()) / steps, own / steps
+    own_calls = sum(n for f, n in calls.items() if f"/{PACKAGE}/" in f)
+    return sum(by_file.values()) / steps, own / steps, own_calls / steps
 
 
-def table(rows: dict[str, tuple[str, dict[str, tuple[float, float]]]]) -> str:
+def table(rows: dict[str, tuple[str, dict[str, tuple[float, float, float]]]]) -> str:
     lines = [
-        "| model | plain step: bytecodes | guard: added (in the package's files) | floor: added |",
-        "|---|---:|---:|---:|",
+        "| model | plain step: bytecodes | guard: added (in the package's files) | guard: calls into the package | "
+        "floor: added |",
+        "|---|---:|---:|---:|---:|",
     ]
     for name, (description, counts) in rows.items():
         plain = counts["baseline"][0]
-        guard, own = counts["numguard_default"]
+        guard, own, calls = counts["numguard_default"]
         floor = counts["floor_default"][0]
-        lines.append(f"| {name}: {description} | {plain:.0f} | {guard - plain:.0f} ({own:.0f}) | {floor - plain:.0f} |")
+        added = f"{guard - plain:.0f} ({own:.0f}) | {calls:.0f} | {floor - plain:.0f}"
+        lines.append(f"| {name}: {description} | {plain:.0f} | {added} |")
     return "\n".join(lines)
 
 
