@@ -37,10 +37,12 @@ class ManyParams(pl.LightningModule):
 
 
 class _Count:
-    """Bytecodes executed in the package's files between two callbacks' hooks, in the steps counted."""
+    """Bytecodes executed in the package's files, and frames of them entered (Python calls), between two callbacks'
+    hooks, in the steps counted."""
 
     def __init__(self) -> None:
         self.bytecodes = 0
+        self.calls = 0
         self.steps = 0
 
     def _opcode(self, frame: FrameType, event: str, arg: Any) -> Any:
@@ -51,6 +53,7 @@ class _Count:
     def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
         if PACKAGE not in frame.f_code.co_filename:
             return None
+        self.calls += 1
         frame.f_trace_opcodes = True
         return self._opcode
 
@@ -79,7 +82,7 @@ class _End(pl.Callback):
         self.count.stop()
 
 
-def _per_step(tmp_path: Any, n: int) -> float:
+def _counted(tmp_path: Any, n: int) -> _Count:
     count = _Count()
     guard = NumGuardCallback(dirpath=str(tmp_path / f"ng{n}"))
     try:
@@ -89,6 +92,11 @@ def _per_step(tmp_path: Any, n: int) -> float:
     finally:
         sys.settrace(None)
     assert count.steps == LAST - FIRST and not guard.events
+    return count
+
+
+def _per_step(tmp_path: Any, n: int) -> float:
+    count = _counted(tmp_path, n)
     return count.bytecodes / count.steps
 
 
@@ -97,3 +105,18 @@ def test_the_guards_python_work_per_step_does_not_grow_with_the_number_of_parame
     assert few > 1000, "the counter saw no guard code"
     # a Python loop over the parameters costs at least a few bytecodes per parameter: 396 more would add over 1000
     assert abs(many - few) < 100, (few, many)
+
+
+#: the most Python calls a clean step may make into the package (the defaults, one process, the model above: 107 when
+#: this was written, 182 at ``b0226cf``, before the step's calls were cut; ``benchmarks/host_work.py`` counts the
+#: benchmark models')
+CALLS_PER_STEP = 120
+
+
+def test_a_clean_step_makes_at_most_its_budget_of_python_calls(tmp_path):
+    """In a real fit a Python call costs the host far more than its bytecodes (a microsecond or more between the
+    model's own work): the count of calls a clean step makes is the guard's host cost that does not move with the
+    machine's load, held here as the op count is by ``tests/doors/trainer/test_op_budget.py``."""
+    count = _counted(tmp_path, 4)
+    per_step = count.calls / count.steps
+    assert 50 < per_step <= CALLS_PER_STEP, per_step
