@@ -105,8 +105,8 @@ class StepRead:
         #: the step's global gradient L2 norm (0-d, on the device) when the spike statistics carry it, else ``None``
         self.grad_norm: torch.Tensor | None = None
         self._zeros: dict[torch.device, torch.Tensor] = {}
-        #: the gradients' norms go to the host for the spike statistics' global norm (one process's read)
-        self._grads_to_host = spike is not None and spike.window is not None
+        #: the gradients' check is their L2 norm, which the spike statistics need (one process: each to the host)
+        self._grads_by_norm = spike is not None and spike.window is not None
 
     @property
     def plan_applies(self) -> bool:
@@ -178,11 +178,8 @@ class StepRead:
         device = self.recorder.device or loop.device  # fixed at train start
         watch = self.recorder.watch
         watch = watch if watch is not None and watch.enabled else None
-        opguard = self.recorder.opguard
         tail = Tail()
-        tail.add_step(
-            rec, watch, [r.flag for r in opguard.records] if opguard is not None and opguard.records else [], device
-        )
+        tail.add_step(rec, watch, self._op_flags(), device)
         stacked: list[torch.Tensor] = []  # the slots that hold a device value, in slot order
         places: list[int] = []  # and their slots
         segments, total = self._norms_here(loop, optimizer, snapshot_due, device, tail)
@@ -195,10 +192,7 @@ class StepRead:
             places.append(flags.LOSS)
         if rec.quarantine_flag is not None or self.extra:
             self._flag_slots(rec, device, stacked, places)
-        carried = None  # the spike statistics' values of the step's first read
-        if self.spike is not None and self.spike.enabled and not rec.spike_read:
-            self.recorder.mark_spike_read()
-            carried = self.spike.extras(loss, None, watch, device, host_row=True)
+        carried = self._spike_extras(loop, rec, loss, watch, device, host_row=True)
         read = carried or []  # the spike statistics the host does not hold yet
         n = self.extras_at
         values = [0.0] * n
@@ -256,13 +250,14 @@ class StepRead:
             or self._state_every_step
             or self._start_checked
             or not self._check_grads
+            or optimizer is None
             or (self._every_buffer and self.checked_buffers)
         ):
             segments = self._segments(loop, optimizer, snapshot_due)
         else:  # the usual step: the gradients alone
-            segments = {"grads": self.grads(optimizer)} if optimizer is not None else {}
+            segments = {"grads": self.grads(optimizer)}
             plan = self._grads_plan
-            if optimizer is not None and plan is not None and plan.whole_flat and self._grads_to_host:
+            if plan is not None and plan.whole_flat and self._grads_by_norm:
                 norm = flat_norm_f32(self._grads)  # spike.tensor_norms of the plan's one flat group, without the walk
                 tail.add_norms([norm if norm.device == device else norm.to(device, non_blocking=True)])
                 self.norm_parts = self.grad_norm = None
@@ -397,7 +392,7 @@ class StepRead:
                 continue
             parts.append(name)
             if name == "grads":
-                if self.spike is not None and self.spike.window is not None:  # the global L2 norm is the check
+                if self._grads_by_norm:  # the spike statistics' global L2 norm is the check
                     plan = self._grads_plan if self._grads_plan is not None else checks.TotalPlan([t for _, t in named])
                     grads = self._grads if self._grads_plan is not None else [t for _, t in named]
                     if plan.local:  # DTensors (FSDP2, tensor parallel): this rank's shards; the reduce takes the max

@@ -210,8 +210,7 @@ class StepRecorder:
                 leaves = [(p, t) for p, t in leaves if p not in self.ignored_inputs]
             if leaves:
                 # one aminmax per tensor; the read reduces the ends (on the host when one process reads them)
-                device = self.device if self.device is not None else loop.device
-                ends = checks.input_ends(list(map(_TENSOR, leaves)), device)
+                ends = checks.input_ends(list(map(_TENSOR, leaves)), self.device or loop.device)
                 rec.inputs.append((leaves, ends))
                 micro.inputs = ends[0][1] if len(ends) == 1 else [v for _, values in ends for v in values]
         return rec

@@ -45,8 +45,7 @@ class AmpCounters:
 
     def log(self, loop: Loop, reporter: Reporter, overflow_steps: int) -> None:
         """``numguard/amp_overflow_steps`` and ``numguard/loss_scale`` (only under a GradScaler, on logging steps)."""
-        held = self._scaler
-        scaler = held[1] if held is not None and held[0] is loop else self._scaler_of(loop)
+        scaler = self._scaler_of(loop)
         if scaler is None or not scaler.is_enabled() or not loop.loggers or not loop.logs_due():
             return
         values = {"numguard/amp_overflow_steps": float(overflow_steps)}
